@@ -1,0 +1,30 @@
+"""Register the ``"npu"`` accelerator and the NPU strategies with Lightning (Trainer and Fabric), once.
+
+Lightning reads no entry points for accelerators or strategies, so this runs on ``import lightning_npu``.
+Registering touches no device.
+"""
+
+from __future__ import annotations
+
+from lightning_npu.accelerator import NPUAccelerator
+from lightning_npu.connectors import install_all
+from lightning_npu.strategies import STRATEGIES
+
+ACCELERATOR_DESCRIPTION = "Huawei Ascend NPU (lightning-npu)"
+
+
+def register() -> None:
+    """Add everything to the four registries and wrap the connectors; calling it again changes nothing."""
+    from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for registry in (AcceleratorRegistry, ACCELERATOR_REGISTRY):
+        if "npu" not in registry:
+            registry.register("npu", NPUAccelerator, description=ACCELERATOR_DESCRIPTION)
+    for name, (trainer_cls, fabric_cls) in STRATEGIES.items():
+        for registry, cls in ((StrategyRegistry, trainer_cls), (STRATEGY_REGISTRY, fabric_cls)):
+            if name not in registry:
+                registry.register(name, cls, description=f"{cls.__doc__.splitlines()[0]} (lightning-npu)")
+    install_all()

@@ -1,0 +1,69 @@
+"""Device runtime: the one place (with ``kernels``) that touches torch_npu.
+
+``get_runtime()`` returns the simulated runtime when ``LIGHTNING_NPU_SIMULATE`` asks for it, the real NPU
+runtime when the probe finds usable NPUs, and otherwise raises ``NPUUnavailableError`` carrying the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from lightning_npu.runtime.base import Runtime
+from lightning_npu.runtime.chips import ChipFacts, chip_facts
+from lightning_npu.runtime.probe import ProbeResult, probe_npu
+from lightning_npu.runtime.simulated import SIMULATE_ENV, SimulatedRuntime, SimulationWarning, simulated_count
+
+__all__ = [
+    "ChipFacts",
+    "NPUUnavailableError",
+    "ProbeResult",
+    "Runtime",
+    "SIMULATE_ENV",
+    "SimulationWarning",
+    "chip_facts",
+    "get_runtime",
+    "is_available",
+    "probe_npu",
+]
+
+
+class NPUUnavailableError(RuntimeError):
+    """No usable NPU; the message names the cause and the fix."""
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> ProbeResult:
+    return probe_npu()
+
+
+@functools.lru_cache(maxsize=1)
+def get_runtime() -> Runtime:
+    """The runtime of this process (cached; ``get_runtime.cache_clear()`` re-reads the environment)."""
+    count = simulated_count(os.environ.get(SIMULATE_ENV))
+    if count:
+        return SimulatedRuntime(count)
+    result = _probe()
+    if not result.available:
+        raise NPUUnavailableError(
+            f"accelerator='npu' cannot be used: {result.reason}."
+            f" (To run the NPU code paths on the CPU instead, set {SIMULATE_ENV}=<number of devices>.)"
+        )
+    from lightning_npu.runtime.npu import NPURuntime
+
+    return NPURuntime()
+
+
+def is_available() -> bool:
+    """Whether ``get_runtime()`` would succeed; never raises for a missing NPU."""
+    try:
+        get_runtime()
+    except NPUUnavailableError:
+        return False
+    return True
+
+
+def reset() -> None:
+    """Forget cached probe and runtime results (after changing the environment, e.g. in tests)."""
+    _probe.cache_clear()
+    get_runtime.cache_clear()

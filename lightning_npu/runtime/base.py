@@ -1,0 +1,81 @@
+"""The device primitives the plugin needs, behind one interface with a real and a simulated implementation."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from lightning_npu.runtime.chips import ChipFacts
+
+
+class Runtime(ABC):
+    """Device primitives for one kind of device. Memory numbers are in bytes."""
+
+    #: torch device type of the tensors this runtime trains on ("npu", or "cpu" when simulated).
+    device_type: str
+    #: torch.distributed backend for those devices.
+    backend: str
+    simulated: bool
+
+    @abstractmethod
+    def device_count(self) -> int:
+        """Number of devices this process can see."""
+
+    @abstractmethod
+    def device(self, index: int) -> torch.device:
+        """The torch device for a visible device index."""
+
+    @abstractmethod
+    def set_device(self, device: torch.device) -> None:
+        """Make ``device`` the current device of this process."""
+
+    @abstractmethod
+    def synchronize(self, device: torch.device | None = None) -> None:
+        """Wait for all queued work on ``device`` (so timings read after it are real)."""
+
+    @abstractmethod
+    def empty_cache(self) -> None:
+        """Return cached, unused device memory to the driver."""
+
+    @abstractmethod
+    def set_memory_fraction(self, fraction: float, device: torch.device) -> None:
+        """Cap this process's share of ``device`` memory (0 < fraction <= 1)."""
+
+    @abstractmethod
+    def memory_stats(self, device: torch.device) -> dict[str, Any]:
+        """Allocator statistics for ``device`` (what DeviceStatsMonitor logs)."""
+
+    @abstractmethod
+    def max_memory_allocated(self, device: torch.device) -> int:
+        """Peak bytes allocated on ``device`` since the last reset."""
+
+    @abstractmethod
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        """Start a new peak-memory window."""
+
+    @abstractmethod
+    def total_memory(self, device: torch.device) -> int:
+        """Total bytes of ``device`` memory."""
+
+    @abstractmethod
+    def device_name(self, index: int = 0) -> str:
+        """Chip name, e.g. ``"Ascend910B2"``."""
+
+    @abstractmethod
+    def chip(self, index: int = 0) -> ChipFacts:
+        """bf16 support and peak throughput of the chip at ``index``."""
+
+    @abstractmethod
+    def grad_scaler(self, sharded: bool) -> torch.amp.GradScaler:
+        """A dynamic loss scaler for fp16 training; the sharded one under FSDP."""
+
+
+def torch_grad_scaler(device_type: str, sharded: bool) -> torch.amp.GradScaler:
+    """PyTorch's own loss scaler for ``device_type``; FSDP's sharded one (which agrees on inf/nan across ranks)."""
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device_type)
+    return torch.amp.GradScaler(device_type)

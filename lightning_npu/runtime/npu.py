@@ -1,0 +1,61 @@
+"""The real runtime: every ``torch.npu`` call the plugin makes lives here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_npu.runtime.base import Runtime, torch_grad_scaler
+from lightning_npu.runtime.chips import ChipFacts, chip_facts
+
+
+class NPURuntime(Runtime):
+    """Ascend NPUs through torch_npu (imported by the probe before this class is used)."""
+
+    device_type = "npu"
+    backend = "hccl"
+    simulated = False
+
+    def device_count(self) -> int:
+        return torch.npu.device_count()
+
+    def device(self, index: int) -> torch.device:
+        return torch.device("npu", index)
+
+    def set_device(self, device: torch.device) -> None:
+        torch.npu.set_device(device)
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        torch.npu.synchronize(device)
+
+    def empty_cache(self) -> None:
+        torch.npu.empty_cache()
+
+    def set_memory_fraction(self, fraction: float, device: torch.device) -> None:
+        # torch_npu raises TypeError for anything but a float, so an int from YAML (e.g. 1) is converted here.
+        torch.npu.set_per_process_memory_fraction(float(fraction), device)
+
+    def memory_stats(self, device: torch.device) -> dict[str, Any]:
+        return dict(torch.npu.memory_stats(device))
+
+    def max_memory_allocated(self, device: torch.device) -> int:
+        return torch.npu.max_memory_allocated(device)
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        torch.npu.reset_peak_memory_stats(device)
+
+    def total_memory(self, device: torch.device) -> int:
+        return torch.npu.mem_get_info(device)[1]
+
+    def device_name(self, index: int = 0) -> str:
+        return torch.npu.get_device_name(index)
+
+    def chip(self, index: int = 0) -> ChipFacts:
+        return chip_facts(self.device_name(index))
+
+    def grad_scaler(self, sharded: bool) -> torch.amp.GradScaler:
+        if sharded:
+            # torch_npu replaces FSDP's ShardedGradScaler with its NPU-aware one on import.
+            return torch_grad_scaler(self.device_type, sharded)
+        return torch.npu.amp.GradScaler()

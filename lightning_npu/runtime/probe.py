@@ -1,0 +1,127 @@
+"""Is an Ascend NPU usable in this process, and if not, exactly why.
+
+The probe never initialises a device: it reads the environment and package metadata first, imports
+``torch_npu`` only when it is installed for the torch in use, and then asks for the device count
+(which is fork-safe in torch_npu).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
+CANN_HINT = (
+    "install the CANN toolkit and source its environment before starting Python, e.g."
+    " `source /usr/local/Ascend/ascend-toolkit/set_env.sh`"
+)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """The outcome of probing for NPUs; ``reason`` says why they cannot be used when ``available`` is False."""
+
+    available: bool
+    device_count: int = 0
+    reason: Optional[str] = None
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string: ``"2.13.0+cpu"`` and ``"2.13.0.post1"`` give ``(2, 13, 0)``."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if match is None:
+        return ()
+    return tuple(int(part or 0) for part in match.groups())
+
+
+def visible_devices_problem(value: Optional[str]) -> Optional[str]:
+    """Why an ``ASCEND_RT_VISIBLE_DEVICES`` value hides devices, or None if it is well formed (or unset)."""
+    if value is None:
+        return None
+    if value.strip() == "":
+        return f"{VISIBLE_DEVICES_ENV} is set but empty, which hides every NPU; unset it or list device ids like 0,1"
+    if not re.fullmatch(r"\d+(,\d+)*", value.strip()):
+        return (
+            f"{VISIBLE_DEVICES_ENV}={value!r} is malformed (CANN then shows no device); use comma-separated"
+            " device ids without spaces, e.g. 0,1,2,3"
+        )
+    ids = [int(part) for part in value.strip().split(",")]
+    if any(later <= earlier for earlier, later in zip(ids, ids[1:])):
+        return (
+            f"{VISIBLE_DEVICES_ENV}={value!r} is not strictly ascending (CANN then shows no device);"
+            f" list each id once in ascending order, e.g. {','.join(str(i) for i in sorted(set(ids)))}"
+        )
+    return None
+
+
+def torch_npu_version() -> Optional[str]:
+    """The installed torch_npu distribution's version, read from metadata without importing it."""
+    for name in ("torch-npu", "torch_npu"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def version_mismatch(torch_version: str, npu_version: str) -> Optional[str]:
+    """Why a torch / torch_npu pair cannot work together, or None when their releases match."""
+    if release(torch_version) == release(npu_version):
+        return None
+    wanted = ".".join(str(part) for part in release(torch_version))
+    return (
+        f"torch {torch_version} and torch_npu {npu_version} do not match (torch_npu must be built for the same torch"
+        f" release); install torch-npu=={wanted} or the torch release your torch_npu was built for"
+    )
+
+
+def import_problem(error: BaseException) -> str:
+    """Turn the exception raised by ``import torch_npu`` into a cause and a fix."""
+    text = str(error)
+    if any(lib in text for lib in ("libhccl", "libascendcl", "libascend", "libruntime", "libge_runner")):
+        return f"torch_npu is installed but the CANN libraries are missing ({text}); {CANN_HINT}"
+    return f"`import torch_npu` failed: {type(error).__name__}: {text}"
+
+
+def probe_npu() -> ProbeResult:
+    """Probe for usable NPUs, returning the reason when there are none."""
+    problem = visible_devices_problem(os.environ.get(VISIBLE_DEVICES_ENV))
+    if problem:
+        return ProbeResult(available=False, reason=problem)
+    npu_version = torch_npu_version()
+    if npu_version is None and importlib.util.find_spec("torch_npu") is None:
+        wanted = ".".join(str(part) for part in release(torch.__version__))
+        return ProbeResult(
+            available=False,
+            reason=f"torch_npu is not installed; on an Ascend machine run `pip install torch-npu=={wanted}`"
+            f" (matching torch {torch.__version__}) with CANN >= 8 installed",
+        )
+    if npu_version is not None:
+        mismatch = version_mismatch(torch.__version__, npu_version)
+        if mismatch:
+            return ProbeResult(available=False, reason=mismatch)
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as error:  # noqa: BLE001 -- any import failure is a diagnosis, not a crash
+        return ProbeResult(available=False, reason=import_problem(error))
+    try:
+        count = torch.npu.device_count()
+        available = torch.npu.is_available()
+    except RuntimeError as error:
+        return ProbeResult(available=False, reason=f"the NPU driver failed to report devices: {error}")
+    if count == 0 or not available:
+        visible = os.environ.get(VISIBLE_DEVICES_ENV)
+        hint = f" ({VISIBLE_DEVICES_ENV}={visible})" if visible is not None else ""
+        return ProbeResult(
+            available=False,
+            reason=f"torch_npu imported but no NPU is visible{hint}; check the driver with `npu-smi info`"
+            " and that no other process holds the devices",
+        )
+    return ProbeResult(available=True, device_count=count)

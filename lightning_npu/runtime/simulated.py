@@ -1,0 +1,99 @@
+"""A stand-in for N NPUs on the CPU, so the plugin's own code paths (strategies, sharding, checkpoints,
+precision) run for real on machines without Ascend hardware. Enabled only by LIGHTNING_NPU_SIMULATE."""
+
+from __future__ import annotations
+
+import os
+import resource
+import warnings
+from typing import Any
+
+import torch
+
+from lightning_npu.runtime.base import Runtime, torch_grad_scaler
+from lightning_npu.runtime.chips import ChipFacts
+
+SIMULATE_ENV = "LIGHTNING_NPU_SIMULATE"
+SIMULATED_NAME = "SimulatedNPU(cpu)"
+
+
+class SimulationWarning(UserWarning):
+    """Emitted once per process when the simulated runtime stands in for real NPUs."""
+
+
+class SimulatedRuntime(Runtime):
+    """``count`` NPUs that are all this process's CPU; collectives go over gloo."""
+
+    device_type = "cpu"
+    backend = "gloo"
+    simulated = True
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        warnings.warn(
+            f"{SIMULATE_ENV}={count}: accelerator='npu' runs on the CPU with gloo, simulating {count} NPU(s)."
+            " Nothing runs on an NPU; unset it to use real devices.",
+            SimulationWarning,
+            stacklevel=2,
+        )
+
+    def device_count(self) -> int:
+        return self.count
+
+    def device(self, index: int) -> torch.device:
+        return torch.device("cpu")
+
+    def set_device(self, device: torch.device) -> None:
+        pass
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def set_memory_fraction(self, fraction: float, device: torch.device) -> None:
+        pass
+
+    def memory_stats(self, device: torch.device) -> dict[str, Any]:
+        return {"rss_bytes": _rss_bytes(), "peak_rss_bytes": self.max_memory_allocated(device)}
+
+    def max_memory_allocated(self, device: torch.device) -> int:
+        # ru_maxrss is in KiB on Linux.
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        pass  # the process's peak RSS cannot be reset
+
+    def total_memory(self, device: torch.device) -> int:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def device_name(self, index: int = 0) -> str:
+        return SIMULATED_NAME
+
+    def chip(self, index: int = 0) -> ChipFacts:
+        return ChipFacts(name=SIMULATED_NAME, supports_bf16=True, peak_bf16_flops=None)
+
+    def grad_scaler(self, sharded: bool) -> torch.amp.GradScaler:
+        return torch_grad_scaler(self.device_type, sharded)
+
+
+def simulated_count(value: str | None) -> int:
+    """The number of simulated devices LIGHTNING_NPU_SIMULATE asks for (0 = simulation off)."""
+    if value is None or value.strip() in ("", "0"):
+        return 0
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 1:
+        raise ValueError(
+            f"{SIMULATE_ENV}={value!r} is not a number of devices; set it to a positive integer such as 2"
+            " to simulate that many NPUs on the CPU, or unset it to use real NPUs"
+        )
+    return count
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

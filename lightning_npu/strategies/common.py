@@ -1,0 +1,66 @@
+"""What the NPU strategies share, for the Trainer and Fabric alike."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+TIMEOUT = Union[float, timedelta]
+#: The process-group timeout when none is given (seconds). A hung collective then fails after 30 min.
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def as_timedelta(timeout: Optional[TIMEOUT]) -> timedelta:
+    """A process-group timeout given in seconds (YAML) or as a timedelta (Python)."""
+    if timeout is None:
+        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+    if isinstance(timeout, timedelta):
+        return timeout
+    if float(timeout) <= 0:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, e.g. timeout=1800")
+    return timedelta(seconds=float(timeout))
+
+
+def wrap_ddp(module: torch.nn.Module, root_device: torch.device, ddp_kwargs: dict[str, Any]) -> DistributedDataParallel:
+    """Wrap in DDP without Lightning's CUDA side stream (``torch.cuda.stream`` fails on NPU machines)."""
+    device_ids = None if root_device.type == "cpu" else [root_device.index]
+    return DistributedDataParallel(module=module, device_ids=device_ids, **ddp_kwargs)
+
+
+class SingleDeviceFromConnector:
+    """Mixin for single-device strategies: take the device from ``devices=`` when none was given.
+
+    Lightning's connectors hand ``parallel_devices`` to any strategy that has the attribute, so
+    ``Trainer(accelerator="npu", devices=[3], strategy="npu_single")`` runs on npu:3.
+    """
+
+    _root_device: torch.device
+
+    def _init_device(self, device: Optional[Union[int, str, torch.device]]) -> None:
+        self._device_given = device is not None
+        if device is not None:
+            self._root_device = _as_device(device)
+
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        return [self._root_device] if self._device_given else []
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device]) -> None:
+        if len(devices) != 1:
+            raise ValueError(
+                f"the single-device strategy got {len(devices)} devices; use strategy='npu_ddp' or 'npu_fsdp' for several"
+            )
+        self._root_device = devices[0]
+        self._device_given = True
+
+
+def _as_device(device: Union[int, str, torch.device]) -> torch.device:
+    if isinstance(device, int):
+        from lightning_npu.runtime import get_runtime
+
+        return get_runtime().device(device)
+    return torch.device(device)

@@ -1,0 +1,119 @@
+"""One Trainer run on the simulated NPUs, driven by the integration tests through a subprocess.
+
+Writes ``<out>/result.json`` from rank 0 (per-step losses, the dtype of Linear outputs) and
+``<out>/fraction_rank<r>.json`` from each rank (the share of parameter elements it holds after training).
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_npu
+from lightning_npu.strategies.parallelize import sharded_fraction
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.relu(self.linear(x))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Regression(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+        self.losses: list[float] = []
+        self.linear_dtypes: set[str] = set()
+        for module in self.net.modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(lambda _m, _i, out: self.linear_dtypes.add(str(out.dtype)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        # The loss averaged over ranks, so every rank records the same number.
+        self.losses.append(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean").item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x).float(), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def data(n: int = 48) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 32, generator=generator)
+    y = x.sum(dim=1, keepdim=True).sin()
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--strategy", default="npu_fsdp")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--state-dict-type", default="sharded")
+    parser.add_argument("--zero-stage", type=int, default=3)
+    args = parser.parse_args()
+
+    seed_everything(7)
+    strategy = args.strategy
+    if strategy == "npu_fsdp":
+        strategy = lightning_npu.NPUFSDPStrategy(
+            auto_wrap_policy={Block}, zero_stage=args.zero_stage, state_dict_type=args.state_dict_type,
+            activation_checkpointing_policy=["Block"], activation_checkpointing_ratio=0.5, timeout=120,
+        )
+    trainer = Trainer(
+        accelerator="npu", devices=2, strategy=strategy, precision=args.precision, max_epochs=args.epochs,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=2, num_sanity_val_steps=0, deterministic=True,
+    )
+    model = Regression()
+    trainer.fit(model, train_dataloaders=data(), val_dataloaders=data(16), ckpt_path=args.resume)
+    if args.save:
+        trainer.save_checkpoint(args.save)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    # Each rank reports the share of parameter elements it holds.
+    (Path(args.out) / f"fraction_rank{trainer.global_rank}.json").write_text(json.dumps(sharded_fraction(model)))
+    if trainer.global_rank == 0:
+        result = {
+            "losses": model.losses,
+            "linear_dtypes": sorted(model.linear_dtypes),
+            "strategy": type(trainer.strategy).__name__,
+            "precision": type(trainer.precision_plugin).__name__,
+            "world_size": trainer.world_size,
+            "val_loss": trainer.callback_metrics["val_loss"].item(),
+            "simulate": os.environ.get("LIGHTNING_NPU_SIMULATE"),
+        }
+        (Path(args.out) / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
