@@ -5,7 +5,7 @@ CUDA in three places that matter here. Each is wrapped so it behaves as before f
 
 - ``_choose_strategy``: with ``accelerator="npu"`` and no strategy, pick ``npu_single`` (Lightning would put a
   one-device run on the CPU) or ``npu_ddp`` (Lightning's ``ddp`` enters a CUDA stream).
-- ``_init_strategy``: reject Lightning's own strategies with the NPU accelerator, naming the NPU one to use;
+- ``_check_strategy_and_fallback``: reject Lightning's own strategies with the NPU accelerator, naming the NPU one to use;
   reject precision settings NPUs cannot run before any worker starts.
 - ``_check_and_init_precision``: build autocast for the runtime's device type (Lightning builds CUDA autocast
   for unknown accelerators, which does nothing on an NPU, and drops fp16 loss scaling), with the sharded
@@ -24,7 +24,7 @@ from lightning_npu.accelerator import NPUAccelerator
 from lightning_npu.precision import build_precision, check_precision, needs_rebuild, precision_name
 from lightning_npu.runtime import get_runtime
 from lightning_npu.runtime.base import torch_grad_scaler
-from lightning_npu.strategies import NPU_STRATEGY_TYPES, SHARDED_STRATEGY_TYPES
+from lightning_npu.strategies import NPU_STRATEGY_TYPES, SHARDED_STRATEGY_TYPES, STRATEGIES
 
 _PATCHED = "_lightning_npu_patched"
 
@@ -41,8 +41,8 @@ def choose_strategy(connector: Any) -> str:
 def validate(connector: Any, precision: str) -> None:
     if not is_npu(connector._accelerator_flag):
         return
-    if not isinstance(connector.strategy, NPU_STRATEGY_TYPES):
-        flag = connector._strategy_flag
+    flag = connector._strategy_flag
+    if not (flag in STRATEGIES if isinstance(flag, str) else isinstance(flag, NPU_STRATEGY_TYPES)):
         shown = flag if isinstance(flag, str) else type(flag).__name__
         raise ValueError(
             f"strategy={shown!r} cannot run on accelerator='npu': Lightning's own strategies assume CUDA"
@@ -89,11 +89,11 @@ def install(connector_cls: type, precision_attr: str, plugin_attr: str, plugins_
 
     wrap("_choose_strategy", lambda self, original: choose_strategy(self) if is_npu(self._accelerator_flag) else original())
 
-    def init_strategy(self: Any, original: Callable[[], None]) -> None:
-        original()
+    def check_strategy(self: Any, original: Callable[[], None]) -> None:
         validate(self, getattr(self, precision_attr))
+        original()
 
-    wrap("_init_strategy", init_strategy)
+    wrap("_check_strategy_and_fallback", check_strategy)
 
     def init_precision(self: Any, original: Callable[[], Any]) -> Any:
         if not (is_npu(self._accelerator_flag) or isinstance(self.strategy, NPU_STRATEGY_TYPES)):

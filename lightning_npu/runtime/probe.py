@@ -12,6 +12,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -96,7 +97,7 @@ def probe_npu() -> ProbeResult:
     if problem:
         return ProbeResult(available=False, reason=problem)
     npu_version = torch_npu_version()
-    if npu_version is None and importlib.util.find_spec("torch_npu") is None:
+    if npu_version is None and "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is None:
         wanted = ".".join(str(part) for part in release(torch.__version__))
         return ProbeResult(
             available=False,

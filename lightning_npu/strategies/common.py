@@ -30,6 +30,25 @@ def wrap_ddp(module: torch.nn.Module, root_device: torch.device, ddp_kwargs: dic
     return DistributedDataParallel(module=module, device_ids=device_ids, **ddp_kwargs)
 
 
+class BackendFromRuntime:
+    """Mixin for distributed strategies: the process-group backend comes from the NPU runtime (hccl, or gloo
+    when simulated) rather than from the device-type map torch_npu may or may not have filled in."""
+
+    _process_group_backend: Optional[str]
+    accelerator: Any
+    root_device: torch.device
+
+    def _get_process_group_backend(self) -> str:
+        if self._process_group_backend:
+            return self._process_group_backend
+        runtime = getattr(self.accelerator, "runtime", None)
+        if runtime is not None:
+            return runtime.backend
+        from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+
+        return _get_default_process_group_backend_for_device(self.root_device)
+
+
 class SingleDeviceFromConnector:
     """Mixin for single-device strategies: take the device from ``devices=`` when none was given.
 

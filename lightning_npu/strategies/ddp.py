@@ -10,7 +10,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_npu.strategies.common import TIMEOUT, as_timedelta, wrap_ddp
+from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta, wrap_ddp
 
 
 def _ddp_kwargs(find_unused_parameters: bool, gradient_as_bucket_view: bool, static_graph: bool) -> dict[str, Any]:
@@ -21,7 +21,7 @@ def _ddp_kwargs(find_unused_parameters: bool, gradient_as_bucket_view: bool, sta
     }
 
 
-class NPUDDPStrategy(DDPStrategy):
+class NPUDDPStrategy(BackendFromRuntime, DDPStrategy):
     """Trainer DDP on NPUs. The process-group backend follows the device (hccl for npu, gloo for cpu)."""
 
     strategy_name = "npu_ddp"
@@ -43,7 +43,7 @@ class NPUDDPStrategy(DDPStrategy):
         return wrap_ddp(model, self.root_device, self._ddp_kwargs)
 
 
-class NPUFabricDDPStrategy(FabricDDPStrategy):
+class NPUFabricDDPStrategy(BackendFromRuntime, FabricDDPStrategy):
     """Fabric DDP on NPUs."""
 
     def __init__(self, timeout: Optional[TIMEOUT] = None, process_group_backend: Optional[str] = None,

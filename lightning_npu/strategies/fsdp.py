@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_npu.precision import mixed_precision_policy, precision_name
-from lightning_npu.strategies.common import TIMEOUT, as_timedelta
+from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta
 from lightning_npu.strategies.parallelize import (
     MODULE_CLASSES,
     SHARDING,
@@ -105,7 +105,7 @@ def _trainer_roots(module: nn.Module) -> list[nn.Module]:
     return [child for child in module.children() if any(True for _ in child.parameters())]
 
 
-class NPUFSDPStrategy(ModelParallelStrategy):
+class NPUFSDPStrategy(BackendFromRuntime, ModelParallelStrategy):
     """Trainer FSDP2 on NPUs. Every option is an explicit argument, so LightningCLI YAML can set it.
 
     Args:
@@ -196,7 +196,7 @@ class NPUFSDPStrategy(ModelParallelStrategy):
         return get_optimizer_state_dict(self.model, optimizer, options=options)
 
 
-class NPUFabricFSDPStrategy(FabricModelParallelStrategy):
+class NPUFabricFSDPStrategy(BackendFromRuntime, FabricModelParallelStrategy):
     """Fabric FSDP2 on NPUs; same options as :class:`NPUFSDPStrategy`. ``fabric.setup(model)`` shards ``model``."""
 
     def __init__(

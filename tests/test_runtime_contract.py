@@ -1,0 +1,88 @@
+"""Every torch.npu call the plugin makes, run against the strict fake of torch_npu 2.13.0 (real names and
+signatures only; documented semantics)."""
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.pytorch import Trainer
+
+from lightning_npu import NPUAccelerator, NPUDDPStrategy, NPUSingleStrategy, runtime
+from lightning_npu.runtime.npu import NPURuntime
+from tests.npu_fake import install_fake_torch_npu
+
+
+@pytest.fixture
+def npu(monkeypatch):
+    def install(**kwargs):
+        fake = install_fake_torch_npu(monkeypatch, **kwargs)
+        runtime.reset()
+        return fake
+
+    yield install
+    runtime.reset()
+
+
+def test_runtime_calls_match_torch_npu(npu):
+    fake = npu(device_count=4, device_name="Ascend910B3")
+    rt = runtime.get_runtime()
+    assert isinstance(rt, NPURuntime)
+    device = rt.device(1)
+    assert device == torch.device("npu", 1)
+    assert rt.device_count() == 4
+    rt.set_device(device)
+    rt.synchronize(device)
+    rt.set_memory_fraction(1, device)  # an int from YAML must reach torch_npu as a float
+    assert isinstance(rt.memory_stats(device), dict)
+    assert rt.max_memory_allocated(device) == 0
+    rt.reset_peak_memory_stats(device)
+    assert rt.total_memory(device) == 64 * 2**30
+    rt.empty_cache()
+    assert rt.device_name(1) == "Ascend910B3"
+    assert rt.chip(1).peak_bf16_flops == pytest.approx(294.9e12)
+    assert isinstance(rt.grad_scaler(sharded=False), torch.amp.GradScaler)
+    assert fake.calls_to("npu.set_per_process_memory_fraction") == [{"fraction": 1.0, "device": device}]
+    assert fake.calls_to("npu.set_device") == [{"device": device}]
+
+
+def test_visible_devices_mask_limits_the_count(npu, monkeypatch):
+    npu(device_count=8)
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "2,3")
+    runtime.reset()
+    assert runtime.get_runtime().device_count() == 2
+
+
+def test_trainer_on_fake_npus_uses_npu_devices(npu):
+    fake = npu(device_count=2)
+    trainer = Trainer(accelerator=NPUAccelerator(memory_fraction=0.8), devices=2, logger=False)
+    assert type(trainer.strategy) is NPUDDPStrategy
+    assert trainer.strategy.parallel_devices == [torch.device("npu", 0), torch.device("npu", 1)]
+    assert trainer.strategy._get_process_group_backend() == "hccl"
+    trainer.strategy.accelerator.setup_device(torch.device("npu", 1))
+    assert fake.calls_to("npu.set_per_process_memory_fraction") == [{"fraction": 0.8, "device": torch.device("npu", 1)}]
+    trainer.strategy.accelerator.teardown()
+    assert len(fake.calls_to("npu.empty_cache")) == 1
+
+
+def test_single_npu_strategy_targets_the_npu(npu):
+    npu(device_count=4)
+    trainer = Trainer(accelerator="npu", devices=[2], precision="bf16-mixed", logger=False)
+    assert type(trainer.strategy) is NPUSingleStrategy
+    assert trainer.strategy.root_device == torch.device("npu", 2)
+    assert trainer.precision_plugin.device == "npu"
+
+
+def test_fp16_uses_the_npu_loss_scaler(npu):
+    fake = npu(device_count=1)
+    trainer = Trainer(accelerator="npu", devices=1, precision="16-mixed", logger=False)
+    assert trainer.precision_plugin.device == "npu"
+    assert len(fake.calls_to("npu.amp.GradScaler")) == 1
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_on_910a_suggests_fp16(npu, precision):
+    npu(device_count=8, device_name="Ascend910A", bf16_supported=False)
+    message = f"precision='{precision}' is not supported on Ascend910A \\(no bf16 units\\); use precision='16-mixed'"
+    with pytest.raises(ValueError, match=message):
+        Trainer(accelerator="npu", devices=1, precision=precision, logger=False)
+    with pytest.raises(ValueError, match=message):
+        Fabric(accelerator="npu", devices=1, precision=precision)
