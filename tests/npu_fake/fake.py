@@ -1,0 +1,606 @@
+"""A strict, CPU-only stand-in for torch_npu 2.13.0, checked against the API recorded from the real wheel.
+
+``install_fake_torch_npu(monkeypatch)`` puts a ``torch_npu`` module (with ``torch_npu.npu`` and
+``torch_npu.npu.amp``) into ``sys.modules`` and sets ``torch.npu`` to the fake ``npu`` module; monkeypatch
+undoes both. Strictness is the point: code under test may only touch names recorded in
+``torch_npu_2_13_0_api.json`` (written by ``tools/extract_torch_npu_api.py``), else ``AttributeError``;
+every call is bound against the recorded signature, else ``TypeError``; every call is recorded in
+``FakeTorchNPU.calls`` as ``(name, explicitly_passed_arguments)``. Recorded names whose behaviour the fake
+does not model raise ``NotImplementedError`` when called, so a test can never pass on an invented result.
+
+The runtime functions follow the 2.13.0 Python sources (``torch_npu/npu/{__init__,utils,memory,random}.py``):
+``device_count`` honours ``ASCEND_RT_VISIBLE_DEVICES``, ``memory_stats`` is empty until the device is
+initialised, ``set_per_process_memory_fraction`` rejects non-floats, and so on. Device memory cannot be
+observed on CPU, so tests drive it with ``FakeTorchNPU.simulate_alloc`` / ``simulate_free``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import json
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from tests.npu_fake import ops
+
+API_PATH = Path(__file__).with_name("torch_npu_2_13_0_api.json")
+GiB = 1024**3
+# Reservations are rounded up to whole 2 MiB blocks, like the caching allocator's large pool.
+_BLOCK = 2 * 1024**2
+
+
+@functools.lru_cache(maxsize=None)
+def load_api() -> dict[str, Any]:
+    """The recorded torch_npu 2.13.0 API (see tools/extract_torch_npu_api.py)."""
+    return json.loads(API_PATH.read_text(encoding="utf-8"))
+
+
+class _SourceDefault:
+    """A default that is not a literal (``torch.float16``); shown as its source text."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def signature_from_params(params: list[dict[str, Any]]) -> inspect.Signature:
+    """Build an ``inspect.Signature`` from the JSON parameter records."""
+    out = []
+    for p in params:
+        if "default" in p:
+            default = p["default"]
+        elif "default_expr" in p:
+            default = _SourceDefault(p["default_expr"])
+        else:
+            default = inspect.Parameter.empty
+        out.append(inspect.Parameter(p["name"], getattr(inspect.Parameter, p["kind"]), default=default))
+    return inspect.Signature(out)
+
+
+def ensure_npu_device_type() -> None:
+    """Make ``torch.device("npu", i)`` constructible by renaming the PrivateUse1 backend to "npu".
+
+    torch allows this rename once per process and never undoes it, so it is done at most once here.
+    Do not run it in a process that later uses ``dist.barrier`` or DCP on CPU (gloo): multi-process
+    tests run in subprocesses, which never install the fake.
+    """
+    name = torch._C._get_privateuse1_backend_name()
+    if name == "npu":
+        return
+    if name != "privateuseone":
+        raise RuntimeError(f"PrivateUse1 is already renamed to {name!r}; the fake torch_npu needs it as 'npu'")
+    torch.utils.rename_privateuse1_backend("npu")
+
+
+class _StrictModule(types.ModuleType):
+    """A module whose unknown attributes raise AttributeError naming the recorded API."""
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        raise AttributeError(
+            f"module {self.__name__!r} has no attribute {attr!r} in torch_npu {load_api()['torch_npu_version']} "
+            f"(recorded API: {API_PATH.name})"
+        )
+
+
+class _StrictSettings:
+    """``torch.npu.config`` / ``matmul`` / ``conv``: only the recorded attribute names may be set or read.
+
+    ``config.allow_internal_format`` is write-only in torch_npu (its class defines only ``__setattr__``),
+    so reading it raises here as well.
+    """
+
+    def __init__(self, fake: "FakeTorchNPU", name: str, settable: list[str], gettable: list[str]) -> None:
+        object.__setattr__(self, "_fake", fake)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_settable", set(settable))
+        object.__setattr__(self, "_gettable", set(gettable))
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        if attr not in self._settable:
+            raise AttributeError(
+                f"torch.npu.{self._name}.{attr} cannot be set in torch_npu 2.13.0; settable: {sorted(self._settable)}"
+            )
+        if attr == "allow_hf32" and not isinstance(value, bool):
+            raise TypeError(f"allow_hf32 must be a bool, but got {type(value).__name__}")
+        self._fake.calls.append((f"npu.{self._name}.{attr}", {"value": value}))
+        self._fake.settings[f"{self._name}.{attr}"] = value
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__") or attr not in self._gettable:
+            raise AttributeError(
+                f"torch.npu.{self._name}.{attr} cannot be read in torch_npu 2.13.0; readable: {sorted(self._gettable)}"
+            )
+        return self._fake.settings.get(f"{self._name}.{attr}")
+
+
+class FakeTorchNPU:
+    """State and behaviour of the fake. ``torch_npu`` and ``npu`` are the module objects code sees."""
+
+    def __init__(
+        self,
+        *,
+        device_count: int = 8,
+        device_name: str = "Ascend910B2",
+        bf16_supported: bool = True,
+        total_memory: int = 64 * GiB,
+    ) -> None:
+        self.api = load_api()
+        self.raw_device_count = device_count
+        self.device_name = device_name
+        self.bf16_supported = bf16_supported
+        self.total_memory = total_memory
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        # torch_npu's defaults when the options were never set (npu/npu_config.py).
+        self.settings: dict[str, Any] = {"matmul.allow_hf32": False, "matmul.cube_math_type": None, "conv.allow_hf32": True}
+        self.initialized = False
+        self.current = 0
+        self._cached_count: Optional[int] = None
+        self._mem: dict[int, dict[str, int]] = collections.defaultdict(_empty_memory)
+        self._fraction: dict[int, float] = {}
+        self._generators: dict[int, torch.Generator] = {}
+        self.runtime = _Runtime(self)
+        self.npu = self._build_npu_module()
+        self.torch_npu = self._build_torch_npu_module()
+
+    # ---------------------------------------------------------------- what tests use
+
+    def calls_to(self, name: str) -> list[dict[str, Any]]:
+        """Arguments of every recorded call to ``name`` (e.g. ``"npu_fusion_attention"``, ``"npu.set_device"``)."""
+        return [args for called, args in self.calls if called == name]
+
+    def simulate_alloc(self, nbytes: int, device: Optional[int] = None) -> None:
+        """Pretend tensors of ``nbytes`` were allocated on ``device`` (default: current); initialises the device.
+
+        Raises RuntimeError (like the allocator's OOM) if reserved memory would exceed the device's
+        total memory times its per-process memory fraction.
+        """
+        self.initialized = True
+        idx = self.current if device is None else device
+        mem = self._mem[idx]
+        allocated = mem["allocated"] + nbytes
+        reserved = max(mem["reserved"], -(-allocated // _BLOCK) * _BLOCK)
+        limit = int(self.total_memory * self._fraction.get(idx, 1.0))
+        if reserved > limit:
+            mem["num_ooms"] += 1
+            raise RuntimeError(
+                f"NPU out of memory. Tried to allocate {nbytes} bytes on npu:{idx} "
+                f"({mem['allocated']} allocated, limit {limit} bytes)"
+            )
+        mem["allocated"] = allocated
+        mem["allocated_total"] += nbytes
+        mem["peak_allocated"] = max(mem["peak_allocated"], allocated)
+        if reserved > mem["reserved"]:
+            mem["reserved_total"] += reserved - mem["reserved"]
+        mem["reserved"] = reserved
+        mem["peak_reserved"] = max(mem["peak_reserved"], reserved)
+
+    def simulate_free(self, nbytes: int, device: Optional[int] = None) -> None:
+        """Pretend ``nbytes`` of tensors were freed; the cache keeps them reserved until empty_cache()."""
+        mem = self._mem[self.current if device is None else device]
+        if nbytes > mem["allocated"]:
+            raise ValueError(f"cannot free {nbytes} bytes: only {mem['allocated']} are allocated")
+        mem["allocated"] -= nbytes
+        mem["freed_total"] += nbytes
+
+    # ---------------------------------------------------------------- module construction
+
+    def _build_npu_module(self) -> _StrictModule:
+        npu = _StrictModule("torch_npu.npu")
+        for name, entry in self.api["npu"].items():
+            setattr(npu, name, self._member("npu", name, entry))
+        amp = _StrictModule("torch_npu.npu.amp")
+        for name, entry in self.api["npu_amp"].items():
+            setattr(amp, name, self._member("npu.amp", name, entry))
+        npu.amp = amp
+        return npu
+
+    def _build_torch_npu_module(self) -> _StrictModule:
+        mod = _StrictModule("torch_npu")
+        mod.__version__ = self.api["torch_npu_version"]
+        mod.npu = self.npu
+        for name, entry in self.api["ops"].items():
+            sig = signature_from_params(entry["params"])
+            types_ = {p["name"]: p["type"] for p in entry["params"]}
+            setattr(mod, name, self._callable(name, sig, getattr(ops, name), types_))
+        return mod
+
+    def _member(self, prefix: str, name: str, entry: dict[str, Any]) -> Any:
+        qualname = f"{prefix}.{name}"
+        kind = entry["kind"]
+        if kind == "function":
+            impl = getattr(self.runtime, name, None) if prefix == "npu" else None
+            return self._callable(qualname, signature_from_params(entry["params"]), impl)
+        if kind == "object" and "settable_attributes" in entry:
+            return _StrictSettings(self, name, entry["settable_attributes"], entry["gettable_attributes"])
+        if kind == "class" and qualname == "npu.device":
+            return _device_class(self, signature_from_params(entry["init_params"]))
+        if kind == "class" and qualname == "npu.amp.GradScaler":
+            return _grad_scaler_class(self, signature_from_params(entry["init_params"]))
+        if kind == "class" and entry.get("init_params") is not None:
+            return _unmodelled_class(self, qualname, signature_from_params(entry["init_params"]))
+        return _unmodelled_class(self, qualname, None)
+
+    def _callable(
+        self,
+        qualname: str,
+        sig: inspect.Signature,
+        impl: Optional[Callable[..., Any]],
+        types_: Optional[dict[str, str]] = None,
+    ) -> Callable[..., Any]:
+        fake = self
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError as err:
+                raise TypeError(f"{qualname}{sig}: {err}") from None
+            if types_:
+                for arg, value in bound.arguments.items():
+                    _check_schema_type(qualname, arg, types_[arg], value)
+            fake.calls.append((qualname, dict(bound.arguments)))
+            if impl is None:
+                raise NotImplementedError(f"the fake torch_npu records {qualname}{sig} but does not model its behaviour")
+            bound.apply_defaults()
+            return impl(*bound.args, **bound.kwargs)
+
+        call.__name__ = qualname.rsplit(".", 1)[-1]
+        call.__qualname__ = qualname
+        call.__signature__ = sig
+        return call
+
+    # ---------------------------------------------------------------- device helpers shared by the runtime
+
+    def visible_device_count(self) -> int:
+        """``device_count()``: torch_npu 2.13.0's ASCEND_RT_VISIBLE_DEVICES parsing (npu/__init__.py)."""
+        if self._cached_count is not None:
+            return self._cached_count
+        var = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
+        if var is None:
+            count = self.raw_device_count
+        else:
+            ids = _parse_visible_devices(var)
+            count = len(ids)
+            for i, dev in enumerate(ids):
+                if i > 0 and dev <= ids[i - 1]:
+                    count = 0  # the runtime needs strictly ascending ids
+                    break
+                if dev >= self.raw_device_count:
+                    count = i
+                    break
+        # Like torch_npu, the count is cached only once the device is initialised.
+        if self.initialized:
+            self._cached_count = count
+        return count
+
+    def device_index(self, device: Any, *, optional: bool) -> int:
+        """torch_npu's ``_get_device_index``: int as is, str/torch.device of type npu, None -> current."""
+        if isinstance(device, bool):
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        if isinstance(device, int):
+            return device
+        if isinstance(device, str):
+            device = torch.device(device)
+        if isinstance(device, torch.device):
+            if device.type != "npu":
+                raise ValueError(f"Expected a npu device, but got: {device}")
+            if device.index is not None:
+                return device.index
+        elif isinstance(device, self.npu.device):
+            return device.idx
+        elif device is not None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        if optional:
+            return self.current
+        raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+
+    def check_range(self, idx: int) -> None:
+        if idx < 0 or idx >= self.visible_device_count():
+            raise AssertionError(f"Invalid device id {idx}: {self.visible_device_count()} NPUs are visible")
+
+    def generator(self, idx: int) -> torch.Generator:
+        if idx not in self._generators:
+            self._generators[idx] = torch.Generator()
+        return self._generators[idx]
+
+
+class _Runtime:
+    """Behaviour of the modelled ``torch.npu`` functions; parameter names match the recorded signatures."""
+
+    def __init__(self, fake: FakeTorchNPU) -> None:
+        self._f = fake
+
+    def _init(self) -> None:
+        self._f.initialized = True
+
+    def is_initialized(self) -> bool:
+        return self._f.initialized
+
+    def init(self) -> None:
+        self._init()
+
+    def is_available(self) -> bool:
+        return self._f.visible_device_count() > 0
+
+    def device_count(self) -> int:
+        return self._f.visible_device_count()
+
+    def set_device(self, device) -> None:
+        idx = self._f.device_index(device, optional=True)
+        if idx < 0:
+            return
+        if idx >= self._f.visible_device_count():
+            raise RuntimeError(f"set_device: invalid device id {idx}; {self._f.visible_device_count()} NPUs are visible")
+        self._f.current = idx
+
+    def current_device(self) -> int:
+        self._init()
+        return self._f.current
+
+    def synchronize(self, device=None) -> None:
+        self._init()
+        idx = self._f.device_index(device, optional=True)
+        if idx >= self._f.visible_device_count():
+            raise RuntimeError(f"synchronize: invalid device id {idx}")
+
+    def get_device_name(self, device_name=None) -> str:
+        self._f.check_range(self._f.device_index(device_name, optional=True))
+        # torch_npu returns the *current* device's name whatever index is passed.
+        return self._f.device_name
+
+    def is_bf16_supported(self, including_emulation=False) -> bool:
+        self._init()
+        return self._f.bf16_supported
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        if self.is_bf16_supported():
+            return [torch.float16, torch.bfloat16, torch.float32]
+        return [torch.float16, torch.float32]
+
+    def utilization(self, device=None) -> int:
+        self._f.check_range(self._f.device_index(device, optional=True))
+        self._init()
+        return 0
+
+    def mem_get_info(self, device=None) -> tuple[int, int]:
+        if device is None:
+            device = self.current_device()
+        idx = self._f.device_index(device, optional=True)
+        self._f.check_range(idx)
+        self._init()
+        return self._f.total_memory - self._f._mem[idx]["reserved"], self._f.total_memory
+
+    def empty_cache(self) -> None:
+        if self._f.initialized:
+            for mem in self._f._mem.values():
+                mem["freed_reserved_total"] += mem["reserved"] - -(-mem["allocated"] // _BLOCK) * _BLOCK
+                mem["reserved"] = -(-mem["allocated"] // _BLOCK) * _BLOCK
+
+    def memory_stats(self, device=None) -> "collections.OrderedDict[str, int]":
+        if not self._f.initialized:
+            return collections.OrderedDict()  # torch_npu: empty until the device is initialised
+        mem = self._f._mem[self._f.device_index(device, optional=True)]
+        stats = {}
+        for pool in ("all", "large_pool", "small_pool"):
+            own = pool != "small_pool"  # the fake puts everything in the large pool
+            stats.update({
+                f"allocated_bytes.{pool}.current": mem["allocated"] if own else 0,
+                f"allocated_bytes.{pool}.peak": mem["peak_allocated"] if own else 0,
+                f"allocated_bytes.{pool}.allocated": mem["allocated_total"] if own else 0,
+                f"allocated_bytes.{pool}.freed": mem["freed_total"] if own else 0,
+                f"reserved_bytes.{pool}.current": mem["reserved"] if own else 0,
+                f"reserved_bytes.{pool}.peak": mem["peak_reserved"] if own else 0,
+                f"reserved_bytes.{pool}.allocated": mem["reserved_total"] if own else 0,
+                f"reserved_bytes.{pool}.freed": mem["freed_reserved_total"] if own else 0,
+                f"active_bytes.{pool}.current": mem["allocated"] if own else 0,
+                f"active_bytes.{pool}.peak": mem["peak_allocated"] if own else 0,
+            })
+        stats.update({"num_alloc_retries": 0, "num_ooms": mem["num_ooms"], "num_oom_rejections": 0})
+        return collections.OrderedDict(sorted(stats.items()))
+
+    def memory_allocated(self, device=None) -> int:
+        return self.memory_stats(device).get("allocated_bytes.all.current", 0)
+
+    def max_memory_allocated(self, device=None) -> int:
+        return self.memory_stats(device).get("allocated_bytes.all.peak", 0)
+
+    def memory_reserved(self, device=None) -> int:
+        return self.memory_stats(device).get("reserved_bytes.all.current", 0)
+
+    def max_memory_reserved(self, device=None) -> int:
+        return self.memory_stats(device).get("reserved_bytes.all.peak", 0)
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        mem = self._f._mem[self._f.device_index(device, optional=True)]
+        mem["peak_allocated"] = mem["allocated"]
+        mem["peak_reserved"] = mem["reserved"]
+
+    def set_per_process_memory_fraction(self, fraction, device=None) -> None:
+        self._init()
+        if device is None:
+            device = self._f.current
+        idx = self._f.device_index(device, optional=False)
+        if not isinstance(fraction, float):
+            raise TypeError("Invalid type for fraction argument, must be `float`")
+        if fraction < 0 or fraction > 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        self._f._fraction[idx] = fraction
+
+    def get_per_process_memory_fraction(self, device=None) -> float:
+        self._init()
+        if device is None:
+            device = self._f.current
+        return self._f._fraction.get(self._f.device_index(device, optional=False), 1.0)
+
+    def manual_seed(self, seed) -> None:
+        self._f.generator(self._f.current).manual_seed(int(seed))
+
+    def manual_seed_all(self, seed) -> None:
+        for idx in range(self._f.visible_device_count()):
+            self._f.generator(idx).manual_seed(int(seed))
+
+    def initial_seed(self) -> int:
+        self._init()
+        return self._f.generator(self._f.current).initial_seed()
+
+    def get_rng_state(self, device="npu") -> torch.Tensor:
+        self._init()
+        return self._f.generator(self._f.device_index(device, optional=True)).get_state()
+
+    def set_rng_state(self, new_state, device="npu") -> None:
+        self._f.generator(self._f.device_index(device, optional=True)).set_state(new_state)
+
+
+def _empty_memory() -> dict[str, int]:
+    keys = ("allocated", "peak_allocated", "allocated_total", "freed_total", "reserved", "peak_reserved",
+            "reserved_total", "freed_reserved_total", "num_ooms")
+    return dict.fromkeys(keys, 0)
+
+
+def _parse_visible_devices(var: str) -> list[int]:
+    """ASCEND_RT_VISIBLE_DEVICES: ids are read up to the first character that is not a digit or comma."""
+    end = len(var)
+    for i, ch in enumerate(var):
+        if not (ch.isdigit() or ch == ","):
+            end = i
+            break
+    ids: list[int] = []
+    if not var:
+        return ids
+    for elem in var[:end].split(","):
+        if not elem:
+            return ids
+        ids.append(int(elem))
+    return ids
+
+
+def _device_class(fake: FakeTorchNPU, sig: inspect.Signature) -> type:
+    """``torch.npu.device(i)``: a context manager selecting NPU ``i`` (no-op for a negative index)."""
+
+    class device:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError as err:
+                raise TypeError(f"npu.device{sig}: {err}") from None
+            fake.calls.append(("npu.device", dict(bound.arguments)))
+            self.idx = fake.device_index(bound.arguments["device"], optional=True)
+            self.prev_idx = -1
+
+        def __enter__(self) -> None:
+            if self.idx < 0:
+                return
+            self.prev_idx = fake.current
+            fake.runtime.set_device(self.idx)
+            fake.initialized = True
+
+        def __exit__(self, *exc: Any) -> bool:
+            if self.idx >= 0 and self.prev_idx >= 0:
+                fake.current = self.prev_idx
+            return False
+
+    device.__module__ = "torch_npu.npu"
+    device.__signature__ = sig
+    return device
+
+
+def _grad_scaler_class(fake: FakeTorchNPU, sig: inspect.Signature) -> type:
+    """``torch.npu.amp.GradScaler``: torch's loss scaler on CPU tensors; ``dynamic=False`` keeps the scale fixed."""
+
+    class GradScaler(torch.amp.GradScaler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError as err:
+                raise TypeError(f"npu.amp.GradScaler{sig}: {err}") from None
+            fake.calls.append(("npu.amp.GradScaler", dict(bound.arguments)))
+            bound.apply_defaults()
+            options = dict(bound.arguments)
+            self.dynamic = options.pop("dynamic")
+            super().__init__("cpu", **options)
+
+        def update(self, new_scale: Any = None) -> None:
+            if not self.dynamic and new_scale is None and self._enabled and self._scale is not None:
+                new_scale = self.get_scale()  # static loss scale: never grow or back off
+            super().update(new_scale)
+
+    GradScaler.__module__ = "torch_npu.npu.amp"
+    GradScaler.__signature__ = sig
+    return GradScaler
+
+
+def _unmodelled_class(fake: FakeTorchNPU, qualname: str, sig: Optional[inspect.Signature]) -> type:
+    """A real class (so isinstance checks work) that binds its arguments, records, then refuses to run."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if sig is not None:
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError as err:
+                raise TypeError(f"{qualname}{sig}: {err}") from None
+            fake.calls.append((qualname, dict(bound.arguments)))
+        raise NotImplementedError(f"the fake torch_npu records {qualname} but does not model it")
+
+    return type(qualname.rsplit(".", 1)[-1], (), {"__init__": __init__, "__module__": "torch_npu.npu"})
+
+
+_SCALAR_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "Tensor": lambda v: isinstance(v, torch.Tensor),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+}
+
+
+def _check_schema_type(qualname: str, arg: str, schema_type: str, value: Any) -> None:
+    """Reject values torch.ops would reject for the op schema's type (``Tensor?``, ``int[]?``, ...)."""
+    optional = schema_type.endswith("?")
+    base = schema_type.rstrip("?")
+    if value is None:
+        if optional:
+            return
+        raise TypeError(f"{qualname}(): argument {arg!r} ({schema_type}) must not be None")
+    if base.endswith("[]"):
+        elem = _SCALAR_CHECKS.get(base[:-2].replace("SymInt", "int"))
+        ok = isinstance(value, (list, tuple)) and (elem is None or all(elem(v) for v in value))
+    else:
+        check = _SCALAR_CHECKS.get(base)
+        ok = check is None or check(value)
+    if not ok:
+        raise TypeError(f"{qualname}(): argument {arg!r} must be {schema_type}, not {type(value).__name__}")
+
+
+def install_fake_torch_npu(
+    monkeypatch: Any,
+    *,
+    device_count: int = 8,
+    device_name: str = "Ascend910B2",
+    bf16_supported: bool = True,
+    total_memory: int = 64 * GiB,
+) -> FakeTorchNPU:
+    """Install the fake as ``torch_npu`` / ``torch.npu`` for one test; monkeypatch undoes it afterwards.
+
+    ``total_memory`` is in bytes per device. Also renames PrivateUse1 to "npu" (once per process,
+    irreversibly) so ``torch.device("npu", i)`` can be built.
+    """
+    ensure_npu_device_type()
+    fake = FakeTorchNPU(
+        device_count=device_count, device_name=device_name, bf16_supported=bf16_supported, total_memory=total_memory
+    )
+    monkeypatch.setitem(sys.modules, "torch_npu", fake.torch_npu)
+    monkeypatch.setitem(sys.modules, "torch_npu.npu", fake.npu)
+    monkeypatch.setitem(sys.modules, "torch_npu.npu.amp", fake.npu.amp)
+    monkeypatch.setattr(torch, "npu", fake.npu, raising=False)
+    return fake
+

@@ -1,0 +1,265 @@
+"""CPU implementations of the torch_npu fused ops, following torch_npu 2.13.0's documented semantics.
+
+Sources: ``torch_npu/_op_plugin_docs.py`` (semantics and constraints) and
+``torch_npu/op_plugin/meta/_meta_registrations.py`` (output shapes and dtypes) in the torch-npu 2.13.0 wheel.
+Each op computes in fp32 and returns the documented dtype, with autograd through plain torch ops, so
+forward and backward of code that calls them can be checked on CPU. Inputs the documentation rules out
+raise (``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape or value); documented
+features these fakes do not model raise ``NotImplementedError`` instead of computing something else.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MASK_DTYPES = (torch.bool, torch.uint8)
+_COMPRESSED = 2048
+_LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
+
+
+# ---------------------------------------------------------------- npu_fusion_attention
+
+
+def npu_fusion_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: Optional[Tensor] = None,
+    padding_mask: Optional[Tensor] = None,
+    atten_mask: Optional[Tensor] = None,
+    scale: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = 2147483647,
+    next_tockens: int = 2147483647,
+    inner_precise: int = 0,
+    prefix=None,
+    actual_seq_qlen=None,
+    actual_seq_kvlen=None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+    softmax_layout: str = "",
+    sink: Optional[Tensor] = None,
+    dropout_mask: Optional[Tensor] = None,
+    seed: int = 0,
+    offset: int = 0,
+):
+    """softmax(mask(scale * q k^T)) with dropout(keep_prob), times v; returns the documented 7-tuple."""
+    if input_layout not in _LAYOUTS:
+        raise ValueError(f"input_layout={input_layout!r} is not one of {_LAYOUTS}")
+    if input_layout == "TND":
+        raise NotImplementedError("the fake does not model the varlen TND layout")
+    if padding_mask is not None:
+        raise ValueError("padding_mask is documented as not supported by npu_fusion_attention ('暂不支持该传参')")
+    for name, val in (("pse", pse), ("prefix", prefix), ("actual_seq_qlen", actual_seq_qlen),
+                      ("actual_seq_kvlen", actual_seq_kvlen), ("sink", sink), ("dropout_mask", dropout_mask)):
+        if val is not None:
+            raise NotImplementedError(f"the fake does not model npu_fusion_attention's {name} argument")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(f"query, key and value must share a dtype; got {query.dtype}, {key.dtype}, {value.dtype}")
+    if query.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"npu_fusion_attention supports float16/bfloat16/float32, got {query.dtype}")
+    if not 0.0 < keep_prob <= 1.0:
+        raise ValueError(f"keep_prob must be in (0, 1], got {keep_prob}")
+
+    q, k, v = _inputs_to_bnsd(query, key, value, head_num, input_layout)
+    b, nq, sq, d = q.shape
+    bk, nkv, skv, dk = k.shape
+    if q.shape[1] != head_num:
+        raise ValueError(f"head_num={head_num} but query has {q.shape[1]} heads in layout {input_layout}")
+    if b != bk or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: query {b}, key {bk}, value {v.shape[0]}")
+    if k.shape[:3] != v.shape[:3] or v.shape[3] > dk:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must match (Dv <= Dk)")
+    if d != dk or not 1 <= d <= 768:
+        raise ValueError(f"head dims must satisfy Dq == Dk in 1..768; got Dq={d}, Dk={dk}")
+    if not 1 <= nq <= 256 or nq % nkv != 0:
+        raise ValueError(f"query heads ({nq}) must be in 1..256 and a multiple of key/value heads ({nkv})")
+
+    masked = _masked_positions(atten_mask, sparse_mode, pre_tockens, next_tockens, b, nq, sq, skv, q.device)
+    dead_rows = None
+    if masked is not None:
+        dead_rows = masked.all(dim=-1, keepdim=True)
+        # Documented: fully masked rows need inner_precise=2, which the op enables itself for sparse_mode 3, Sq > Skv.
+        if bool(dead_rows.any()) and inner_precise != 2 and not (sparse_mode == 3 and sq > skv):
+            raise ValueError("atten_mask masks out whole query rows; npu_fusion_attention needs inner_precise=2 for that")
+
+    group = nq // nkv
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+    if masked is not None:
+        # A dead row would be all -inf (NaN after softmax): give it finite scores and zero its output instead.
+        scores = scores.masked_fill(masked & ~dead_rows, float("-inf")).masked_fill(dead_rows, 0.0)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_sum = torch.exp(scores - row_max).sum(dim=-1, keepdim=True)
+    probs = torch.softmax(scores, dim=-1)
+    if dead_rows is not None:
+        probs = probs.masked_fill(dead_rows, 0.0)
+    numels = 0
+    if keep_prob < 1.0:
+        keep = torch.rand(probs.shape, device=probs.device) < keep_prob
+        probs = probs * keep / keep_prob
+        numels = probs.numel()
+    out = torch.matmul(probs, vf).to(query.dtype)
+
+    softmax_max = row_max.detach().expand(b, nq, sq, 8).contiguous()
+    softmax_sum = row_sum.detach().expand(b, nq, sq, 8).contiguous()
+    softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
+    return _from_bnsd(out, input_layout), softmax_max, softmax_sum, softmax_out, 0, 0, numels
+
+
+def _inputs_to_bnsd(query: Tensor, key: Tensor, value: Tensor, head_num: int, layout: str):
+    """Return q, k, v as [B, N, S, D]. For BSH/SBH, D = H_q / head_num and key/value heads = H_kv / D."""
+    tensors = (("query", query), ("key", key), ("value", value))
+    if layout in ("BSND", "BNSD"):
+        for name, t in tensors:
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D for layout {layout}, got shape {tuple(t.shape)}")
+        return [t.transpose(1, 2) if layout == "BSND" else t for _, t in tensors]
+    for name, t in tensors:
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D for layout {layout}, got shape {tuple(t.shape)}")
+    if query.shape[-1] % head_num != 0:
+        raise ValueError(f"query hidden size {query.shape[-1]} is not divisible by head_num={head_num}")
+    d = query.shape[-1] // head_num
+    out = []
+    for name, t in tensors:
+        t = t.transpose(0, 1) if layout == "SBH" else t
+        if t.shape[-1] % d != 0:
+            raise ValueError(f"{name} hidden size {t.shape[-1]} is not a multiple of the head dim {d}")
+        out.append(t.reshape(t.shape[0], t.shape[1], t.shape[-1] // d, d).transpose(1, 2))
+    return out
+
+
+def _masked_positions(mask, sparse_mode, pre, nxt, b, n, sq, skv, device) -> Optional[Tensor]:
+    """Bool [B|1, N|1, Sq, Skv], True where a score is masked out; None for full attention."""
+    if mask is None:
+        return None  # documented: without atten_mask, sparse_mode and the tockens have no effect
+    if mask.dtype not in _MASK_DTYPES:
+        raise TypeError(f"atten_mask must be bool or uint8, got {mask.dtype}")
+    mask = mask.bool()
+    rows = torch.arange(sq, device=device)[:, None]
+    cols = torch.arange(skv, device=device)[None, :]
+    if sparse_mode in (0, 1):
+        allowed = {(b, n, sq, skv), (b, 1, sq, skv), (1, 1, sq, skv), (sq, skv)}
+        if tuple(mask.shape) not in allowed:
+            raise ValueError(f"atten_mask shape {tuple(mask.shape)} is not BNSS/B1SS/11SS/SS for B={b} N={n} Sq={sq} Skv={skv}")
+        full = mask.reshape((1, 1, sq, skv) if mask.dim() == 2 else mask.shape)
+        if sparse_mode == 0 and (pre != 2147483647 or nxt != 2147483647):
+            # Band from the top-left corner: keep keys j with -pre_tockens <= j - i <= next_tockens.
+            full = full | (cols - rows > nxt) | (rows - cols > pre)
+        return full
+    if sparse_mode in (2, 3):
+        expected = torch.triu(torch.ones(_COMPRESSED, _COMPRESSED, dtype=torch.bool, device=mask.device), diagonal=1)
+        if tuple(mask.shape) != (_COMPRESSED, _COMPRESSED) or not torch.equal(mask, expected):
+            raise ValueError(
+                f"sparse_mode={sparse_mode} needs the compressed mask torch.triu(torch.ones(2048, 2048, dtype=torch.bool), "
+                f"diagonal=1); got a mask of shape {tuple(mask.shape)} that is not it"
+            )
+        shift = 0 if sparse_mode == 2 else skv - sq  # 2: left-up causal, 3: right-down causal
+        return (cols > rows + shift)[None, None]
+    raise NotImplementedError(f"the fake does not model sparse_mode={sparse_mode}")
+
+
+def _from_bnsd(out: Tensor, layout: str) -> Tensor:
+    if layout == "BNSD":
+        return out
+    if layout == "BSND":
+        return out.transpose(1, 2)
+    bsh = out.transpose(1, 2).flatten(2)
+    return bsh.transpose(0, 1) if layout == "SBH" else bsh
+
+
+# ---------------------------------------------------------------- npu_rms_norm
+
+# (x, gamma) dtype pairs documented for Atlas A2.
+_RMS_NORM_PAIRS = {
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float16),
+    (torch.float16, torch.float32),
+    (torch.float32, torch.float32),
+}
+
+
+def npu_rms_norm(input: Tensor, gamma: Tensor, epsilon: float = 1e-06):
+    """(y, rstd): y = x * rstd * gamma over gamma's trailing dims, rstd = 1/sqrt(mean(x^2) + eps) in fp32."""
+    if (input.dtype, gamma.dtype) not in _RMS_NORM_PAIRS:
+        raise TypeError(f"npu_rms_norm does not support (x, gamma) dtypes ({input.dtype}, {gamma.dtype})")
+    if gamma.dim() == 0 or tuple(input.shape[-gamma.dim():]) != tuple(gamma.shape):
+        raise ValueError(f"gamma shape {tuple(gamma.shape)} must equal the trailing dims of x {tuple(input.shape)}")
+    dims = tuple(range(input.dim() - gamma.dim(), input.dim()))
+    x = input.float()
+    rstd = torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + epsilon)
+    y = (x * rstd * gamma.float()).to(input.dtype)
+    return y, rstd
+
+
+# ---------------------------------------------------------------- npu_rotary_mul
+
+
+def npu_rotary_mul(input: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str = "half", rotate: Optional[Tensor] = None):
+    """r1 * x + r2 * rot(x); half: rot = cat(-x2, x1) of the halves, interleave: pairs (x[2i], x[2i+1])."""
+    if rotary_mode not in ("half", "interleave"):
+        raise ValueError(f"rotary_mode must be 'half' or 'interleave', got {rotary_mode!r}")
+    if input.dim() != 4:
+        raise ValueError(f"npu_rotary_mul needs a 4-D input (BNSD/BSND/SBND), got shape {tuple(input.shape)}")
+    d = input.shape[-1]
+    if d % 2 != 0 or d >= 896:
+        raise ValueError(f"head dim must be even and < 896, got {d}")
+    for name, t in (("input", input), ("r1", r1), ("r2", r2)):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16/bfloat16/float32, got {t.dtype}")
+    if r1.dtype != input.dtype or r2.dtype != input.dtype:
+        raise TypeError(f"r1/r2 dtypes ({r1.dtype}, {r2.dtype}) must match input's {input.dtype}")
+    if r1.shape != r2.shape:
+        raise ValueError(f"r1 {tuple(r1.shape)} and r2 {tuple(r2.shape)} must have the same shape")
+    a, b, c, _ = input.shape
+    if rotary_mode == "half":
+        # BNSD: 11SD/B1SD/BNSD; BSND: 1S1D/BS1D/BSND; SBND: S11D/SB1D/SBND.
+        allowed = {(1, 1, c, d), (a, 1, c, d), (1, b, 1, d), (a, b, 1, d), (a, 1, 1, d), (a, b, c, d)}
+    else:
+        allowed = {(1, 1, c, d), (1, b, 1, d), (a, 1, 1, d)}
+    if tuple(r1.shape) not in allowed:
+        raise ValueError(
+            f"r1/r2 shape {tuple(r1.shape)} is not a documented broadcast shape for input {tuple(input.shape)} "
+            f"in {rotary_mode} mode (e.g. 1S1D for BSND, 11SD for BNSD)"
+        )
+    if bool((r1.detach().abs() > 1).any()) or bool((r2.detach().abs() > 1).any()):
+        raise ValueError("r1/r2 values must lie in [-1, 1] (documented data range: they are cos/sin tables)")
+    x = input.float()
+    if rotate is not None:
+        if tuple(rotate.shape) != (d, d):
+            raise ValueError(f"rotate must be [{d}, {d}], got {tuple(rotate.shape)}")
+        rotated = x @ rotate.float()
+    elif rotary_mode == "half":
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+    else:
+        rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return (r1.float() * x + r2.float() * rotated).to(input.dtype)
+
+
+# ---------------------------------------------------------------- npu_swiglu
+
+
+def npu_swiglu(input: Tensor, dim: int = -1) -> Tensor:
+    """A * sigmoid(A) * B with (A, B) = chunk(x, 2, dim)."""
+    if input.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"npu_swiglu supports float32/float16/bfloat16, got {input.dtype}")
+    if not 1 <= input.dim() <= 8:
+        raise ValueError(f"npu_swiglu supports 1-8 dims, got shape {tuple(input.shape)}")
+    if input.shape[dim] % 2 != 0:
+        raise ValueError(f"dim {dim} of shape {tuple(input.shape)} has odd size; it must split into two halves")
+    if not input.is_contiguous():
+        raise ValueError("npu_swiglu needs a contiguous input")
+    a, b = input.float().chunk(2, dim=dim)
+    return (F.silu(a) * b).to(input.dtype)

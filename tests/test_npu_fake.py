@@ -1,0 +1,450 @@
+"""The strict torch_npu fake: it refuses what the real 2.13.0 API refuses, and its fused ops compute the documented math."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from tests.npu_fake import install_fake_torch_npu, load_api
+from tests.npu_fake.fake import _Runtime, signature_from_params
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    return install_fake_torch_npu(monkeypatch, device_count=8)
+
+
+# ---------------------------------------------------------------- the recorded API
+
+
+def test_recorded_api_matches_the_documented_facts():
+    api = load_api()
+    assert api["torch_npu_version"] == "2.13.0"
+    fa = {p["name"]: p for p in api["ops"]["npu_fusion_attention"]["params"]}
+    assert fa["scale"]["default"] == 1.0  # not 1/sqrt(d): callers must pass it
+    assert fa["sparse_mode"]["default"] == 0 and fa["keep_prob"]["default"] == 1.0
+    assert [p["name"] for p in api["ops"]["npu_fusion_attention"]["params"][:5]] == [
+        "query", "key", "value", "head_num", "input_layout"]
+    assert [(p["name"], p.get("default")) for p in api["ops"]["npu_rms_norm"]["params"]] == [
+        ("input", None), ("gamma", None), ("epsilon", 1e-6)]
+    assert api["ops"]["npu_rotary_mul"]["params"][3] == {
+        "name": "rotary_mode", "kind": "POSITIONAL_OR_KEYWORD", "type": "str", "default": "half"}
+    assert str(signature_from_params(api["npu"]["set_per_process_memory_fraction"]["params"])) == "(fraction, device=None)"
+    assert str(signature_from_params(api["npu"]["get_device_name"]["params"])) == "(device_name=None)"
+    assert str(signature_from_params(api["npu"]["Stream"]["init_params"])) == "(device=None, priority=0, **kwargs)"
+    assert api["npu"]["config"]["settable_attributes"] == ["allow_internal_format"]
+    assert api["npu"]["config"]["gettable_attributes"] == []
+
+
+def test_every_modelled_runtime_function_has_the_recorded_signature():
+    api = load_api()["npu"]
+    modelled = [n for n in vars(_Runtime) if not n.startswith("_")]
+    assert len(modelled) >= 25
+    for name in modelled:
+        assert api[name]["kind"] == "function", name
+        ours = inspect.signature(getattr(_Runtime, name))
+        ours = ours.replace(parameters=list(ours.parameters.values())[1:], return_annotation=inspect.Signature.empty)
+        assert ours == signature_from_params(api[name]["params"]), name
+
+
+# ---------------------------------------------------------------- strictness
+
+
+def test_unknown_names_raise_attribute_error(fake):
+    import torch_npu
+
+    with pytest.raises(AttributeError, match="has no attribute 'npu_flash_attention'"):
+        torch_npu.npu_flash_attention
+    with pytest.raises(AttributeError, match="set_memory_fraction"):
+        torch.npu.set_memory_fraction
+    with pytest.raises(AttributeError):
+        torch.npu.amp.autocast_mode  # a submodule of the real package, not one of torch.npu.amp's names
+
+
+def test_wrong_arguments_raise_type_error(fake):
+    import torch_npu
+
+    x, w = torch.randn(2, 4), torch.ones(4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'eps'"):
+        torch_npu.npu_rms_norm(x, w, eps=1e-6)
+    with pytest.raises(TypeError, match="missing a required argument: 'device'"):
+        torch.npu.set_device(dev=0)
+    with pytest.raises(TypeError, match="too many positional"):
+        torch.npu.device_count(0)
+    with pytest.raises(TypeError, match="'head_num' must be int"):
+        torch_npu.npu_fusion_attention(x[None, None], x[None, None], x[None, None], 1.0, "BNSD")
+    assert fake.calls_to("npu_rms_norm") == []  # refused calls are not recorded
+
+
+def test_memory_fraction_must_be_a_float_between_0_and_1(fake):
+    with pytest.raises(TypeError, match="must be `float`"):
+        torch.npu.set_per_process_memory_fraction(1)
+    with pytest.raises(ValueError, match="Allowed range: 0~1"):
+        torch.npu.set_per_process_memory_fraction(1.5)
+    torch.npu.set_per_process_memory_fraction(0.5, 3)
+    assert torch.npu.get_per_process_memory_fraction(3) == 0.5
+
+
+def test_recorded_but_unmodelled_names_refuse_to_run(fake):
+    with pytest.raises(NotImplementedError, match="npu.Stream"):
+        torch.npu.Stream(priority=-1)
+    with pytest.raises(NotImplementedError, match="memory_snapshot"):
+        torch.npu.memory_snapshot()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'timing'"):
+        torch.npu.Event(timing=True)
+
+
+def test_settings_objects_accept_only_recorded_attributes(fake):
+    torch.npu.config.allow_internal_format = False
+    with pytest.raises(AttributeError, match="cannot be read"):
+        torch.npu.config.allow_internal_format  # write-only in torch_npu
+    torch.npu.matmul.allow_hf32 = True
+    assert torch.npu.matmul.allow_hf32 is True
+    with pytest.raises(TypeError, match="must be a bool"):
+        torch.npu.matmul.allow_hf32 = 1
+    with pytest.raises(AttributeError, match="cannot be set"):
+        torch.npu.matmul.allow_tf32 = True
+    assert ("npu.config.allow_internal_format", {"value": False}) in fake.calls
+
+
+def test_install_is_undone_with_the_monkeypatch():
+    with pytest.MonkeyPatch.context() as mp:
+        install_fake_torch_npu(mp)
+        import torch_npu
+
+        assert torch.npu is torch_npu.npu
+    with pytest.raises(AttributeError):
+        torch.npu
+    with pytest.raises(ImportError):
+        import torch_npu  # noqa: F401,F811
+
+
+# ---------------------------------------------------------------- runtime semantics
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [(None, 8), ("0,1", 2), ("3", 1), ("", 0), ("2,1", 0), ("1,1", 0), ("0,9", 1), ("0,1,x", 2), ("abc", 0), ("4,5x6", 2)],
+)
+def test_device_count_honours_ascend_rt_visible_devices(monkeypatch, visible, expected):
+    fake = install_fake_torch_npu(monkeypatch, device_count=8)
+    if visible is None:
+        monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", visible)
+    assert torch.npu.device_count() == expected
+    assert torch.npu.is_available() is (expected > 0)
+    assert not fake.initialized  # device_count must not initialise the device (fork safety)
+
+
+def test_set_device_accepts_npu_devices_and_records_the_call(fake):
+    torch.npu.set_device(torch.device("npu", 2))
+    assert torch.npu.current_device() == 2
+    torch.npu.set_device("npu:5")
+    assert torch.npu.current_device() == 5
+    with torch.npu.device(1):
+        assert torch.npu.current_device() == 1
+    assert torch.npu.current_device() == 5
+    with pytest.raises(ValueError, match="Expected a npu device"):
+        torch.npu.set_device(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="invalid device id 8"):
+        torch.npu.set_device(8)
+    assert fake.calls_to("npu.set_device")[0] == {"device": torch.device("npu", 2)}
+
+
+def test_device_name_and_bf16_follow_the_configured_chip(monkeypatch):
+    install_fake_torch_npu(monkeypatch, device_count=2, device_name="Ascend910A", bf16_supported=False)
+    assert torch.npu.get_device_name() == "Ascend910A"
+    assert torch.npu.get_device_name(1) == "Ascend910A"
+    with pytest.raises(AssertionError, match="Invalid device id"):
+        torch.npu.get_device_name(2)
+    assert torch.npu.is_bf16_supported() is False
+    assert torch.npu.get_amp_supported_dtype() == [torch.float16, torch.float32]
+
+
+def test_memory_stats_are_empty_until_init_then_track_current_and_peak(fake):
+    assert torch.npu.memory_stats() == {}
+    assert torch.npu.memory_allocated() == 0
+    mib = 1024**2
+    fake.simulate_alloc(10 * mib)
+    fake.simulate_alloc(5 * mib)
+    fake.simulate_free(10 * mib)
+    stats = torch.npu.memory_stats()
+    assert stats["allocated_bytes.all.current"] == 5 * mib
+    assert stats["allocated_bytes.all.peak"] == 15 * mib
+    assert torch.npu.max_memory_allocated() == 15 * mib
+    assert torch.npu.memory_reserved() == 16 * mib  # cache keeps 2 MiB blocks after the free
+    torch.npu.reset_peak_memory_stats()
+    assert torch.npu.max_memory_allocated() == 5 * mib
+    torch.npu.empty_cache()
+    assert torch.npu.memory_reserved() == 6 * mib
+    assert torch.npu.max_memory_reserved() == 16 * mib
+    free, total = torch.npu.mem_get_info()
+    assert (free, total) == (64 * 1024**3 - 6 * mib, 64 * 1024**3)
+    assert torch.npu.memory_allocated(1) == 0
+
+
+def test_memory_fraction_caps_simulated_allocations(monkeypatch):
+    fake = install_fake_torch_npu(monkeypatch, total_memory=100 * 1024**2)
+    torch.npu.set_per_process_memory_fraction(0.5)
+    fake.simulate_alloc(40 * 1024**2)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        fake.simulate_alloc(20 * 1024**2)
+    assert torch.npu.memory_stats()["num_ooms"] == 1
+
+
+def test_manual_seed_sets_the_per_device_generator(fake):
+    torch.npu.manual_seed_all(7)
+    assert torch.npu.initial_seed() == 7
+    torch.npu.set_device(3)
+    torch.npu.manual_seed(11)
+    assert torch.npu.initial_seed() == 11
+    state = torch.npu.get_rng_state(3)
+    torch.npu.set_rng_state(state, 0)
+    assert torch.equal(torch.npu.get_rng_state(0), state)
+
+
+@pytest.mark.parametrize(("dynamic", "scale_after_overflow"), [(True, 4.0), (False, 8.0)])
+def test_grad_scaler_backs_off_on_overflow_only_when_dynamic(fake, dynamic, scale_after_overflow):
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = torch.npu.amp.GradScaler(init_scale=8.0, dynamic=dynamic)
+    scaler.scale((w * float("inf")).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == scale_after_overflow
+    assert torch.equal(w.detach(), torch.ones(2))  # the overflowing step was skipped
+    assert fake.calls_to("npu.amp.GradScaler") == [{"init_scale": 8.0, "dynamic": dynamic}]
+    with pytest.raises(TypeError, match="device"):
+        torch.npu.amp.GradScaler(device="npu")  # unlike torch.amp.GradScaler, it takes no device
+
+
+# ---------------------------------------------------------------- fused ops
+
+
+def _attention_by_hand(q, k, v, masked, scale):
+    """BNSD fp64: softmax over keys of scale*q.k with masked[i][j] True meaning 'excluded', written with loops."""
+    b, n, sq, d = q.shape
+    group = n // k.shape[1]
+    out = torch.zeros(b, n, sq, v.shape[-1], dtype=torch.float64)
+    for bi in range(b):
+        for h in range(n):
+            for i in range(sq):
+                keep = [j for j in range(k.shape[2]) if not masked[i][j]]
+                s = torch.stack([(q[bi, h, i].double() * k[bi, h // group, j].double()).sum() * scale for j in keep])
+                p = torch.exp(s - s.max())
+                p = p / p.sum()
+                out[bi, h, i] = sum(p[t] * v[bi, h // group, j].double() for t, j in enumerate(keep))
+    return out
+
+
+def _triu2048():
+    return torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+
+
+@pytest.fixture
+def qkv():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 3, 8, generator=g)  # BNSD: 4 query heads, Sq=3
+    k = torch.randn(1, 2, 5, 8, generator=g)  # 2 key/value heads (GQA), Skv=5
+    v = torch.randn(1, 2, 5, 8, generator=g)
+    return q, k, v
+
+
+def test_fusion_attention_without_mask_is_full_attention_whatever_sparse_mode(fake, qkv):
+    import torch_npu
+
+    q, k, v = qkv
+    none_masked = [[False] * 5 for _ in range(3)]
+    expected = _attention_by_hand(q, k, v, none_masked, 0.25)
+    out = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", scale=0.25, sparse_mode=3)
+    assert len(out) == 7
+    torch.testing.assert_close(out[0].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fusion_attention_sparse_modes_2_and_3_are_left_up_and_right_down_causal(fake, qkv):
+    import torch_npu
+
+    q, k, v = qkv
+    left_up = [[j > i for j in range(5)] for i in range(3)]
+    right_down = [[j > i + 2 for j in range(5)] for i in range(3)]
+    out2 = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=_triu2048(), scale=0.3, sparse_mode=2)[0]
+    out3 = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=_triu2048(), scale=0.3, sparse_mode=3)[0]
+    torch.testing.assert_close(out2.double(), _attention_by_hand(q, k, v, left_up, 0.3), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out3.double(), _attention_by_hand(q, k, v, right_down, 0.3), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out2, out3)
+
+
+def test_fusion_attention_mask_true_means_masked_out(fake, qkv):
+    import torch_npu
+
+    q, k, v = qkv
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[:, 1] = True
+    mask[0, 4] = True
+    out = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=mask, scale=0.3)[0]
+    torch.testing.assert_close(out.double(), _attention_by_hand(q, k, v, mask.tolist(), 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_fusion_attention_scale_defaults_to_one(fake, qkv):
+    import torch_npu
+
+    q, k, v = qkv
+    none_masked = [[False] * 5 for _ in range(3)]
+    out = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD")[0]
+    torch.testing.assert_close(out.double(), _attention_by_hand(q, k, v, none_masked, 1.0), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out.double(), _attention_by_hand(q, k, v, none_masked, 1 / math.sqrt(8)), atol=1e-3)
+
+
+@pytest.mark.parametrize("layout", ["BSND", "BSH", "SBH"])
+def test_fusion_attention_layouts_agree_with_bnsd(fake, qkv, layout):
+    import torch_npu
+
+    q, k, v = qkv
+    ref = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=_triu2048(), scale=0.3, sparse_mode=3)[0]
+
+    def to(t):
+        bsnd = t.transpose(1, 2)
+        if layout == "BSND":
+            return bsnd
+        bsh = bsnd.flatten(2)
+        return bsh if layout == "BSH" else bsh.transpose(0, 1)
+
+    out = torch_npu.npu_fusion_attention(to(q), to(k), to(v), 4, layout, atten_mask=_triu2048(), scale=0.3, sparse_mode=3)[0]
+    torch.testing.assert_close(out, to(ref))
+
+
+def test_fusion_attention_rejects_masks_it_does_not_document(fake, qkv):
+    import torch_npu
+
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="compressed mask"):
+        torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=~_triu2048(), sparse_mode=3)
+    with pytest.raises(ValueError, match="compressed mask"):
+        causal_3x5 = torch.triu(torch.ones(3, 5, dtype=torch.bool), diagonal=1)
+        torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=causal_3x5, sparse_mode=2)
+    with pytest.raises(TypeError, match="bool or uint8"):
+        torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=torch.zeros(3, 5))
+    with pytest.raises(ValueError, match="inner_precise=2"):
+        whole_row = torch.zeros(3, 5, dtype=torch.bool)
+        whole_row[1] = True
+        torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=whole_row)
+    with pytest.raises(ValueError, match="head_num=2"):
+        torch_npu.npu_fusion_attention(q, k, v, 2, "BNSD")
+
+
+def test_fusion_attention_outputs_follow_the_meta_shapes_and_dropout_counts(fake, qkv):
+    import torch_npu
+
+    q, k, v = qkv
+    out, smax, ssum, sout, seed, offset, numels = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", keep_prob=0.5)
+    assert smax.shape == ssum.shape == (1, 4, 3, 8) and smax.dtype == torch.float32
+    assert sout.numel() == 0 and numels == 1 * 4 * 3 * 5
+    assert not torch.allclose(out, torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD")[0])
+
+
+def test_rms_norm_returns_y_and_fp32_rstd(fake):
+    import torch_npu
+
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    w = torch.randn(8, dtype=torch.bfloat16)
+    y, rstd = torch_npu.npu_rms_norm(x, w, epsilon=1e-5)
+    x64 = x.double()
+    expected_rstd = 1 / torch.sqrt((x64**2).mean(-1, keepdim=True) + 1e-5)
+    assert rstd.shape == (2, 3, 1) and rstd.dtype == torch.float32 and y.dtype == torch.bfloat16
+    torch.testing.assert_close(rstd.double(), expected_rstd, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y, (x64 * expected_rstd * w.double()).to(torch.bfloat16), atol=1e-2, rtol=1e-2)
+    with pytest.raises(TypeError, match="dtypes"):
+        torch_npu.npu_rms_norm(x.half(), w)
+
+
+def test_rotary_mul_half_and_interleave_modes(fake):
+    import torch_npu
+
+    x = torch.randn(2, 3, 2, 4)  # BSND
+    cos = torch.rand(1, 3, 1, 4) * 2 - 1
+    sin = torch.rand(1, 3, 1, 4) * 2 - 1
+    x0, x1, x2, x3 = x.unbind(-1)
+    half_rot = torch.stack([-x2, -x3, x0, x1], dim=-1)
+    inter_rot = torch.stack([-x1, x0, -x3, x2], dim=-1)
+    torch.testing.assert_close(torch_npu.npu_rotary_mul(x, cos, sin), x * cos + half_rot * sin)
+    torch.testing.assert_close(torch_npu.npu_rotary_mul(x, cos, sin, "interleave"), x * cos + inter_rot * sin)
+    with pytest.raises(ValueError, match="broadcast shape"):
+        torch_npu.npu_rotary_mul(x, cos[0, :, 0], sin[0, :, 0])
+    with pytest.raises(ValueError, match=r"\[-1, 1\]"):
+        torch_npu.npu_rotary_mul(x, cos * 3, sin)
+
+
+def test_swiglu_splits_along_dim(fake):
+    import torch_npu
+
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(torch_npu.npu_swiglu(x), x[:, :3] * torch.sigmoid(x[:, :3]) * x[:, 3:])
+    torch.testing.assert_close(torch_npu.npu_swiglu(x, dim=0), x[:2] * torch.sigmoid(x[:2]) * x[2:])
+    with pytest.raises(ValueError, match="contiguous"):
+        torch_npu.npu_swiglu(x.t())
+    with pytest.raises(ValueError, match="odd size"):
+        torch_npu.npu_swiglu(torch.randn(4, 5))
+
+
+# ---------------------------------------------------------------- the extractor
+
+
+def test_extractor_follows_imports_and_parses_op_schemas(tmp_path):
+    from tools.extract_torch_npu_api import WheelSource, extract
+
+    files = {
+        "torch_npu/version.py": "__version__ = '9.9.9'\n",
+        "torch_npu/npu/__init__.py": (
+            "__all__ = ['set_device', 'memory_stats', 'config', 'Stream', 'FloatTensor']\n"
+            "from .utils import set_device\n"
+            "from .memory import *\n"
+            "from .streams import Stream\n"
+            "from .npu_config import *\n"
+            "config = npu_config._Config()\n"
+        ),
+        "torch_npu/npu/utils.py": "def set_device(device):\n    pass\n",
+        "torch_npu/npu/memory.py": (
+            "__all__ = ['memory_stats']\n"
+            "def memory_stats(device=None, *, pool='all', **kw):\n    pass\n"
+        ),
+        "torch_npu/npu/streams.py": "class Stream(Base):\n    def __new__(cls, device=None, priority=0, **kwargs):\n        pass\n",
+        "torch_npu/npu/npu_config.py": (
+            "__all__ = []\n"
+            "class _Config:\n"
+            "    def __setattr__(cls, name, value):\n"
+            "        if name == 'allow_internal_format' and value == 'x':\n            pass\n"
+        ),
+        "torch_npu/npu/amp/__init__.py": "__all__ = ['autocast']\nfrom .autocast_mode import autocast\n",
+        "torch_npu/npu/amp/autocast_mode.py": (
+            "class autocast:\n    def __init__(self, enabled=True, dtype=torch.float16):\n        pass\n"
+        ),
+        "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml": "\n".join(
+            f"- func: {op}(Tensor self, int[]? dims=None, *, float eps=1., str mode='half') -> (Tensor, Tensor)\n"
+            f"- func: {op}_backward(Tensor grad) -> Tensor"
+            for op in ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu")
+        ),
+        "torch_npu/_op_plugin_docs.py": "torch_npu.npu_rms_norm(Tensor self, float eps=1.) -> (Tensor, Tensor)\n",
+        "torch_npu/utils/custom_ops.py": "torch_npu.npu_rms_norm = torch.ops.npu.npu_rms_norm\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+
+    api = extract(WheelSource(tmp_path))
+    npu = api["npu"]
+    assert api["torch_npu_version"] == "9.9.9"
+    assert npu["set_device"]["defined_in"] == "torch_npu/npu/utils.py"
+    assert str(signature_from_params(npu["memory_stats"]["params"])) == "(device=None, *, pool='all', **kw)"
+    assert str(signature_from_params(npu["Stream"]["init_params"])) == "(device=None, priority=0, **kwargs)"
+    assert npu["config"]["settable_attributes"] == ["allow_internal_format"]
+    assert npu["FloatTensor"]["kind"] == "unresolved"
+    assert str(signature_from_params(api["npu_amp"]["autocast"]["init_params"])) == "(enabled=True, dtype=torch.float16)"
+    rms = api["ops"]["npu_rms_norm"]
+    assert str(signature_from_params(rms["params"])) == "(input, dims=None, *, eps=1.0, mode='half')"
+    assert [p["type"] for p in rms["params"]] == ["Tensor", "int[]?", "float", "str"]
+    assert rms["bound_to"] == "torch.ops.npu.npu_rms_norm" and rms["doc_signature"].startswith("torch_npu.npu_rms_norm(")
