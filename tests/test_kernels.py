@@ -1,0 +1,369 @@
+"""lightning_npu.kernels: both paths (PyTorch reference, and the torch_npu branch run against the strict fake)
+match plain math written here, forward and backward, and the torch_npu calls are made exactly as documented."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_npu.kernels as kernels
+from lightning_npu.kernels import _fallback, apply_rotary, causal_attention, rms_norm, rotary_tables, swiglu
+from tests.npu_fake import install_fake_torch_npu
+
+# The package re-exports functions named like their modules (rms_norm, swiglu), so fetch the modules themselves.
+attention_mod = importlib.import_module("lightning_npu.kernels.attention")
+rms_norm_mod = importlib.import_module("lightning_npu.kernels.rms_norm")
+rotary_mod = importlib.import_module("lightning_npu.kernels.rotary")
+swiglu_mod = importlib.import_module("lightning_npu.kernels.swiglu")
+KERNEL_MODULES = (attention_mod, rms_norm_mod, rotary_mod, swiglu_mod)
+
+# fp32 paths must agree with fp64 plain math to float32 round-off.
+FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+# bf16 keeps 8 significant bits, so a single rounding of an O(1) value is off by up to 2**-8 (0.4%);
+# the kernels round a few intermediates (SDPA's bf16 scores and probabilities, the rotary tables), and
+# gradients sum a handful of such terms, which stays within 3% of the fp64 math on these tiny shapes.
+BF16_TOL = {"atol": 3e-2, "rtol": 3e-2}
+TOL = {torch.float32: FP32_TOL, torch.bfloat16: BF16_TOL}
+
+
+def _take_npu_branch(monkeypatch, **fake_options):
+    """Install the fake torch_npu and make every kernel treat CPU tensors as NPU tensors."""
+    monkeypatch.setattr(_fallback, "_announced", set())
+    monkeypatch.setattr(_fallback, "_device_name", {})
+    fake = install_fake_torch_npu(monkeypatch, **fake_options)
+    for module in KERNEL_MODULES:
+        monkeypatch.setattr(module, "_on_npu", lambda x: True)
+    return fake
+
+
+@pytest.fixture(params=["reference", "npu"])
+def path(request, monkeypatch):
+    """Run a test on the reference path (None), and on the NPU branch against the fake (the FakeTorchNPU)."""
+    return _take_npu_branch(monkeypatch) if request.param == "npu" else None
+
+
+@pytest.fixture
+def npu(monkeypatch):
+    return _take_npu_branch(monkeypatch)
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def _check_forward_backward(kernel_fn, math_fn, inputs, dtype, seed=0):
+    """Compare kernel_fn(*inputs) in ``dtype`` with math_fn on the same values in fp64, outputs and gradients."""
+    low = _leaves(*(t.to(dtype) for t in inputs))
+    high = _leaves(*(t.to(dtype).double() for t in inputs))
+    out = kernel_fn(*low)
+    expected = math_fn(*high)
+    assert out.dtype == dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.double(), expected, **TOL[dtype])
+    grad_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    (out.double() * grad_out).sum().backward()
+    (expected * grad_out).sum().backward()
+    for got, want in zip(low, high):
+        assert got.grad is not None and got.grad.dtype == dtype
+        torch.testing.assert_close(got.grad.double(), want.grad, **TOL[dtype])
+
+
+# ---------------------------------------------------------------- attention
+
+
+def attention_math(q, k, v, scale):
+    """softmax(Q K^T * scale + M) V per head, BSND; M = -inf where key j > query i + (Skv - Sq); GQA by h // group."""
+    sq, skv, hq, hkv = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    kv_head = torch.arange(hq) // (hq // hkv)
+    k, v = k[:, :, kv_head], v[:, :, kv_head]
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    i = torch.arange(sq)[:, None]
+    j = torch.arange(skv)[None, :]
+    additive = torch.zeros(sq, skv, dtype=q.dtype).masked_fill(j > i + (skv - sq), float("-inf"))
+    probs = torch.softmax(scores + additive, dim=-1)
+    return torch.einsum("bhij,bjhd->bihd", probs, v)
+
+
+ATTENTION_CASES = {
+    "mha": (2, 5, 5, 2, 2, 8),  # batch, q_len, kv_len, q_heads, kv_heads, head_dim
+    "gqa": (1, 6, 6, 4, 2, 8),
+    "decode": (2, 2, 7, 4, 1, 8),  # KV cache: the 2 new tokens attend to all 5 cached ones
+    "one_token": (1, 1, 4, 2, 2, 8),
+}
+
+
+def _qkv(b, sq, skv, hq, hkv, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, sq, hq, d, generator=g), torch.randn(b, skv, hkv, d, generator=g), torch.randn(b, skv, hkv, d, generator=g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_causal_attention_matches_plain_math(path, case, dtype):
+    b, sq, skv, hq, hkv, d = ATTENTION_CASES[case]
+    scale = 1 / math.sqrt(d)
+    _check_forward_backward(causal_attention, lambda q, k, v: attention_math(q, k, v, scale), _qkv(b, sq, skv, hq, hkv, d), dtype)
+    if path is not None:
+        (call,) = path.calls_to("npu_fusion_attention")
+        assert call["head_num"] == hq and call["input_layout"] == "BSND" and call["sparse_mode"] == 3
+        assert call["scale"] == pytest.approx(scale)  # always explicit: the op's default is 1.0
+        assert torch.equal(call["atten_mask"], torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1))
+
+
+def test_causal_attention_passes_an_explicit_scale_through(path):
+    q, k, v = _qkv(1, 3, 3, 2, 2, 4)
+    out = causal_attention(q, k, v, scale=0.7)
+    torch.testing.assert_close(out.double(), attention_math(q.double(), k.double(), v.double(), 0.7), **FP32_TOL)
+
+
+def test_npu_branch_reuses_one_compressed_mask_per_device(npu):
+    q, k, v = _qkv(1, 3, 3, 2, 2, 4)
+    causal_attention(q, k, v)
+    causal_attention(q, k, v)
+    first, second = npu.calls_to("npu_fusion_attention")
+    assert first["atten_mask"] is second["atten_mask"]
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ((1, 3, 3, 3, 2, 4), "not a multiple of kv_heads"),
+        ((1, 4, 3, 2, 2, 4), "exceeds kv_len"),
+    ],
+)
+def test_causal_attention_rejects_bad_shapes_with_the_fix(bad, why):
+    with pytest.raises(ValueError, match=why):
+        causal_attention(*_qkv(*bad))
+
+
+def _decode_inputs():
+    return _qkv(*ATTENTION_CASES["decode"])
+
+
+def _mask():
+    return torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+
+
+def _call_without_scale(q, k, v, scale):
+    import torch_npu
+
+    return torch_npu.npu_fusion_attention(q, k, v, head_num=q.shape[2], input_layout="BSND", atten_mask=_mask(), sparse_mode=3)[0]
+
+
+def _call_left_up_causal(q, k, v, scale):
+    import torch_npu
+
+    return torch_npu.npu_fusion_attention(
+        q, k, v, head_num=q.shape[2], input_layout="BSND", atten_mask=_mask(), scale=scale, sparse_mode=2)[0]
+
+
+def _call_without_mask(q, k, v, scale):
+    import torch_npu
+
+    return torch_npu.npu_fusion_attention(q, k, v, head_num=q.shape[2], input_layout="BSND", scale=scale, sparse_mode=3)[0]
+
+
+def _call_with_sdpa_polarity(q, k, v, scale):
+    import torch_npu
+
+    keep = torch.tril(torch.ones(q.shape[1], k.shape[1], dtype=torch.bool), diagonal=k.shape[1] - q.shape[1])
+    return torch_npu.npu_fusion_attention(
+        q, k, v, head_num=q.shape[2], input_layout="BSND", atten_mask=keep, scale=scale, inner_precise=2)[0]
+
+
+def _call_with_bnsd_layout(q, k, v, scale):
+    import torch_npu
+
+    return torch_npu.npu_fusion_attention(
+        q, k, v, head_num=q.shape[2], input_layout="BNSD", atten_mask=_mask(), scale=scale, sparse_mode=3)[0]
+
+
+def _call_with_misspelt_keyword(q, k, v, scale):
+    import torch_npu
+
+    return torch_npu.npu_fusion_attention(
+        q, k, v, head_num=q.shape[2], input_layout="BSND", atten_mask=_mask(), scale_value=scale, sparse_mode=3)[0]
+
+
+@pytest.mark.parametrize(
+    ("wrong_call", "caught_by"),
+    [
+        (_call_without_scale, "mismatch"),
+        (_call_left_up_causal, "mismatch"),
+        (_call_without_mask, "mismatch"),
+        (_call_with_sdpa_polarity, "mismatch"),
+        (_call_with_bnsd_layout, ValueError),
+        (_call_with_misspelt_keyword, TypeError),
+    ],
+    ids=["scale_omitted", "left_up_causal", "mask_omitted", "mask_polarity_inverted", "bnsd_layout", "misspelt_keyword"],
+)
+def test_the_fake_catches_wrong_fusion_attention_calls(npu, monkeypatch, wrong_call, caught_by):
+    q, k, v = _decode_inputs()
+    expected = attention_math(q.double(), k.double(), v.double(), 1 / math.sqrt(q.shape[-1]))
+    torch.testing.assert_close(causal_attention(q, k, v).double(), expected, **FP32_TOL)  # the real call matches
+
+    monkeypatch.setattr(attention_mod, "_npu_attention", wrong_call)
+    if caught_by == "mismatch":
+        assert not torch.allclose(causal_attention(q, k, v).double(), expected, atol=1e-3)
+    else:
+        with pytest.raises(caught_by):
+            causal_attention(q, k, v)
+
+
+def test_unsupported_inputs_fall_back_to_the_reference_and_say_so_once(npu, caplog):
+    q, k, v = _qkv(1, 2, 2, 1, 1, 776)  # head_dim above npu_fusion_attention's 768
+    with caplog.at_level(logging.WARNING, logger="lightning_npu.kernels"):
+        out = causal_attention(q, k, v)
+        causal_attention(q, k, v)
+        rms_norm(torch.randn(2, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64))
+    torch.testing.assert_close(out.double(), attention_math(q.double(), k.double(), v.double(), 1 / math.sqrt(776)), **FP32_TOL)
+    assert npu.calls_to("npu_fusion_attention") == [] and npu.calls_to("npu_rms_norm") == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("head_dim=776" in m for m in messages) == 1
+    assert sum("rms_norm" in m and "float64" in m for m in messages) == 1
+
+
+def test_a2_only_fused_ops_are_not_called_on_an_ascend910a(monkeypatch, caplog):
+    fake = _take_npu_branch(monkeypatch, device_name="Ascend910A", bf16_supported=False)
+    q, k, v = _qkv(1, 3, 3, 2, 2, 4)
+    x = torch.randn(1, 3, 2, 4)
+    cos, sin = rotary_tables(3, 4)
+    with caplog.at_level(logging.WARNING, logger="lightning_npu.kernels"):
+        torch.testing.assert_close(
+            causal_attention(q, k, v).double(), attention_math(q.double(), k.double(), v.double(), 0.5), **FP32_TOL)
+        torch.testing.assert_close(apply_rotary(x, cos, sin), rotary_math(x, cos, sin).float())
+        torch.testing.assert_close(swiglu(x), swiglu_math(x))
+        rms_norm(x, torch.ones(4))  # npu_rms_norm has no chip restriction
+    called = {name for name, _ in fake.calls}
+    assert called == {"npu.get_device_name", "npu_rms_norm"}
+    assert len(fake.calls_to("npu.get_device_name")) == 1  # read once, not per call
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    for op in ("npu_fusion_attention", "npu_rotary_mul", "npu_swiglu"):
+        assert f"{op} is documented for Atlas A2/A3 chips" in warned and "Ascend910A" in warned
+
+
+# ---------------------------------------------------------------- rms_norm
+
+
+def rms_norm_math(x, w, eps):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rms_norm_matches_plain_math(path, dtype):
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(2, 3, 16, generator=g), torch.randn(16, generator=g)
+    _check_forward_backward(lambda x, w: rms_norm(x, w, eps=1e-5), lambda x, w: rms_norm_math(x, w, 1e-5), (x, w), dtype)
+    if path is not None:
+        (call,) = path.calls_to("npu_rms_norm")
+        assert set(call) == {"input", "gamma", "epsilon"} and call["epsilon"] == 1e-5
+
+
+def test_rms_norm_keeps_x_dtype_with_fp32_weight(path):
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    out = rms_norm(x, torch.ones(8))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), rms_norm_math(x.double(), torch.ones(8, dtype=torch.float64), 1e-6), **BF16_TOL)
+
+
+def test_rms_norm_rejects_a_weight_of_the_wrong_size():
+    with pytest.raises(ValueError, match=r"must be \(8,\)"):
+        rms_norm(torch.randn(2, 8), torch.ones(4))
+
+
+# ---------------------------------------------------------------- rotary
+
+
+def test_rotary_tables_hold_cos_and_sin_of_position_times_frequency():
+    cos, sin = rotary_tables(5, 8, theta=100.0, start=3)
+    assert cos.shape == sin.shape == (5, 8)
+    for p in range(5):
+        for i in range(8):
+            angle = (p + 3) * 100.0 ** (-2 * (i % 4) / 8)
+            assert cos[p, i].item() == pytest.approx(math.cos(angle), abs=1e-6)
+            assert sin[p, i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+    bf16_cos, _ = rotary_tables(5, 8, theta=100.0, start=3, dtype=torch.bfloat16)
+    assert bf16_cos.dtype == torch.bfloat16 and torch.equal(bf16_cos, cos.to(torch.bfloat16))
+
+
+def rotary_math(x, cos, sin):
+    """Rotate each pair (x[i], x[i + D/2]) by the position's angle."""
+    half = x.shape[-1] // 2
+    c, s = cos[None, :, None, :half], sin[None, :, None, :half]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_apply_rotary_matches_plain_math(path, dtype):
+    cos, sin = rotary_tables(4, 8, start=2)
+    x = torch.randn(2, 4, 3, 8, generator=torch.Generator().manual_seed(2))
+    c, s = cos.to(dtype).double(), sin.to(dtype).double()
+    _check_forward_backward(lambda x: apply_rotary(x, cos, sin), lambda x: rotary_math(x, c, s), (x,), dtype)
+    if path is not None:
+        (call,) = path.calls_to("npu_rotary_mul")
+        assert call["r1"].shape == call["r2"].shape == (1, 4, 1, 8)  # 1S1D for BSND
+        assert call["r1"].dtype == dtype and "rotary_mode" not in call
+
+
+def test_rotary_scores_depend_only_on_relative_position(path):
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 1, 1, 16, generator=g), torch.randn(1, 1, 1, 16, generator=g)
+
+    def score(q_pos, k_pos):
+        qc, qs = rotary_tables(1, 16, start=q_pos)
+        kc, ks = rotary_tables(1, 16, start=k_pos)
+        return (apply_rotary(q, qc, qs) * apply_rotary(k, kc, ks)).sum().item()
+
+    assert score(7, 3) == pytest.approx(score(104, 100), abs=1e-4)
+    assert score(7, 3) != pytest.approx(score(7, 4), abs=1e-3)
+
+
+def test_apply_rotary_rejects_tables_for_another_length():
+    cos, sin = rotary_tables(5, 8)
+    with pytest.raises(ValueError, match="rotary_tables\\(seq_len=4"):
+        apply_rotary(torch.randn(1, 4, 2, 8), cos, sin)
+
+
+# ---------------------------------------------------------------- swiglu
+
+
+def swiglu_math(x):
+    a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return a * torch.sigmoid(a) * b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_swiglu_matches_plain_math(path, dtype):
+    x = torch.randn(2, 3, 12, generator=torch.Generator().manual_seed(4))
+    _check_forward_backward(swiglu, swiglu_math, (x,), dtype)
+    if path is not None:
+        (call,) = path.calls_to("npu_swiglu")
+        assert call["dim"] == -1
+
+
+def test_swiglu_rejects_an_odd_last_dimension():
+    with pytest.raises(ValueError, match="odd size 5"):
+        swiglu(torch.randn(2, 5))
+
+
+# ---------------------------------------------------------------- house rules
+
+
+def test_kernels_import_torch_npu_only_inside_functions_and_never_spell_cuda():
+    for module in (kernels, *KERNEL_MODULES, _fallback):
+        source = Path(module.__file__).read_text()
+        assert "cuda" not in source.lower(), module.__name__
+        tree = ast.parse(source)
+        for node in tree.body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n.split(".")[0] == "torch_npu" for n in names), module.__name__
