@@ -1,0 +1,386 @@
+"""Hugging Face <-> recipe checkpoint conversion: same logits both ways, every source layout, clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from recipes.llama2 import convert
+from recipes.llama2.config import LLaMAConfig
+from recipes.llama2.model import LLaMA
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 97
+
+
+def hf_model(n_kv_heads: int, *, tie: bool = False, seed: int = 0) -> LlamaForCausalLM:
+    """A tiny random LlamaForCausalLM. Weights are drawn wide (std 0.2) so that a wrong rotary convention
+    or a swapped gate/up would move the logits far beyond the 1e-5 tolerance."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=n_kv_heads,
+        intermediate_size=96,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500.0,
+        tie_word_embeddings=tie,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
+def recipe_model(config: LLaMAConfig, seed: int = 0) -> LLaMA:
+    torch.manual_seed(seed)
+    model = LLaMA(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def recipe_config(n_kv_heads: int = 2) -> LLaMAConfig:
+    return LLaMAConfig(
+        vocab_size=VOCAB,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=n_kv_heads,
+        ffn_hidden_dim=96,
+        max_seq_len=64,
+        norm_eps=1e-5,
+        rope_theta=500.0,
+    )
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def logits_of(model) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(tokens())
+    return out.logits if hasattr(out, "logits") else out
+
+
+def load_recipe(path) -> LLaMA:
+    config, state_dict = convert.load_recipe_checkpoint(path)
+    model = LLaMA(config)
+    model.load_state_dict(state_dict)
+    return model.eval()
+
+
+def save_sharded_recipe_checkpoint(path: Path, config: LLaMAConfig, model: LLaMA) -> None:
+    """Lay a checkpoint out as Lightning's sharded save does: DCP files for "state_dict" and the
+    optimizer states, the rest (hyper-parameters) in meta.pt."""
+    from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save
+
+    checkpoint = convert.make_recipe_checkpoint(config, model.state_dict())
+    path.mkdir(parents=True)
+    optimizer_state = {"state": {0: {"exp_avg": torch.ones(3)}}, "param_groups": [{"lr": 1.0, "params": [0]}]}
+    with pytest.warns(UserWarning, match="single process"):
+        _distributed_checkpoint_save({"state_dict": checkpoint.pop("state_dict"), "optimizer_0": optimizer_state}, path)
+    torch.save(checkpoint, path / convert.LIGHTNING_METADATA_FILE)
+
+
+@pytest.mark.parametrize("n_kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_hf_to_recipe_logits_match_transformers(tmp_path, n_kv_heads):
+    hf = hf_model(n_kv_heads)
+    hf.save_pretrained(tmp_path / "hf")
+    assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "recipe.ckpt")]) == 0
+    ours = load_recipe(tmp_path / "recipe.ckpt")
+    assert ours.config == recipe_config(n_kv_heads)
+    expected = logits_of(hf)
+    assert expected.abs().max() > 1.0  # a meaningful comparison, not two near-zero tensors
+    torch.testing.assert_close(logits_of(ours), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n_kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_recipe_file_to_hf_logits_match_transformers(tmp_path, n_kv_heads):
+    config = recipe_config(n_kv_heads)
+    ours = recipe_model(config)
+    convert.save_recipe_checkpoint(tmp_path / "recipe.ckpt", config, ours.state_dict())
+    assert convert.main(["to-hf", str(tmp_path / "recipe.ckpt"), str(tmp_path / "hf")]) == 0
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.num_key_value_heads == n_kv_heads
+    torch.testing.assert_close(logits_of(hf), logits_of(ours), atol=1e-5, rtol=0)
+
+
+def test_recipe_sharded_dcp_directory_to_hf_logits_match_transformers(tmp_path):
+    config = recipe_config()
+    ours = recipe_model(config, seed=3)
+    save_sharded_recipe_checkpoint(tmp_path / "sharded", config, ours)
+    assert convert.is_sharded_checkpoint(tmp_path / "sharded")
+    assert convert.main(["to-hf", str(tmp_path / "sharded"), str(tmp_path / "hf")]) == 0
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    torch.testing.assert_close(logits_of(hf), logits_of(ours), atol=1e-5, rtol=0)
+
+
+_FSDP_SAVE_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save
+    from recipes.llama2 import convert
+    from recipes.llama2.config import LLaMAConfig
+    from recipes.llama2.model import LLaMA
+
+    def run(rank, out, store_file):
+        dist.init_process_group("gloo", init_method="file://" + store_file, rank=rank, world_size=2)
+        config = LLaMAConfig.from_dict({config!r})
+        torch.manual_seed(0)
+        model = LLaMA(config)
+        model.reset_parameters()
+        if rank == 0:
+            torch.save(model.state_dict(), out + ".reference.pt")
+        mesh = init_device_mesh("cpu", (2,))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        state = {{"model." + k: v for k, v in get_model_state_dict(model).items()}}
+        _distributed_checkpoint_save({{"state_dict": state}}, __import__("pathlib").Path(out))
+        if rank == 0:
+            meta = convert.make_recipe_checkpoint(config, {{}})
+            meta.pop("state_dict")
+            torch.save(meta, out + "/meta.pt")
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        # fork: the children inherit the imports instead of paying for them again (no device is initialised).
+        mp.start_processes(run, args=(sys.argv[1], sys.argv[2]), nprocs=2, start_method="fork")
+    """
+)
+
+
+def test_fsdp2_sharded_checkpoint_from_two_ranks_is_read_whole(tmp_path):
+    config = recipe_config()
+    script = tmp_path / "save_sharded.py"
+    script.write_text(_FSDP_SAVE_SCRIPT.format(config=config.to_dict()))
+    out = tmp_path / "sharded"
+    subprocess.run(
+        [sys.executable, str(script), str(out), str(tmp_path / "store")],
+        cwd=REPO_ROOT,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO_ROOT)},
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    assert len(list(out.glob("*.distcp"))) == 2  # one shard file per rank
+    loaded_config, state_dict = convert.load_recipe_checkpoint(out)
+    reference = torch.load(str(out) + ".reference.pt")
+    assert loaded_config == config
+    assert state_dict.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(state_dict[name], tensor), name
+
+
+def test_name_map_covers_every_transformers_parameter_once():
+    config = recipe_config()
+    hf_names = set(hf_model(2).state_dict())
+    mapped = [name for names in convert.hf_name_map(config).values() for name in names]
+    assert len(mapped) == len(set(mapped))
+    assert set(mapped) == hf_names
+    assert set(convert.hf_name_map(config)) == set(LLaMA(config).state_dict())
+
+
+def test_gate_rows_come_first_in_the_fused_projection():
+    hf = hf_model(2)
+    config = recipe_config()
+    ours = convert.hf_to_recipe_state_dict(hf.state_dict(), config)
+    fused = ours["layers.1.feed_forward.w_gate_up.weight"]
+    assert torch.equal(fused[:96], hf.model.layers[1].mlp.gate_proj.weight)
+    assert torch.equal(fused[96:], hf.model.layers[1].mlp.up_proj.weight)
+
+
+def test_tied_embeddings_are_untied_on_import(tmp_path):
+    hf = hf_model(2, tie=True)
+    hf.save_pretrained(tmp_path / "hf")
+    assert "lm_head.weight" not in convert.load_hf_state_dict(tmp_path / "hf")
+    config, state_dict = convert.load_hf_checkpoint(tmp_path / "hf")
+    assert torch.equal(state_dict["output.weight"], state_dict["tok_embeddings.weight"])
+    ours = LLaMA(config)
+    ours.load_state_dict(state_dict)
+    torch.testing.assert_close(logits_of(ours.eval()), logits_of(hf), atol=1e-5, rtol=0)
+    # The untied copy survives a recipe checkpoint and exports again.
+    convert.save_recipe_checkpoint(tmp_path / "recipe.ckpt", config, state_dict)
+    convert.convert_recipe_to_hf(tmp_path / "recipe.ckpt", tmp_path / "hf_again")
+    again = LlamaForCausalLM.from_pretrained(tmp_path / "hf_again").eval()
+    torch.testing.assert_close(logits_of(again), logits_of(hf), atol=1e-5, rtol=0)
+
+
+def test_sharded_safetensors_export_round_trips(tmp_path):
+    config = recipe_config()
+    ours = recipe_model(config)
+    convert.save_hf_checkpoint(config, ours.state_dict(), tmp_path / "hf", max_shard_bytes=64 * 1024)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and all((tmp_path / "hf" / s).is_file() for s in shards)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    torch.testing.assert_close(logits_of(hf), logits_of(ours), atol=1e-5, rtol=0)
+    config_back, state_back = convert.load_hf_checkpoint(tmp_path / "hf")
+    assert config_back == config
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(state_back[name], tensor), name
+
+
+def test_pytorch_bin_checkpoints_with_rotary_buffers_are_read(tmp_path):
+    hf = hf_model(2)
+    directory = tmp_path / "hf"
+    hf.config.save_pretrained(directory)
+    state = dict(hf.state_dict())
+    # Checkpoints written by older transformers carry this buffer; it must be ignored.
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    torch.save(state, directory / "pytorch_model.bin")
+    config, state_dict = convert.load_hf_checkpoint(directory)
+    ours = LLaMA(config)
+    ours.load_state_dict(state_dict)
+    torch.testing.assert_close(logits_of(ours.eval()), logits_of(hf), atol=1e-5, rtol=0)
+
+
+def test_bf16_checkpoint_exports_bf16_config(tmp_path):
+    config = recipe_config()
+    ours = recipe_model(config).to(torch.bfloat16)
+    convert.save_hf_checkpoint(config, ours.state_dict(), tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["torch_dtype"] == written["dtype"] == "bfloat16"
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
+    assert hf.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_hf_shape_mismatch_names_the_tensor_and_both_shapes(tmp_path):
+    hf_model(2).save_pretrained(tmp_path / "hf")
+    config_path = tmp_path / "hf" / "config.json"
+    hf_config = json.loads(config_path.read_text())
+    hf_config["intermediate_size"] = 80
+    config_path.write_text(json.dumps(hf_config))
+    with pytest.raises(
+        convert.CheckpointError,
+        match=r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(96, 64\) .* implies \(80, 64\)",
+    ):
+        convert.load_hf_checkpoint(tmp_path / "hf")
+
+
+def test_recipe_shape_mismatch_names_the_tensor_and_both_shapes(tmp_path):
+    ours = recipe_model(recipe_config())
+    wrong = recipe_config()
+    wrong.ffn_hidden_dim = 80
+    convert.save_recipe_checkpoint(tmp_path / "recipe.ckpt", wrong, ours.state_dict())
+    with pytest.raises(
+        convert.CheckpointError,
+        match=r"'layers\.0\.feed_forward\.w_gate_up\.weight' has shape \(192, 64\) .* needs \(160, 64\)",
+    ):
+        convert.load_recipe_checkpoint(tmp_path / "recipe.ckpt")
+
+
+def test_unknown_and_missing_tensors_are_named(tmp_path):
+    hf = hf_model(2)
+    config = recipe_config()
+    state = dict(hf.state_dict())
+    state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    with pytest.raises(convert.CheckpointError, match=r"'model\.layers\.0\.self_attn\.q_proj\.bias'"):
+        convert.hf_to_recipe_state_dict(state, config)
+    state = dict(hf.state_dict())
+    del state["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(convert.CheckpointError, match=r"lacks 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        convert.hf_to_recipe_state_dict(state, config)
+    ours = recipe_model(config).state_dict()
+    ours["layers.0.attention.rotary.cos"] = torch.zeros(1)
+    with pytest.raises(convert.CheckpointError, match=r"'layers\.0\.attention\.rotary\.cos'"):
+        convert.check_state_dict(ours, config, source="test")
+
+
+def test_missing_paths_and_non_llama_models_give_clear_errors(tmp_path, capsys):
+    assert convert.main(["from-hf", str(tmp_path / "nowhere"), str(tmp_path / "out.ckpt")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert convert.main(["to-hf", str(tmp_path / "missing.ckpt"), str(tmp_path / "out")]) == 1
+    assert "missing.ckpt' does not exist" in capsys.readouterr().err
+    hf_model(2).config.save_pretrained(tmp_path / "no_weights")
+    with pytest.raises(convert.CheckpointError, match=r"has no weights: expected one of .*model\.safetensors"):
+        convert.load_hf_checkpoint(tmp_path / "no_weights")
+    with pytest.raises(convert.CheckpointError, match=r"model_type='mistral'"):
+        convert.config_from_hf({"model_type": "mistral"})
+    with pytest.raises(convert.CheckpointError, match=r"rope_type='linear'"):
+        convert.config_from_hf({"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0}})
+    (tmp_path / "plain_dir").mkdir()
+    with pytest.raises(convert.CheckpointError, match=r"not a Lightning sharded checkpoint"):
+        convert.load_recipe_checkpoint(tmp_path / "plain_dir")
+    torch.save({"weights": 1}, tmp_path / "other.pt")
+    with pytest.raises(convert.CheckpointError, match=r"has no 'state_dict' entry"):
+        convert.load_recipe_checkpoint(tmp_path / "other.pt")
+
+
+def test_checkpoint_without_config_or_model_prefix_is_explained(tmp_path):
+    config = recipe_config()
+    state = recipe_model(config).state_dict()
+    torch.save({"state_dict": {"model." + k: v for k, v in state.items()}, "hyper_parameters": {}}, tmp_path / "a.ckpt")
+    with pytest.raises(convert.CheckpointError, match=r"no hyper_parameters\['config'\]"):
+        convert.load_recipe_checkpoint(tmp_path / "a.ckpt")
+    torch.save({"state_dict": state, "hyper_parameters": {"config": config.to_dict()}}, tmp_path / "b.ckpt")
+    with pytest.raises(convert.CheckpointError, match=r"no tensor under 'model\.'"):
+        convert.load_recipe_checkpoint(tmp_path / "b.ckpt")
+
+
+def test_recipe_checkpoint_accepts_preset_names_and_wrapped_module_keys(tmp_path):
+    config = LLaMAConfig.from_preset("tiny", n_layers=1)
+    torch.manual_seed(0)
+    state = LLaMA(config).state_dict()
+    wrapped = {
+        "model._orig_mod." + k.replace("layers.0.", "layers.0._checkpoint_wrapped_module."): v for k, v in state.items()
+    }
+    torch.save(
+        {"state_dict": {**wrapped, "loss_scale": torch.ones(1)}, "hyper_parameters": {"config": config.to_dict()}},
+        tmp_path / "c.ckpt",
+    )
+    loaded_config, loaded = convert.load_recipe_checkpoint(tmp_path / "c.ckpt")
+    assert loaded_config == config and loaded.keys() == state.keys()
+    assert convert.config_from_hparams({"config": "tiny"}) == LLaMAConfig.from_preset("tiny")
+
+
+def test_recipe_checkpoint_loads_into_a_lightning_module_holding_the_model(tmp_path):
+    import lightning
+
+    class Module(lightning.LightningModule):
+        def __init__(self, config: dict):
+            super().__init__()
+            self.save_hyperparameters()
+            self.model = LLaMA(LLaMAConfig.from_dict(config))
+
+    config = recipe_config()
+    ours = recipe_model(config)
+    convert.save_recipe_checkpoint(tmp_path / "recipe.ckpt", config, ours.state_dict())
+    module = Module.load_from_checkpoint(tmp_path / "recipe.ckpt", weights_only=False)
+    torch.testing.assert_close(logits_of(module.model.eval()), logits_of(ours), atol=0, rtol=0)
+
+
+def test_convert_runs_as_a_script_from_any_directory(tmp_path):
+    hf_model(2).save_pretrained(tmp_path / "hf")
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "recipes/llama2/convert.py"),
+            "from-hf",
+            str(tmp_path / "hf"),
+            str(tmp_path / "r.ckpt"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "r.ckpt").is_file()
