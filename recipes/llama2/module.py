@@ -1,0 +1,135 @@
+"""The LLaMA-2 recipe as a LightningModule: next-token loss, AdamW without weight decay on norms and
+biases, linear warmup then cosine decay to a floor, optional initialisation from Hugging Face weights.
+
+The model is built in ``configure_model``, so under ``npu_fsdp`` it is created on the meta device and
+materialised shard by shard after the strategy has sharded it (no rank ever holds the full 7B model).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from torch.nn import functional as F
+
+from recipes.llama2.config import LLaMAConfig
+from recipes.llama2.model import LLaMA
+
+
+class LLaMA2(LightningModule):
+    """LLaMA-2 causal language model.
+
+    Args:
+        preset: named architecture (``tiny``, ``7b``, ``13b``).
+        config: LLaMAConfig fields that override the preset (e.g. ``{max_seq_len: 2048}``).
+        learning_rate: peak learning rate after warmup.
+        min_lr_ratio: the cosine decay's floor as a fraction of ``learning_rate``.
+        warmup_steps: optimizer steps of linear warmup from 0.
+        weight_decay: AdamW decay for matrices; norms and biases get none.
+        betas, eps: AdamW moments.
+        init_from: a local Hugging Face LLaMA directory or a recipe checkpoint to start from (fine-tuning).
+        tokenizer_path: recorded in checkpoints so generation finds the tokenizer.
+    """
+
+    def __init__(
+        self,
+        preset: str = "tiny",
+        config: Optional[dict[str, Any]] = None,
+        learning_rate: float = 3e-4,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 100,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        init_from: Optional[str] = None,
+        tokenizer_path: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        self.config = LLaMAConfig.from_preset(preset, **(config or {}))
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio={min_lr_ratio!r} must lie in [0, 1]: the LR floor as a fraction of the peak")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps!r} must be >= 0")
+        self.save_hyperparameters()
+        # The full architecture, so checkpoints are self-describing whatever the preset table becomes.
+        self.hparams["config"] = self.config.to_dict()
+        self.model: Optional[LLaMA] = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = LLaMA(self.config)
+
+    @property
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token at the configured context length (see LLaMAConfig.flops_per_token)."""
+        seq_len = getattr(getattr(self.trainer, "datamodule", None), "seq_len", None) if self._trainer else None
+        return self.config.flops_per_token(seq_len)
+
+    def count_tokens(self, batch: dict[str, Tensor]) -> int:
+        return batch["input_ids"].numel()
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.model(input_ids)
+
+    def _loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def on_fit_start(self) -> None:
+        # A resumed run restores its own weights; only a fresh run starts from init_from.
+        if self.hparams.init_from and self.trainer.ckpt_path is None:
+            load_pretrained(self.model, self.hparams.init_from, self.config)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        decay, no_decay = [], []
+        for param in self.model.parameters():
+            # Matrices (linear and embedding weights) decay; norm gains and biases (vectors) do not.
+            (decay if param.ndim >= 2 else no_decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas), eps=self.hparams.eps,
+        )
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        schedule = warmup_cosine(self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
+    """LR multiplier: linear from 0 to 1 over ``warmup_steps``, then cosine from 1 down to ``min_ratio`` at
+    ``total_steps``, and ``min_ratio`` after."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+def load_pretrained(model: LLaMA, path: str, config: LLaMAConfig) -> None:
+    """Copy weights from a Hugging Face directory or a recipe checkpoint into ``model`` (sharded or not)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from recipes.llama2.convert import check_state_dict, is_hf_directory, load_hf_checkpoint, load_recipe_checkpoint
+
+    source_config, state_dict = (load_hf_checkpoint if is_hf_directory(path) else load_recipe_checkpoint)(path)
+    if source_config != config:
+        raise ValueError(
+            f"init_from={path!r} holds a model of shape {source_config} but the recipe is configured as {config};"
+            " set model.preset / model.config to match the weights"
+        )
+    check_state_dict(state_dict, config, source=path)
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=True))

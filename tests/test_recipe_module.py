@@ -1,0 +1,55 @@
+"""The recipe's LightningModule: schedule, optimizer groups, hyper-parameters that make checkpoints self-describing."""
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from recipes.llama2.module import LLaMA2, warmup_cosine
+
+
+def test_warmup_then_cosine_to_the_floor():
+    schedule = warmup_cosine(warmup_steps=10, total_steps=110, min_ratio=0.1)
+    assert schedule(0) == pytest.approx(0.1)  # (0 + 1) / 10
+    assert schedule(9) == pytest.approx(1.0)
+    assert schedule(10) == pytest.approx(1.0)
+    assert schedule(60) == pytest.approx(0.1 + 0.9 * 0.5)  # half way down the cosine
+    assert schedule(110) == pytest.approx(0.1)
+    assert schedule(500) == pytest.approx(0.1)
+
+
+def test_no_weight_decay_on_norms_and_biases(tmp_path):
+    module = LLaMA2(preset="tiny", weight_decay=0.05)
+    module.configure_model()
+    trainer = Trainer(accelerator="cpu", max_steps=100, logger=False, default_root_dir=tmp_path)
+    module.trainer = trainer
+    optimizer = module.configure_optimizers()["optimizer"]
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+    norm_ids = {id(p) for name, p in module.model.named_parameters() if "norm" in name}
+    assert norm_ids and norm_ids <= {id(p) for p in no_decay["params"]}
+    assert all(p.ndim >= 2 for p in decay["params"])
+    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == module.config.num_params()
+
+
+def test_checkpoint_hparams_describe_the_architecture():
+    module = LLaMA2(preset="tiny", config={"n_layers": 2})
+    assert module.hparams["config"]["n_layers"] == 2
+    assert LLaMA2(**module.hparams).config == module.config  # reloading from hparams rebuilds the same model
+
+
+def test_bad_schedule_settings_are_rejected():
+    with pytest.raises(ValueError, match="min_lr_ratio=1.5 must lie in"):
+        LLaMA2(min_lr_ratio=1.5)
+    with pytest.raises(ValueError, match="warmup_steps=-1"):
+        LLaMA2(warmup_steps=-1)
+
+
+def test_loss_of_a_batch_is_next_token_cross_entropy():
+    torch.manual_seed(0)
+    module = LLaMA2(preset="tiny")
+    module.configure_model()
+    batch = {"input_ids": torch.randint(0, 2048, (2, 16))}
+    batch["labels"] = torch.roll(batch["input_ids"], -1, dims=1)
+    expected = torch.nn.functional.cross_entropy(module(batch["input_ids"]).reshape(-1, 2048), batch["labels"].reshape(-1))
+    assert module._loss(batch).item() == pytest.approx(expected.item())
+    assert module.count_tokens(batch) == 32
