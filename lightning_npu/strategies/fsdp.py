@@ -105,8 +105,8 @@ def _trainer_roots(module: nn.Module) -> list[nn.Module]:
     return [child for child in module.children() if any(True for _ in child.parameters())]
 
 
-class NPUFSDPStrategy(BackendFromRuntime, ModelParallelStrategy):
-    """Trainer FSDP2 on NPUs. Every option is an explicit argument, so LightningCLI YAML can set it.
+class _FSDPStrategyBase(BackendFromRuntime):
+    """What the Trainer and Fabric FSDP strategies share: options, mesh, sampler split, parameter device.
 
     Args:
         auto_wrap_policy: module classes (or names) that become FSDP units, e.g. the decoder block.
@@ -118,9 +118,11 @@ class NPUFSDPStrategy(BackendFromRuntime, ModelParallelStrategy):
         state_dict_type: ``"sharded"`` (a DCP directory, each rank writes its shard) or ``"full"`` (one file).
         timeout: process-group timeout in seconds.
         memory_fraction: share (0..1] of each NPU's memory this process may use.
+        process_group_backend: override the backend (default: hccl on NPUs, gloo when simulated).
     """
 
-    strategy_name = "npu_fsdp"
+    options: FSDPOptions
+    _device_mesh: Any
 
     def __init__(
         self,
@@ -139,23 +141,45 @@ class NPUFSDPStrategy(BackendFromRuntime, ModelParallelStrategy):
             save_distributed_checkpoint=_is_sharded(state_dict_type),
             process_group_backend=process_group_backend,
             timeout=as_timedelta(timeout),
+            **self._base_kwargs(),
         )
         self.options = FSDPOptions(
             auto_wrap_policy, zero_stage, sharding, activation_checkpointing_policy,
             activation_checkpointing_ratio, cpu_offload, memory_fraction,
         )
 
+    def _base_kwargs(self) -> dict[str, Any]:
+        return {}
+
     @property
-    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is its own data-parallel replica (ModelParallelStrategy's mesh would say otherwise).
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
-    @override
-    def setup_environment(self) -> None:
+    @property
+    def _parameter_device(self) -> torch.device:
+        return torch.device("cpu") if self.options.cpu_offload else self.root_device
+
+    def _setup_sharded_environment(self) -> None:
         self.accelerator.setup_device(self.root_device)
         self.options.set_memory_fraction(self.accelerator, self.root_device)
         self._setup_distributed()
         self._device_mesh = build_mesh(self.root_device.type, self.world_size, self.num_nodes, self.options.sharding)
+
+    def _shard(self, model: nn.Module, roots: list[nn.Module], precision_plugin: Any) -> None:
+        self.options.parallelize(model, roots, self._device_mesh, precision_name(precision_plugin))
+        _materialize_distributed_module(model, self._parameter_device)
+        model.to(self._parameter_device)
+
+
+class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
+    """Trainer FSDP2 on NPUs. Every option is an explicit argument, so LightningCLI YAML can set it."""
+
+    strategy_name = "npu_fsdp"
+
+    @override
+    def setup_environment(self) -> None:
+        self._setup_sharded_environment()
         self.lightning_module._device_mesh = self._device_mesh
 
     @contextmanager
@@ -172,19 +196,11 @@ class NPUFSDPStrategy(BackendFromRuntime, ModelParallelStrategy):
         self.accelerator.setup(trainer)
         # Cast before sharding: a dtype cast of sharded parameters has no DTensor rule on NPU.
         self.model = self.precision_plugin.convert_module(self.model)
-        self.options.parallelize(
-            self.model, _trainer_roots(self.model), self.device_mesh, precision_name(self.precision_plugin)
-        )
-        _materialize_distributed_module(self.model, self._parameter_device)
-        self.model.to(self._parameter_device)
+        self._shard(self.model, _trainer_roots(self.model), self.precision_plugin)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-
-    @property
-    def _parameter_device(self) -> torch.device:
-        return torch.device("cpu") if self.options.cpu_offload else self.root_device
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -196,55 +212,21 @@ class NPUFSDPStrategy(BackendFromRuntime, ModelParallelStrategy):
         return get_optimizer_state_dict(self.model, optimizer, options=options)
 
 
-class NPUFabricFSDPStrategy(BackendFromRuntime, FabricModelParallelStrategy):
+class NPUFabricFSDPStrategy(_FSDPStrategyBase, FabricModelParallelStrategy):
     """Fabric FSDP2 on NPUs; same options as :class:`NPUFSDPStrategy`. ``fabric.setup(model)`` shards ``model``."""
 
-    def __init__(
-        self,
-        auto_wrap_policy: MODULE_CLASSES = None,
-        zero_stage: int = 3,
-        sharding: SHARDING = "full",
-        activation_checkpointing_policy: MODULE_CLASSES = None,
-        activation_checkpointing_ratio: float = 1.0,
-        cpu_offload: bool = False,
-        state_dict_type: STATE_DICT_TYPE = "sharded",
-        timeout: Optional[TIMEOUT] = None,
-        memory_fraction: Optional[float] = None,
-        process_group_backend: Optional[str] = None,
-    ) -> None:
-        super().__init__(
-            parallelize_fn=self._parallelize,
-            save_distributed_checkpoint=_is_sharded(state_dict_type),
-            process_group_backend=process_group_backend,
-            timeout=as_timedelta(timeout),
-        )
-        self.options = FSDPOptions(
-            auto_wrap_policy, zero_stage, sharding, activation_checkpointing_policy,
-            activation_checkpointing_ratio, cpu_offload, memory_fraction,
-        )
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+    def _base_kwargs(self) -> dict[str, Any]:
+        # Fabric's ModelParallelStrategy requires a parallelize function; setup_module below does the work.
+        return {"parallelize_fn": lambda module, mesh: module}
 
     @override
     def setup_environment(self) -> None:
-        self.accelerator.setup_device(self.root_device)
-        self.options.set_memory_fraction(self.accelerator, self.root_device)
-        self._setup_distributed()
-        self._device_mesh = build_mesh(self.root_device.type, self.world_size, self.num_nodes, self.options.sharding)
-
-    def _parallelize(self, module: nn.Module, mesh: Any) -> nn.Module:
-        self.options.parallelize(module, [module], mesh, precision_name(self.precision))
-        return module
+        self._setup_sharded_environment()
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        module = super().setup_module(module)
-        if self.options.cpu_offload:
-            return module
-        return module.to(self.root_device)
+        self._shard(module, [module], self.precision)
+        return module
 
 
 def _is_sharded(state_dict_type: str) -> bool:

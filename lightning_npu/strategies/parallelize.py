@@ -95,7 +95,8 @@ def apply_fsdp(
     kwargs = {
         "mesh": mesh,
         "mp_policy": mp_policy,
-        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        # Pinned host memory needs an accelerator; on a simulated (CPU) mesh there is none.
+        "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy(),
     }
     inside_fsdp = _modules_inside_fsdp(model, FSDPModule)
     sharded = []

@@ -1,0 +1,66 @@
+"""Sharding layout checks for one rank of a larger world, using torch's fake process group (no peers run).
+
+Prints one JSON object with what npu_fsdp's parallelize functions produced for 8 ranks on 2 nodes.
+"""
+
+import json
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from lightning_npu.strategies.fsdp import FSDPOptions
+from lightning_npu.strategies.parallelize import build_mesh
+from tests.scripts.trainer_run import Block, Net
+
+
+def layout(net: nn.Module) -> dict:
+    block = net.blocks[0]
+    group = block._get_fsdp_state()._fsdp_param_group
+    return {
+        "placements": [str(p) for p in block.linear.weight.placements],
+        "local_rows": block.linear.weight.to_local().shape[0],
+        "reshard_after_forward": group._reshard_after_forward,
+        "offload": type(group.offload_policy).__name__,
+        "sharded": [name for name, m in net.named_modules() if isinstance(m, FSDPModule)],
+    }
+
+
+def main() -> None:
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    results = {}
+    for name, options, num_nodes in [
+        ("full_zero3", FSDPOptions(auto_wrap_policy=[Block]), 1),
+        ("hybrid_zero2", FSDPOptions(auto_wrap_policy=["Block"], zero_stage=2, sharding="hybrid"), 2),
+        ("offload", FSDPOptions(auto_wrap_policy=[Block], cpu_offload=True), 1),
+    ]:
+        mesh = build_mesh("cpu", 8, num_nodes, options.sharding)
+        net = Net(width=32)
+        options.parallelize(net, [net], mesh, "32-true")
+        results[name] = {"mesh": list(mesh.shape), **layout(net)}
+
+    # Blocks the user already sharded keep their own settings; the rest follow the policy.
+    mesh = build_mesh("cpu", 8, 1, "full")
+    net = Net(width=32)
+    fully_shard(net.blocks[1], mesh=mesh, reshard_after_forward=False)
+    FSDPOptions(auto_wrap_policy=[Block], zero_stage=3).parallelize(net, [net], mesh, "32-true")
+    results["user_sharded"] = {
+        "block1_reshard": net.blocks[1]._get_fsdp_state()._fsdp_param_group._reshard_after_forward,
+        "block0_reshard": net.blocks[0]._get_fsdp_state()._fsdp_param_group._reshard_after_forward,
+    }
+
+    # bf16-mixed: parameters are gathered in bf16, gradients reduced in fp32.
+    net = Net(width=32)
+    FSDPOptions(auto_wrap_policy=[Block]).parallelize(net, [net], mesh, "bf16-mixed")
+    policy = net.blocks[0]._get_fsdp_state()._mp_policy
+    results["mixed_precision"] = {"param_dtype": str(policy.param_dtype), "reduce_dtype": str(policy.reduce_dtype),
+                                  "master_dtype": str(net.blocks[0].linear.weight.dtype)}
+    print(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()

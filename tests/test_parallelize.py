@@ -1,0 +1,92 @@
+"""npu_fsdp's policies: which modules are sharded or recomputed, on which mesh, with which settings."""
+
+import json
+
+import pytest
+from torch import nn
+
+from lightning_npu import NPUFSDPStrategy
+from lightning_npu.strategies.fsdp import FSDPOptions, _trainer_roots
+from lightning_npu.strategies.parallelize import apply_activation_checkpointing, evenly_spaced, resolve_module_classes
+from tests.helpers import SCRIPTS, run_python
+from tests.scripts.trainer_run import Block, Net
+
+
+@pytest.mark.parametrize(
+    ("count", "ratio", "expected"),
+    [(4, 1.0, [0, 1, 2, 3]), (4, 0.5, [1, 3]), (4, 0.0, []), (32, 0.25, [3, 7, 11, 15, 19, 23, 27, 31]), (3, 0.34, [2])],
+)
+def test_activation_checkpointing_ratio_is_evenly_spaced(count, ratio, expected):
+    assert evenly_spaced(count, ratio) == expected
+
+
+def test_activation_checkpointing_keeps_parameter_names():
+    net = Net()
+    names = [name for name, _ in net.named_parameters()]
+    chosen = apply_activation_checkpointing(net, (Block,), 0.5)
+    assert chosen == ["blocks.1", "blocks.3"]
+    assert [name for name, _ in net.named_parameters()] == names  # checkpoints stay loadable
+
+
+def test_module_classes_by_class_path_and_name():
+    net = Net()
+    assert resolve_module_classes([Block], net, "p") == (Block,)
+    assert resolve_module_classes(["Block"], net, "p") == (Block,)
+    assert resolve_module_classes(["tests.scripts.trainer_run.Block"], net, "p") == (Block,)
+    with pytest.raises(ValueError, match="auto_wrap_policy: no module class named 'Blok' in the model; .*Block"):
+        resolve_module_classes(["Blok"], net, "auto_wrap_policy")
+    with pytest.raises(ValueError, match="cannot import 'nowhere.Block'"):
+        resolve_module_classes(["nowhere.Block"], net, "auto_wrap_policy")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"zero_stage": 1}, "zero_stage=1 is not supported; use 3"),
+        ({"sharding": "ddp"}, "sharding='ddp' is not supported"),
+        ({"activation_checkpointing_ratio": 1.5}, r"activation_checkpointing_ratio=1.5 must lie in \[0, 1\]"),
+        ({"memory_fraction": 0.0}, r"memory_fraction=0.0 must lie in \(0, 1\]"),
+        ({"state_dict_type": "consolidated"}, "state_dict_type='consolidated' is not supported"),
+        ({"timeout": -5}, "timeout=-5 must be a positive number of seconds"),
+    ],
+)
+def test_bad_fsdp_options_are_rejected_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        NPUFSDPStrategy(**kwargs)
+
+
+def test_lightning_module_parameters_must_live_in_submodules():
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(nn.init.ones_(nn.Linear(1, 1).weight))
+            self.net = Net()
+            self.empty = nn.ReLU()
+
+    assert _trainer_roots(nn.Sequential(Net(), nn.ReLU()))[0].__class__ is Net
+    with pytest.raises(ValueError, match=r"holds parameters directly \(scale\); move them into a submodule"):
+        _trainer_roots(Flat())
+
+
+def test_sharding_layouts_for_eight_ranks_on_two_nodes():
+    out = run_python([str(SCRIPTS / "parallelize_check.py")], simulate=None)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    full = result["full_zero3"]
+    assert full["mesh"] == [8] and full["placements"] == ["S(0)"] and full["local_rows"] == 4
+    assert full["reshard_after_forward"] is True
+    assert full["sharded"] == ["", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    hybrid = result["hybrid_zero2"]
+    # Replicated across the 2 nodes, sharded over the 4 devices of a node: 32 rows / 4 = 8 per rank.
+    assert hybrid["mesh"] == [2, 4] and hybrid["placements"] == ["R", "S(0)"] and hybrid["local_rows"] == 8
+    assert hybrid["reshard_after_forward"] is False
+    assert result["offload"]["offload"] == "CPUOffloadPolicy"
+    assert result["user_sharded"] == {"block1_reshard": False, "block0_reshard": True}
+    assert result["mixed_precision"] == {"param_dtype": "torch.bfloat16", "reduce_dtype": "torch.float32",
+                                         "master_dtype": "torch.float32"}
+
+
+def test_options_are_shared_by_trainer_and_fabric_strategies():
+    from lightning_npu import NPUFabricFSDPStrategy
+
+    kwargs = {"auto_wrap_policy": [Block], "zero_stage": 2, "activation_checkpointing_ratio": 0.5}
+    assert NPUFSDPStrategy(**kwargs).options == NPUFabricFSDPStrategy(**kwargs).options == FSDPOptions(**kwargs)
