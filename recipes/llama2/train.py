@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
-import lightning_npu  # noqa: F401 -- registers accelerator="npu" and the npu_* strategies
+from lightning_npu import TokenThroughputMonitor  # importing the plugin registers accelerator="npu" and npu_*
 from recipes.llama2.data import TextDataModule, check_vocab_fits
 from recipes.llama2.module import LLaMA2
 
@@ -92,7 +92,7 @@ def main(args: Optional[list[str]] = None) -> LLaMACLI:
     return LLaMACLI(
         LLaMA2,
         TextDataModule,
-        trainer_defaults={"callbacks": [RunSummary(), ModelCheckpoint(save_last=True)]},
+        trainer_defaults={"callbacks": [TokenThroughputMonitor(), RunSummary(), ModelCheckpoint(save_last=True)]},
         save_config_kwargs={"overwrite": False},
         args=args,
     )
