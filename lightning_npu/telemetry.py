@@ -129,16 +129,23 @@ def format_line(
         parts.append(f"loss {loss:.3f}")
     if lr is not None:
         parts.append(f"lr {lr:.1e}")
-    if tokens_per_s is not None:
-        parts.append(f"{tokens_per_s:,.0f} tokens/s/{device_label}")
-    if flops_per_s is not None:
-        parts.append(f"{format_tflops(flops_per_s)} TFLOP/s")
-    if mfu_fraction is not None:
-        parts.append(f"MFU {100 * mfu_fraction:.1f}%")
+    parts += _rate_parts(tokens_per_s, flops_per_s, mfu_fraction, device_label)
     if memory is not None:
         parts.append(memory.describe())
     parts.append(f"{step_time_s:.2f} s/step")
     return " | ".join(parts)
+
+
+def _rate_parts(tokens_per_s: Optional[float], flops_per_s: Optional[float], mfu_fraction: Optional[float],
+                device_label: str, prefix: str = "") -> list[str]:
+    parts = []
+    if tokens_per_s is not None:
+        parts.append(f"{prefix}{tokens_per_s:,.0f} tokens/s/{device_label}")
+    if flops_per_s is not None:
+        parts.append(f"{format_tflops(flops_per_s)} TFLOP/s")
+    if mfu_fraction is not None:
+        parts.append(f"MFU {100 * mfu_fraction:.1f}%")
+    return parts
 
 
 def format_summary(
@@ -157,12 +164,7 @@ def format_summary(
     if validation_s > 0:
         head += f" ({format_duration(validation_s)} of it validation)"
     parts = [head]
-    if tokens_per_s is not None:
-        parts.append(f"avg {tokens_per_s:,.0f} tokens/s/{device_label}")
-    if flops_per_s is not None:
-        parts.append(f"{format_tflops(flops_per_s)} TFLOP/s")
-    if mfu_fraction is not None:
-        parts.append(f"MFU {100 * mfu_fraction:.1f}%")
+    parts += _rate_parts(tokens_per_s, flops_per_s, mfu_fraction, device_label, prefix="avg ")
     if memory is not None:
         parts.append(memory.describe() if memory.process_rss else f"peak {memory.describe()}")
     return " | ".join(parts)
