@@ -1,0 +1,215 @@
+"""lightning-npu plan: hand-counted shard sizes, activations checked against what autograd really saves, the verdict
+and micro-batch search, YAML reading with flag overrides, the console command, and clear errors."""
+
+import contextlib
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_npu.cli import main
+from lightning_npu.cli.plan import (
+    GIB,
+    ModelShape,
+    PlanError,
+    PlanSpec,
+    block_activations,
+    estimate,
+    load_spec,
+    max_micro_batch,
+    state_bytes,
+)
+from recipes.llama2.config import LLaMAConfig
+from tests.helpers import REPO
+
+CONFIG_7B = REPO / "recipes" / "llama2" / "configs" / "llama2_7b.yaml"
+CONFIG_7B_2NODES = REPO / "recipes" / "llama2" / "configs" / "llama2_7b_2nodes.yaml"
+# LLaMA-2 7B: embeddings + output (2 x 32000 x 4096), final norm, 32 blocks of wq/wk/wv/wo (4 x 4096^2),
+# gate/up/down (3 x 4096 x 11008) and two norms.
+PARAMS_7B = 2 * 32000 * 4096 + 4096 + 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096)
+
+
+def test_7b_parameter_gradient_and_optimizer_shards_over_8_devices_match_a_hand_count():
+    assert PARAMS_7B == 6_738_415_616
+    spec = load_spec(CONFIG_7B, devices=8)
+    per_device = PARAMS_7B * 4 // 8  # fp32 master shards; every 7B dimension divides by 8, so no padding
+    assert per_device == 3_369_207_808
+    assert state_bytes(spec) == {"parameters": per_device, "gradients": per_device, "optimizer": 2 * per_device}
+    # accumulate_grad_batches=4 keeps the gradients alive at the peak, so all three appear in the table.
+    items = estimate(spec).items
+    assert (items["parameters"], items["gradients"], items["optimizer"]) == (per_device, per_device, 2 * per_device)
+
+
+def test_hybrid_sharding_shards_within_a_node_and_replicates_across_nodes():
+    hybrid = load_spec(CONFIG_7B_2NODES)
+    assert (hybrid.world_size, hybrid.shard_group) == (16, 8)
+    assert state_bytes(hybrid)["parameters"] == PARAMS_7B * 4 // 8
+    full = dataclasses.replace(hybrid, sharding="full")
+    assert state_bytes(full)["parameters"] == PARAMS_7B * 4 // 16
+
+
+def test_shards_pad_each_tensor_to_a_multiple_of_the_group_along_dim_0():
+    model = ModelShape(vocab_size=10, dim=6, n_layers=1, n_heads=3, n_kv_heads=3, ffn_hidden_dim=5, max_seq_len=8)
+    spec = PlanSpec(model=model, seq_len=8, micro_batch=1, devices=4, precision="32-true")
+    # ceil(rows / 4) rows per device: root = emb 3x6 + norm 2 + output 3x6 = 38; block = norms 2 + 2,
+    # wq/wk/wv/wo 2x6 each = 48, gate_up ceil(10/4)=3 x 6 = 18, down 2 x 5 = 10 -> 80.
+    assert state_bytes(spec)["parameters"] == (38 + 80) * 4
+
+
+def _saved_bytes_per_token(block, dtype, kernels_context, batch_sizes, seq):
+    """What autograd keeps from one forward of ``block``, per token (from two batch sizes, so constants cancel)."""
+    from lightning_npu.kernels import rotary_tables
+
+    cos, sin = (t.to(dtype) for t in rotary_tables(seq, block.attention.head_dim))
+    totals = []
+    for batch in batch_sizes:
+        x = torch.randn(batch, seq, block.attention_norm.weight.numel(), dtype=dtype, requires_grad=True)
+        storages: dict[int, int] = {}
+
+        def pack(tensor, storages=storages):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kernels_context():
+            block(x, cos, sin)
+        params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+        totals.append(sum(n for ptr, n in storages.items() if ptr not in params))
+    return (totals[1] - totals[0]) / ((batch_sizes[1] - batch_sizes[0]) * seq)
+
+
+# Eager attention is checked in fp32 only: on the CPU, SDPA's math backend upcasts bf16 inputs to fp32 copies, which
+# an NPU's eager attention would not do.
+@pytest.mark.parametrize(("precision", "kernels"), [("32-true", "reference"), ("bf16-mixed", "reference"),
+                                                    ("32-true", "eager")])
+def test_block_activation_count_matches_the_tensors_autograd_saves(precision, kernels):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from recipes.llama2.model import TransformerBlock
+
+    config = LLaMAConfig.from_preset("tiny")  # grouped-query attention: 4 query heads share 2 kv heads
+    torch.manual_seed(0)
+    block = TransformerBlock(config, 0)
+    dtype = torch.float32
+    contexts = [contextlib.nullcontext]
+    if precision == "bf16-mixed":
+        block = block.to(torch.bfloat16)  # what FSDP's MixedPrecisionPolicy(param_dtype=bf16) computes with
+        dtype = torch.bfloat16
+        contexts.append(lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    if kernels == "eager":
+        contexts.append(lambda: sdpa_kernel(SDPBackend.MATH))
+
+    @contextlib.contextmanager
+    def context():
+        with contextlib.ExitStack() as stack:
+            for make in contexts:
+                stack.enter_context(make())
+            yield
+
+    seq = 32
+    measured = _saved_bytes_per_token(block, dtype, context, (2, 4), seq)
+    act_bytes = 4 if precision == "32-true" else 2
+    predicted = sum(block_activations(ModelShape.of(config), kernels, act_bytes, seq).values())
+    assert measured == predicted
+
+
+def _spec_7b(**changes):
+    return dataclasses.replace(load_spec(CONFIG_7B, devices=8), **changes)
+
+
+def test_verdict_compares_the_peak_with_the_device_memory():
+    total = estimate(_spec_7b()).total
+    roomy = estimate(_spec_7b(device_memory_gib=total / GIB + 1.0))
+    tight = estimate(_spec_7b(device_memory_gib=total / GIB - 1.0))
+    assert roomy.fits and roomy.headroom == pytest.approx(GIB)
+    assert not tight.fits and tight.headroom == pytest.approx(-GIB)
+
+
+def test_largest_micro_batch_is_the_last_one_that_fits():
+    spec = _spec_7b(device_memory_gib=32.0)
+    for stage in (2, 3):
+        best = max_micro_batch(spec, stage)
+        fitting = [b for b in range(1, best + 3) if estimate(spec, stage, b).fits]
+        assert best >= 1 and fitting == list(range(1, best + 1))
+
+
+def test_no_micro_batch_fits_when_one_device_cannot_hold_the_optimizer_states():
+    spec = dataclasses.replace(load_spec(CONFIG_7B, devices=1), device_memory_gib=64.0)
+    assert max_micro_batch(spec, 3) == 0 and not estimate(spec).fits
+
+
+def test_zero3_and_activation_checkpointing_lower_the_7b_peak():
+    spec = _spec_7b(ac_ratio=0.0)
+    zero2, zero3 = estimate(spec, 2), estimate(spec, 3)
+    assert zero3.items["gathered"] < zero2.items["gathered"] / 5  # one or two blocks instead of the whole model
+    assert zero3.total < zero2.total
+    assert estimate(_spec_7b(ac_ratio=1.0), 3).total < zero3.total
+
+
+def test_yaml_fields_are_read_and_flags_override_them(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model:\n  preset: tiny\n  config: {dim: 256, n_layers: 6, max_seq_len: 512}\n"
+        "data:\n  path: /path/to/nowhere\n  seq_len: 128\n  batch_size: 3\n"
+        "trainer:\n  devices: 4\n  num_nodes: 2\n  precision: bf16-mixed\n  accumulate_grad_batches: 2\n"
+        "  strategy:\n    class_path: lightning_npu.NPUFSDPStrategy\n    init_args:\n"
+        "      auto_wrap_policy: [recipes.llama2.model.TransformerBlock]\n      zero_stage: 2\n"
+        "      sharding: hybrid\n      activation_checkpointing_policy: [TransformerBlock]\n"
+        "      activation_checkpointing_ratio: 0.5\n"
+    )
+    spec = load_spec(config)
+    assert (spec.model.dim, spec.model.n_layers, spec.model.vocab_size) == (256, 6, 2048)
+    assert (spec.seq_len, spec.micro_batch, spec.devices, spec.nodes) == (128, 3, 4, 2)
+    assert (spec.precision, spec.accumulate_grad_batches) == ("bf16-mixed", 2)
+    assert (spec.zero_stage, spec.sharding) == (2, "hybrid")
+    assert spec.wrap_blocks and spec.checkpointed_layers == [1, 3, 5]
+    overridden = load_spec(config, devices=2, nodes=1, micro_batch=7, seq_len=64, precision="32-true", ac_ratio=0.0)
+    assert (overridden.devices, overridden.nodes, overridden.micro_batch, overridden.seq_len) == (2, 1, 7, 64)
+    assert overridden.precision == "32-true" and overridden.checkpointed_layers == []
+
+
+def test_console_command_plans_the_7b_config_on_8_devices():
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_npu.cli", "plan", "--config", str(CONFIG_7B), "--devices", "8",
+         "--device-memory", "64"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any("ZeRO-2" in line and "ZeRO-3*" in line for line in lines)
+    assert [line.split()[-2:] for line in lines if line.startswith("parameters (fp32 shards)")] == [["3.14", "3.14"]]
+    assert [line.split()[-2:] for line in lines if line.startswith("verdict")] == [["fits", "fits"]]
+
+
+def test_json_output_and_exit_status_follow_the_verdict(capsys):
+    assert main(["plan", "--config", str(CONFIG_7B), "--devices", "8", "--device-memory", "64", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["stages"]["3"]["fits"] and plan["stages"]["3"]["max_micro_batch"] >= 1
+    assert plan["stages"]["3"]["items_gib"]["parameters"] == pytest.approx(PARAMS_7B * 4 / 8 / GIB)
+    assert main(["plan", "--config", str(CONFIG_7B), "--devices", "8", "--device-memory", "12"]) == 1
+    assert "NO FIT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "flags", "message"),
+    [
+        ("model:\n  preset: 70b\n", [], "Unknown LLaMA preset '70b'"),
+        ("model:\n  preset: 7b\ntrainer:\n  strategy: npu_fsdp\n", ["--devices", "3"], "use 1, 2, 4 or 8 devices"),
+        ("model:\n  preset: 7b\ntrainer:\n  strategy: npu_ddp\n", [], "models npu_fsdp"),
+        ("model:\n  preset: tiny\ndata:\n  seq_len: 4096\ntrainer:\n  strategy: npu_fsdp\n", [], "max_seq_len=256"),
+        ("trainer:\n  devices: auto\n  strategy: npu_fsdp\n", [], "pass --devices N"),
+    ],
+)
+def test_bad_configs_fail_with_the_value_and_the_fix(tmp_path, capsys, yaml_text, flags, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml_text)
+    assert main(["plan", "--config", str(config), *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_config_file_is_an_error_not_a_traceback(tmp_path):
+    with pytest.raises(PlanError, match="does not exist"):
+        load_spec(tmp_path / "nope.yaml")
