@@ -1,0 +1,346 @@
+"""How close is ``lightning-npu plan`` to the real peak memory of training? Measured on the CPU.
+
+    python benchmarks/plan_accuracy.py                 # all 17 cases, ~7 min on 2 cores
+    python benchmarks/plan_accuracy.py --cases base,ac1 --out /tmp/plan_accuracy.json
+
+Each case trains the recipe's LLaMA2 LightningModule for a few steps with
+``Trainer(accelerator="npu", strategy=NPUFSDPStrategy(...))`` on the simulated runtime
+(LIGHTNING_NPU_SIMULATE=<devices>), varying width, depth, sequence, micro-batch, ZeRO stage, activation
+checkpointing, precision, attention kernel and gradient accumulation. The planner's estimate for the same
+configuration (its CPU settings: PyTorch reference kernels, per-tensor AdamW, no HCCL buffers, no allowance) is
+compared with the measured peak of the steady-state steps (after the optimizer states exist).
+
+How the peak is measured, and why it can be trusted. PyTorch's CPU allocator reports every allocation and free
+of tensor storage to the profiler when ``profile_memory=True`` (c10's ``ProfiledCPUMemoryReporter``), including
+those made inside C++ (autograd, FSDP2's buffers, DTensor, the optimizer), with sizes and timestamps. The running
+sum of those events from before ``fit`` starts is the live tensor memory of the process at every instant, and its
+maximum is the peak (benchmarks/_memory.py). RSS would also count the Python heap, libraries and freed-but-cached
+pages; tracemalloc does not see torch's allocator. Two checks are recorded for every case: a calibration in the
+same process (tensors of known sizes must give the exact peak), and after every optimizer step the running sum
+minus the bytes of the parameter shards, gradients and AdamW states found by walking the objects must stay
+constant (it is the batches and rotary tables; a drift would mean frees the profiler missed).
+
+The profiler follows only the threads it was started on. With N real gloo processes, gloo's worker threads drop
+the last reference to some collective buffers, so those frees go unseen and the running sum drifts upward by
+megabytes per step (``--backend gloo`` shows it in the state-check column). So by default one process plays rank 0
+of N over torch's fake process group (``torch.testing._internal.distributed.fake_pg``): FSDP2 allocates and frees
+exactly the same buffers for N ranks, the collectives move no data and allocate nothing, and every allocation is on
+the profiled thread. The planner's HCCL buffers and allowance are set to zero for the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+MIB = 1024**2
+#: Each case: the model fields over the tiny preset, the run's shape, and the strategy options.
+CASES: dict[str, dict[str, Any]] = {
+    "base": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=2, zero=3, ac=0.0),
+    "zero2": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=2, zero=2, ac=0.0),
+    "ac1": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=2, zero=3, ac=1.0),
+    "ac05_zero2": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=2, zero=2, ac=0.5),
+    "bf16": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=2, zero=3, ac=0.0,
+                 precision="bf16-mixed"),
+    "bf16_zero2_ac1": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=2, zero=2, ac=1.0,
+                           precision="bf16-mixed"),
+    "wide": dict(model=dict(dim=512, n_layers=2, n_heads=8, n_kv_heads=8, ffn_hidden_dim=1376), seq=128, batch=2,
+                 devices=2, zero=3, ac=0.0),
+    "long_seq": dict(model=dict(n_layers=6, max_seq_len=1024), seq=1024, batch=1, devices=2, zero=3, ac=0.0),
+    "eager": dict(model=dict(dim=256, ffn_hidden_dim=688, max_seq_len=512), seq=512, batch=2, devices=2, zero=3,
+                  ac=0.0, kernels="eager"),
+    "one_device": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=1, zero=3, ac=0.5),
+    "accumulate": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=2, zero=3, ac=0.0,
+                       accumulate=2),
+    # Measured only after the planner was final (the cases above guided it): a check on unseen configurations.
+    "dev4_bf16_ac05": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=4, zero=3, ac=0.5,
+                           precision="bf16-mixed", holdout=True),
+    "dev8_padding": dict(model=dict(dim=320, n_heads=5, n_kv_heads=5, ffn_hidden_dim=868), seq=128, batch=4, devices=8,
+                         zero=2, ac=0.0, holdout=True),
+    "hybrid_2x2": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=2, devices=2, nodes=2, zero=3, ac=0.0,
+                       sharding="hybrid", holdout=True),
+    "bf16_true": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=2, zero=3, ac=0.0,
+                      precision="bf16-true", holdout=True),
+    "mha_eager_ac1": dict(model=dict(dim=256, n_kv_heads=4, ffn_hidden_dim=688, max_seq_len=512), seq=512, batch=2,
+                          devices=2, zero=3, ac=1.0, kernels="eager", holdout=True),
+    "deep_zero2": dict(model=dict(n_layers=12), seq=256, batch=2, devices=2, zero=2, ac=0.25, holdout=True),
+}
+STEPS = 4  # optimizer steps per run; the first is excluded (no optimizer states yet)
+
+
+def case_spec(case: dict[str, Any]):
+    """The planner's PlanSpec for a case, with the CPU's settings."""
+    from lightning_npu.cli.plan import ModelShape, PlanSpec
+    from recipes.llama2.config import LLaMAConfig
+
+    return PlanSpec(
+        model=ModelShape.of(LLaMAConfig.from_preset("tiny", **case["model"])),
+        seq_len=case["seq"],
+        micro_batch=case["batch"],
+        devices=case["devices"],
+        nodes=case.get("nodes", 1),
+        sharding=case.get("sharding", "full"),
+        precision=case.get("precision", "32-true"),
+        accumulate_grad_batches=case.get("accumulate", 1),
+        zero_stage=case["zero"],
+        wrap_blocks=True,
+        ac_ratio=case["ac"],
+        kernels=case.get("kernels", "reference"),
+        foreach_optimizer=False,  # torch's AdamW runs its per-tensor loop on CPU tensors
+        hccl_buffsize_mb=0.0,
+        workspace_gib=0.0,
+        fragmentation=0.0,
+        device_memory_gib=1024.0,
+    )
+
+
+# -------------------------------------------------------------------------------------------- the measured run
+
+
+def _windows(prof: Any, prefix: str) -> list[tuple[str, int, int]]:
+    out = []
+    for event in prof.profiler.kineto_results.events():
+        if event.name().startswith(prefix):
+            out.append((event.name(), event.start_ns(), event.end_ns()))
+    return sorted(out, key=lambda w: w[1])
+
+
+def worker(case: dict[str, Any], out: Path) -> None:
+    """One rank of a measured run (Lightning starts the other ranks by re-running this command)."""
+    import contextlib
+
+    import torch
+    from lightning.pytorch import Callback, Trainer
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.utils.data import DataLoader, Dataset
+
+    from benchmarks._memory import calibration, memory_curve
+    from lightning_npu import NPUFSDPStrategy
+    from recipes.llama2.model import TransformerBlock
+    from recipes.llama2.module import LLaMA2
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    check = calibration()
+    module = LLaMA2(preset="tiny", config=case["model"], warmup_steps=1)
+    vocab, seq, batch = module.config.vocab_size, case["seq"], case["batch"]
+    accumulate = case.get("accumulate", 1)
+
+    class Tokens(Dataset):
+        def __len__(self) -> int:
+            return STEPS * accumulate * batch * case["devices"] * case.get("nodes", 1)
+
+        def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+            g = torch.Generator().manual_seed(index)
+            block = torch.randint(0, vocab, (seq + 1,), generator=g)
+            return {"input_ids": block[:-1].clone(), "labels": block[1:].clone()}
+
+    class Marks(Callback):
+        """Brackets each batch with a profiler range; counts the persistent state at the end of the last one."""
+
+        def __init__(self) -> None:
+            self.range = None
+            self.state_bytes: list[int] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.range = record_function(f"batch {batch_idx}")
+            self.range.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.range.__exit__(None, None, None)
+            if (batch_idx + 1) % accumulate == 0:
+                with record_function(f"state check {batch_idx}"):
+                    self.state_bytes.append(sum(_state_bytes(pl_module, trainer.optimizers[0]).values()))
+
+    marks = Marks()
+    backend = None
+    if case["devices"] * case.get("nodes", 1) > 1 and case.get("backend", "fake") == "fake":
+        # One process poses as rank 0 of N: torch's fake process group performs no communication and allocates
+        # nothing, so every tensor FSDP2 allocates for its collectives is its own, made on this thread.
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case["devices"] * case.get("nodes", 1))
+        backend = "fake"
+    strategy = NPUFSDPStrategy(
+        auto_wrap_policy=[TransformerBlock],
+        zero_stage=case["zero"],
+        activation_checkpointing_policy=[TransformerBlock] if case["ac"] > 0 else None,
+        activation_checkpointing_ratio=case["ac"] if case["ac"] > 0 else 1.0,
+        sharding=case.get("sharding", "full"),
+        timeout=600,
+        process_group_backend=backend,
+    )
+    trainer = Trainer(
+        accelerator="npu", devices=case["devices"], num_nodes=case.get("nodes", 1), strategy=strategy,
+        precision=case.get("precision", "32-true"),
+        max_steps=STEPS, accumulate_grad_batches=accumulate, gradient_clip_val=1.0, limit_val_batches=0,
+        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[marks],
+    )
+    attention = contextlib.nullcontext()
+    if case.get("kernels") == "eager":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        attention = sdpa_kernel(SDPBackend.MATH)  # SDPA's math backend keeps the S x S probabilities
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, attention:
+        trainer.fit(module, train_dataloaders=DataLoader(Tokens(), batch_size=batch))
+    seconds = time.perf_counter() - started
+    times, live = memory_curve(prof)
+    batches = _windows(prof, "batch ")
+    check = _windows(prof, "state check")
+    steady_from = accumulate  # batches before this one ran without optimizer states
+    peaks = []
+    for _, start, end in batches:
+        inside = [v for t, v in zip(times, live, strict=True) if start <= t <= end]
+        peaks.append(max(inside) if inside else 0)
+    # Live bytes right after each optimizer step minus the parameter/gradient/optimizer bytes found through the
+    # objects: what else the loop holds (batches, rotary tables, retained collective buffers). Constant if every
+    # free is seen.
+    extra = [[v for t, v in zip(times, live, strict=True) if t <= start][-1] - state
+             for (_, start, _), state in zip(check, marks.state_bytes, strict=True)]
+    result = {
+        "rank": trainer.global_rank,
+        "batch_peaks": peaks,
+        "steady_peak": max(peaks[steady_from:]),
+        "first_step_peak": max(peaks[:steady_from]),
+        "overall_peak": max(live),
+        "state_bytes_by_objects": marks.state_bytes,
+        "live_minus_state_after_each_step": extra,
+        "calibration": check,
+        "fit_seconds": seconds,
+    }
+    out.with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def _state_bytes(module: Any, optimizer: Any) -> dict[str, int]:
+    """Bytes of this rank's parameter shards, gradient shards and AdamW states, found through the objects."""
+    def local(t: Any) -> Any:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = list(module.parameters())
+    sizes = {"parameters": sum(local(p).untyped_storage().nbytes() for p in params), "optimizer": 0}
+    seen = set()
+    for state in optimizer.state.values():
+        for value in state.values():
+            if hasattr(value, "untyped_storage"):
+                storage = local(value).untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    sizes["optimizer"] += storage.nbytes()
+    # A unit's gradient shards are views of one reduce-scatter output: count each storage once.
+    grads = {local(p.grad).untyped_storage().data_ptr(): local(p.grad).untyped_storage().nbytes()
+             for p in params if p.grad is not None}
+    sizes["gradients"] = sum(grads.values())
+    return sizes
+
+
+# ----------------------------------------------------------------------------------------------------- the driver
+
+
+def measure(name: str, case: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    out = workdir / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_NPU_SIMULATE"}
+    env.update(LIGHTNING_NPU_SIMULATE=str(case["devices"]), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
+    ranks = case["devices"]
+    if case["devices"] * case.get("nodes", 1) > 1 and case.get("backend", "fake") == "fake":
+        env.update(LOCAL_RANK="0", NODE_RANK="0")  # Lightning then starts no other process: this is rank 0 of N
+        ranks = 1
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(case), "--result", str(out)]
+    started = time.perf_counter()
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"case {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    results = [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(ranks)]
+    return {"ranks": results, "wall_seconds": time.perf_counter() - started}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")), help="where the JSON result goes")
+    parser.add_argument("--backend", choices=("fake", "gloo"), default="fake",
+                        help="fake: one process poses as rank 0 of N (exact, default); gloo: N real processes, whose"
+                             " gloo worker threads free some buffers where the profiler cannot see it (see the state"
+                             " check column)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker), Path(args.result))
+        return 0
+
+    from lightning_npu.cli.plan import estimate
+
+    names = [n.strip() for n in args.cases.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for name in names:
+            case = dict(CASES[name], backend=args.backend)
+            spec = case_spec(case)
+            predicted = estimate(spec)
+            run = measure(name, case, Path(workdir))
+            measured = max(rank["steady_peak"] for rank in run["ranks"])
+            rank0 = run["ranks"][0]
+            row = {
+                "case": name,
+                "config": case,
+                "predicted_mib": predicted.total / MIB,
+                "measured_mib": measured / MIB,
+                "error_pct": 100.0 * (predicted.total - measured) / measured,
+                "predicted_items_mib": {k: v / MIB for k, v in predicted.items.items()},
+                "predicted_peak_phase": predicted.peak_phase,
+                "first_step_peak_mib": max(r["first_step_peak"] for r in run["ranks"]) / MIB,
+                "check_state_by_objects_mib": rank0["state_bytes_by_objects"][-1] / MIB,
+                "check_live_minus_state_mib": [x / MIB for x in rank0["live_minus_state_after_each_step"]],
+                "check_calibration": rank0["calibration"],
+                "wall_seconds": run["wall_seconds"],
+            }
+            rows.append(row)
+            print(f"{name:<16} predicted {row['predicted_mib']:8.1f} MiB  measured {row['measured_mib']:8.1f} MiB"
+                  f"  error {row['error_pct']:+6.1f}%   ({row['wall_seconds']:.0f} s)", flush=True)
+    print()
+    print(f"{'case':<20}{'zero':>5}{'AC':>5}{'prec':>11}{'kernels':>10}{'world':>6}{'tokens':>7}"
+          f"{'plan MiB':>10}{'real MiB':>10}{'error':>8}{'state chk':>11}")
+    for r in rows:
+        c = r["config"]
+        extra = r["check_live_minus_state_mib"]
+        print(f"{r['case'] + (' (h)' if c.get('holdout') else ''):<20}{c['zero']:>5}{c['ac']:>5.2f}"
+              f"{c.get('precision', '32-true'):>11}{c.get('kernels', 'reference'):>10}"
+              f"{c['devices'] * c.get('nodes', 1):>6}{c['seq'] * c['batch']:>7}{r['predicted_mib']:>10.1f}"
+              f"{r['measured_mib']:>10.1f}{r['error_pct']:>+7.1f}%{extra[-1] - extra[0]:>+9.2f}MiB")
+    summary = {}
+    for label, subset in (("all", rows), ("holdout", [r for r in rows if r["config"].get("holdout")])):
+        errors = [abs(r["error_pct"]) for r in subset]
+        if errors:
+            summary[label] = {"mean_abs_error_pct": statistics.mean(errors), "max_abs_error_pct": max(errors),
+                              "cases": len(errors)}
+            print(f"{label}: mean |error| {statistics.mean(errors):.1f}%, max |error| {max(errors):.1f}%"
+                  f" over {len(errors)} cases")
+    print("(h): measured only after the planner was final. state chk: drift, over the run, of live tensor bytes"
+          " after an optimizer step minus the parameter, gradient and AdamW bytes found through the objects"
+          " (0 when the profiler sees every free)")
+    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
