@@ -61,11 +61,11 @@ def device_type(connector: Any) -> str:
 
 def npu_precision(connector: Any, precision: str, explicit: Any, plugins_namespace: ModuleType) -> Any:
     """The precision plugin for a run on an NPU accelerator or with an NPU strategy."""
-    if explicit is not None and not needs_rebuild(explicit, device_type(connector)):
+    kind = device_type(connector)
+    if explicit is not None and not needs_rebuild(explicit, kind):
         return explicit
     name = precision_name(explicit) if explicit is not None else precision
     sharded = isinstance(connector.strategy, SHARDED_STRATEGY_TYPES)
-    kind = device_type(connector)
     scaler = None
     if name == "16-mixed":
         npu = is_npu(connector._accelerator_flag)

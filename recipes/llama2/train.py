@@ -53,8 +53,8 @@ class RunSummary(Callback):
         path = getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")
         if path:
             print(f"checkpoint: {path}")
-            command = ["python", str(GENERATE_SCRIPT.relative_to(Path.cwd()) if GENERATE_SCRIPT.is_relative_to(Path.cwd())
-                                     else GENERATE_SCRIPT), "--checkpoint", path, "--prompt", "The", "--max-new-tokens", "40"]
+            script = GENERATE_SCRIPT.relative_to(Path.cwd()) if GENERATE_SCRIPT.is_relative_to(Path.cwd()) else GENERATE_SCRIPT
+            command = ["python", str(script), "--checkpoint", path, "--prompt", "The", "--max-new-tokens", "40"]
             print("generate: " + shlex.join(command))
 
 
