@@ -6,8 +6,13 @@ import pytest
 from torch import nn
 
 from lightning_npu import NPUFSDPStrategy
-from lightning_npu.strategies.fsdp import FSDPOptions, _trainer_roots
-from lightning_npu.strategies.parallelize import apply_activation_checkpointing, evenly_spaced, resolve_module_classes
+from lightning_npu.strategies.fsdp import FSDPOptions
+from lightning_npu.strategies.parallelize import (
+    apply_activation_checkpointing,
+    evenly_spaced,
+    repeated_block_class,
+    resolve_module_classes,
+)
 from tests.helpers import SCRIPTS, run_python
 from tests.scripts.trainer_run import Block, Net
 
@@ -55,17 +60,17 @@ def test_bad_fsdp_options_are_rejected_at_construction(kwargs, message):
         NPUFSDPStrategy(**kwargs)
 
 
-def test_lightning_module_parameters_must_live_in_submodules():
-    class Flat(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.scale = nn.Parameter(nn.init.ones_(nn.Linear(1, 1).weight))
-            self.net = Net()
-            self.empty = nn.ReLU()
+def test_the_repeated_block_is_the_outermost_repeated_class_holding_most_parameters():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    assert _trainer_roots(nn.Sequential(Net(), nn.ReLU()))[0].__class__ is Net
-    with pytest.raises(ValueError, match=r"holds parameters directly \(scale\); move them into a submodule"):
-        _trainer_roots(Flat())
+    assert repeated_block_class(Net()) is Block  # not the Linear inside it, although Linear has more instances
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=2, n_head=2,
+                                      bos_token_id=0, eos_token_id=0))
+    assert repeated_block_class(gpt2) is GPT2Block
+    assert repeated_block_class(nn.Sequential(nn.Linear(2, 2))) is None
+    # Containers (ModuleList / ModuleDict have no forward) are never candidates.
+    assert repeated_block_class(nn.Sequential(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))) is nn.Linear
 
 
 def test_sharding_layouts_for_eight_ranks_on_two_nodes():
@@ -83,6 +88,9 @@ def test_sharding_layouts_for_eight_ranks_on_two_nodes():
     assert result["user_sharded"] == {"block1_reshard": False, "block0_reshard": True}
     assert result["mixed_precision"] == {"param_dtype": "torch.bfloat16", "reduce_dtype": "torch.float32",
                                          "master_dtype": "torch.float32"}
+    assert result["auto"] == ["", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert result["one_unit"] == [""]
+    assert result["tied"] == {"sharded": ["", "blocks.0", "blocks.1", "blocks.3"], "same_parameter": True}
 
 
 def test_options_are_shared_by_trainer_and_fabric_strategies():

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Generator, Literal, Optional
+from typing import Any, Generator, Iterable, Literal, Optional
 
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
-from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
@@ -22,13 +22,16 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_npu.precision import mixed_precision_policy, precision_name
+from lightning_npu.strategies import initial_state
 from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta
 from lightning_npu.strategies.parallelize import (
     MODULE_CLASSES,
     SHARDING,
+    STEP_METHODS,
     apply_activation_checkpointing,
     apply_fsdp,
     build_mesh,
+    repeated_block_class,
     resolve_module_classes,
 )
 
@@ -63,23 +66,37 @@ class FSDPOptions:
         if self.memory_fraction is not None and not 0.0 < float(self.memory_fraction) <= 1.0:
             raise ValueError(f"memory_fraction={self.memory_fraction!r} must lie in (0, 1]")
 
-    def parallelize(self, model: nn.Module, roots: list[nn.Module], mesh: Any, precision: Optional[str]) -> None:
-        """Checkpoint activations, then shard ``model`` (blocks by policy, then ``roots``)."""
+    def parallelize(self, model: nn.Module, mesh: Any, precision: Optional[str], step_methods: Iterable[str] = ()) -> None:
+        """Checkpoint activations, then shard ``model``: blocks by policy, then ``model`` as the root unit."""
         ac_classes = resolve_module_classes(self.activation_checkpointing_policy, model, "activation_checkpointing_policy")
         checkpointed = apply_activation_checkpointing(model, ac_classes, float(self.activation_checkpointing_ratio))
+        wrap_classes, chosen_by = self.wrap_classes(model)
         sharded = apply_fsdp(
             model,
             mesh,
-            wrap_classes=resolve_module_classes(self.auto_wrap_policy, model, "auto_wrap_policy"),
-            roots=roots,
+            wrap_classes=wrap_classes,
             reshard_after_forward=self.zero_stage == 3,
             mp_policy=mixed_precision_policy(precision),
             cpu_offload=self.cpu_offload,
+            step_methods=step_methods,
         )
         rank_zero_info(
-            f"npu_fsdp: {len(sharded)} FSDP units (zero_stage={self.zero_stage}, sharding={self.sharding!r}),"
-            f" activation checkpointing on {len(checkpointed)} modules"
+            f"npu_fsdp: {len(sharded)} FSDP units ({chosen_by}; zero_stage={self.zero_stage},"
+            f" sharding={self.sharding!r}), activation checkpointing on {len(checkpointed)} modules"
         )
+
+    def wrap_classes(self, model: nn.Module) -> tuple[tuple[type, ...], str]:
+        """The block classes that become FSDP units, and how they were chosen (for the log).
+
+        Without a policy, the repeated block (the class with several instances holding the most parameters);
+        an explicit empty policy means a single unit."""
+        if self.auto_wrap_policy is not None:
+            classes = resolve_module_classes(self.auto_wrap_policy, model, "auto_wrap_policy")
+            return classes, f"auto_wrap_policy={[cls.__name__ for cls in classes]}"
+        block = repeated_block_class(model)
+        if block is None:
+            return (), "no repeated block found, so one unit; set auto_wrap_policy to choose blocks"
+        return (block,), f"auto_wrap_policy chosen: {block.__name__}, the repeated block; pass auto_wrap_policy=[] for one unit"
 
     def set_memory_fraction(self, accelerator: Any, device: torch.device) -> None:
         if self.memory_fraction is None:
@@ -90,19 +107,45 @@ class FSDPOptions:
         runtime.set_memory_fraction(self.memory_fraction, device)
 
 
-def _trainer_roots(module: nn.Module) -> list[nn.Module]:
-    """The LightningModule's children that hold parameters: each becomes an FSDP root.
+#: Callbacks that cannot work on sharded parameters, and what to do instead.
+_UNSUPPORTED_CALLBACKS = {
+    StochasticWeightAveraging: "it copies whole parameters between the model and an unsharded average",
+    WeightAveraging: "it keeps an unsharded copy of the model (torch.optim.swa_utils.AveragedModel) and copies"
+    " whole parameters between the two",
+}
 
-    The LightningModule itself is not sharded: ``training_step`` need not call its ``forward``, where
-    FSDP gathers parameters, while it does call the children's.
+
+def check_callbacks(callbacks: Iterable[Any]) -> None:
+    """Refuse, before training starts, callbacks that would fail on sharded (DTensor) parameters mid-run."""
+    for callback in callbacks:
+        for cls, reason in _UNSUPPORTED_CALLBACKS.items():
+            if isinstance(callback, cls):
+                raise ValueError(
+                    f"{type(callback).__name__} cannot run under strategy='npu_fsdp': {reason}, and npu_fsdp's"
+                    " parameters are sharded DTensors. Use strategy='npu_ddp' for weight averaging, or remove the"
+                    " callback."
+                )
+
+
+@contextmanager
+def sharded_parameter_errors_explained() -> Generator[None, None, None]:
+    """Make code that mixes gathered and sharded parameters fail with the reason and the fix.
+
+    Inside a step, the root unit's parameters are gathered (plain tensors) while every other unit's are sharded
+    DTensors outside that unit's forward; code that combines them (an L2 penalty over ``self.parameters()``)
+    fails deep in DTensor dispatch, in the step or in its backward.
     """
-    own = [name for name, _ in module.named_parameters(recurse=False)]
-    if own:
-        raise ValueError(
-            f"npu_fsdp shards the LightningModule's submodules, but {type(module).__name__} holds parameters"
-            f" directly ({', '.join(own)}); move them into a submodule (e.g. an nn.Module attribute)"
-        )
-    return [child for child in module.children() if any(True for _ in child.parameters())]
+    try:
+        yield
+    except RuntimeError as error:
+        if "mixed torch.Tensor and DTensor" not in str(error):
+            raise
+        raise RuntimeError(
+            "the step combined parameters of different FSDP units: under strategy='npu_fsdp', parameters outside"
+            " the running unit's forward are sharded DTensors (e.g. an L2 penalty summed over self.parameters()"
+            " in training_step). Use the optimizer's weight_decay instead of an explicit penalty, compute it inside"
+            f" the module's forward, or use strategy='npu_ddp'. The original error: {error}"
+        ) from error
 
 
 class _FSDPStrategyBase(BackendFromRuntime):
@@ -156,20 +199,20 @@ class _FSDPStrategyBase(BackendFromRuntime):
         # Every rank is its own data-parallel replica (ModelParallelStrategy's mesh would say otherwise).
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
-    @property
-    def _parameter_device(self) -> torch.device:
-        return torch.device("cpu") if self.options.cpu_offload else self.root_device
-
     def _setup_sharded_environment(self) -> None:
         self.accelerator.setup_device(self.root_device)
         self.options.set_memory_fraction(self.accelerator, self.root_device)
         self._setup_distributed()
         self._device_mesh = build_mesh(self.root_device.type, self.world_size, self.num_nodes, self.options.sharding)
 
-    def _shard(self, model: nn.Module, roots: list[nn.Module], precision_plugin: Any) -> None:
-        self.options.parallelize(model, roots, self._device_mesh, precision_name(precision_plugin))
-        _materialize_distributed_module(model, self._parameter_device)
-        model.to(self._parameter_device)
+    def _shard(self, model: nn.Module, precision_plugin: Any, step_methods: Iterable[str] = ()) -> None:
+        """Shard ``model`` and give it the first values the user's code made (see ``initial_state``)."""
+        state = initial_state.capture(model)
+        self.options.parallelize(model, self._device_mesh, precision_name(precision_plugin), step_methods)
+        # Initialised on the mesh's device, whose generator DTensor offsets per rank, then offloaded.
+        initial_state.apply(model, state, self.root_device)
+        if self.options.cpu_offload:
+            _offload_parameters(model)
 
 
 class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
@@ -184,23 +227,49 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
 
     @contextmanager
     @override
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        # Models built in configure_model start on the meta device and are materialised shard by shard,
-        # so no rank ever holds the full model. Pass empty_init=False to build them for real.
-        with (torch.device("meta") if empty_init is not False else nullcontext()), \
-                self.precision_plugin.tensor_init_context():
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # configure_model builds the model for real on rank 0 only; the other ranks build it on the meta device
+        # and receive rank 0's values after sharding, so one host copy exists and every rank starts alike.
+        # (The meta device everywhere, and reset_parameters() after sharding, is the model's own opt-in.)
+        with torch.device("meta") if self.global_rank != 0 else nullcontext():
             yield
 
     @override
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
+        check_callbacks(trainer.callbacks)
         # Cast before sharding: a dtype cast of sharded parameters has no DTensor rule on NPU.
         self.model = self.precision_plugin.convert_module(self.model)
-        self._shard(self.model, _trainer_roots(self.model), self.precision_plugin)
+        self._shard(self.model, self.precision_plugin, STEP_METHODS)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with sharded_parameter_errors_explained():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with sharded_parameter_errors_explained():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with sharded_parameter_errors_explained():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with sharded_parameter_errors_explained():
+            return super().predict_step(*args, **kwargs)
+
+    @override
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        with sharded_parameter_errors_explained():
+            return super().backward(*args, **kwargs)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -225,8 +294,17 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, FabricModelParallelStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        self._shard(module, [module], self.precision)
+        self._shard(module, self.precision)
         return module
+
+
+def _offload_parameters(model: nn.Module) -> None:
+    """Move the sharded parameters to the host (CPU offload); buffers stay on the device, where forward runs."""
+    buffers = [(module, name, buffer.device) for module in model.modules()
+               for name, buffer in module._buffers.items() if buffer is not None]
+    model.to("cpu")
+    for module, name, device in buffers:
+        module._buffers[name] = module._buffers[name].to(device)
 
 
 def _is_sharded(state_dict_type: str) -> bool:

@@ -75,42 +75,117 @@ def apply_activation_checkpointing(model: nn.Module, classes: tuple[type, ...], 
     return [name for name, _ in chosen]
 
 
+#: The LightningModule methods that run a step: each gathers the root unit's parameters, like ``forward``.
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def repeated_block_class(model: nn.Module) -> Optional[type]:
+    """The module class whose instances are the model's repeated blocks, or None if no class repeats.
+
+    Candidates are the classes with a ``forward`` (containers cannot be FSDP units) and at least two instances
+    holding parameters. Of those, only the outermost count (no instance lies inside an instance of another
+    candidate, so a decoder block wins over the Linear layers inside it), and of those the one whose instances
+    hold the most parameter elements.
+    """
+    sizes: dict[type, list[int]] = {}
+    enclosing: dict[type, set[type]] = {}
+
+    def visit(module: nn.Module, ancestors: frozenset) -> None:
+        for child in module.children():
+            if type(child).forward is not nn.Module.forward:
+                size = sum(p.numel() for p in child.parameters())
+                if size:
+                    sizes.setdefault(type(child), []).append(size)
+                    enclosing.setdefault(type(child), set()).update(ancestors)
+                visit(child, ancestors | {type(child)})
+            else:
+                visit(child, ancestors)
+
+    visit(model, frozenset())
+    candidates = {cls for cls, found in sizes.items() if len(found) >= 2}
+    outermost = [cls for cls in candidates if not (enclosing[cls] - {cls}) & candidates]
+    return max(outermost, key=lambda cls: sum(sizes[cls]), default=None)
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
     wrap_classes: tuple[type, ...],
-    roots: list[nn.Module],
     reshard_after_forward: bool,
     mp_policy: object,
     cpu_offload: bool,
+    step_methods: Iterable[str] = (),
 ) -> list[str]:
-    """``fully_shard`` every module of ``wrap_classes`` (innermost first), then each of ``roots``.
+    """``fully_shard`` every module of ``wrap_classes`` (innermost first), then ``model`` itself as the root unit,
+    which holds every parameter left over (containers, heads, embeddings, parameters of ``model`` itself).
 
+    Every parameter thus belongs to exactly one unit, except scalar (0-d) parameters, which FSDP2 cannot shard:
+    they stay whole on every rank and their gradients are averaged over ranks as DDP would. A block holding a
+    parameter that is also reachable from outside it (a tied embedding and head) is left to the root, so tied
+    parameters stay one parameter. The
+    root's parameters are gathered by its ``forward`` and by each of ``step_methods`` (a ``training_step`` need
+    not call ``forward``), and stay gathered until backward (they are needed again at once).
     Modules that are already FSDP units, or lie inside one, are left as the user sharded them.
-    Returns the names of the modules sharded here.
+    Returns the names of the modules sharded here (``""`` for the root).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard, register_fsdp_forward_method
 
+    scalars = {param for param in model.parameters() if param.ndim == 0}
     kwargs = {
         "mesh": mesh,
         "mp_policy": mp_policy,
+        "ignored_params": scalars,
         # Pinned host memory needs an accelerator; on a simulated (CPU) mesh there is none.
         "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy(),
     }
     inside_fsdp = _modules_inside_fsdp(model, FSDPModule)
-    sharded = []
     names = {id(module): name for name, module in model.named_modules()}
-    blocks = [m for m in model.modules() if isinstance(m, wrap_classes) and id(m) not in inside_fsdp]
+    blocks = [
+        module for module in model.modules()
+        if isinstance(module, wrap_classes) and module is not model and id(module) not in inside_fsdp
+    ]
+    shared = _parameters_shared_outside(model, blocks)
+    sharded = []
     for block in reversed(blocks):  # innermost first: FSDP units must be created bottom-up
+        if any(id(param) in shared for param in block.parameters()):
+            continue
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
         sharded.append(names[id(block)])
-    for root in roots:
-        if id(root) in inside_fsdp or isinstance(root, FSDPModule):
-            continue
-        fully_shard(root, reshard_after_forward=reshard_after_forward, **kwargs)
-        sharded.append(names.get(id(root), ""))
+    if not isinstance(model, FSDPModule):
+        fully_shard(model, reshard_after_forward=False, **kwargs)
+        sharded.append("")
+    for method in step_methods:
+        if callable(getattr(model, method, None)):
+            register_fsdp_forward_method(model, method)
+    average_gradients_over_ranks(scalars)
     return sharded
+
+
+def average_gradients_over_ranks(params: Iterable[nn.Parameter]) -> None:
+    """Keep replicated parameters equal on every rank: average each one's gradient as soon as it is accumulated."""
+    import torch.distributed as dist
+
+    def average(param: nn.Parameter) -> None:
+        dist.all_reduce(param.grad)
+        param.grad.div_(dist.get_world_size())
+
+    for param in params:
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(average)
+
+
+def _parameters_shared_outside(model: nn.Module, blocks: list[nn.Module]) -> set[int]:
+    """ids of parameters that a block holds and that are also reachable from outside that block."""
+    owners: dict[int, set[int]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), set()).add(id(module))
+    shared = set()
+    for block in blocks:
+        inside = {id(sub) for sub in block.modules()}
+        shared.update(pid for pid in (id(p) for p in block.parameters()) if not owners[pid] <= inside)
+    return shared
 
 
 def _modules_inside_fsdp(model: nn.Module, fsdp_type: type) -> set[int]:
@@ -122,20 +197,12 @@ def _modules_inside_fsdp(model: nn.Module, fsdp_type: type) -> set[int]:
     return inside
 
 
-def sharded_fraction(module: nn.Module) -> Optional[float]:
-    """Local parameter elements over global parameter elements on this rank (None without parameters)."""
-    local = total = 0
-    for param in module.parameters():
-        total += param.numel()
-        local += param.to_local().numel() if hasattr(param, "to_local") else param.numel()
-    return local / total if total else None
-
-
 __all__ = [
     "apply_activation_checkpointing",
     "apply_fsdp",
+    "average_gradients_over_ranks",
     "build_mesh",
     "evenly_spaced",
+    "repeated_block_class",
     "resolve_module_classes",
-    "sharded_fraction",
 ]

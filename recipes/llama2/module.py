@@ -1,17 +1,19 @@
 """The LLaMA-2 recipe as a LightningModule: next-token loss, AdamW without weight decay on norms and
 biases, linear warmup then cosine decay to a floor, optional initialisation from Hugging Face weights.
 
-The model is built in ``configure_model``, so under ``npu_fsdp`` it is created on the meta device and
-materialised shard by shard after the strategy has sharded it (no rank ever holds the full 7B model).
+The model is built in ``configure_model``, under ``npu_fsdp`` on the meta device: it is initialised shard by
+shard (``reset_parameters``) after the strategy has sharded it, so no rank ever holds the full 7B model.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
 from torch.nn import functional as F
 
@@ -60,7 +62,8 @@ class LLaMA2(LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = LLaMA(self.config)
+            with torch.device("meta") if _shards_parameters(self) else nullcontext():
+                self.model = LLaMA(self.config)
 
     @property
     def flops_per_token(self) -> int:
@@ -104,6 +107,12 @@ class LLaMA2(LightningModule):
         schedule = warmup_cosine(self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _shards_parameters(module: LightningModule) -> bool:
+    """Whether the module is being set up by a strategy that shards parameters (FSDP2) and so initialises
+    modules built on the meta device itself."""
+    return module._trainer is not None and isinstance(module.trainer.strategy, ModelParallelStrategy)
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):

@@ -14,8 +14,7 @@ from lightning.fabric import Fabric, seed_everything
 from torch import nn
 
 import lightning_npu
-from lightning_npu.strategies.parallelize import sharded_fraction
-from tests.scripts.trainer_run import Block, Net
+from tests.scripts.trainer_run import Block, Net, sharded_fraction
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

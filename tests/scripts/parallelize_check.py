@@ -38,14 +38,14 @@ def main() -> None:
     ]:
         mesh = build_mesh("cpu", 8, num_nodes, options.sharding)
         net = Net(width=32)
-        options.parallelize(net, [net], mesh, "32-true")
+        options.parallelize(net, mesh, "32-true")
         results[name] = {"mesh": list(mesh.shape), **layout(net)}
 
     # Blocks the user already sharded keep their own settings; the rest follow the policy.
     mesh = build_mesh("cpu", 8, 1, "full")
     net = Net(width=32)
     fully_shard(net.blocks[1], mesh=mesh, reshard_after_forward=False)
-    FSDPOptions(auto_wrap_policy=[Block], zero_stage=3).parallelize(net, [net], mesh, "32-true")
+    FSDPOptions(auto_wrap_policy=[Block], zero_stage=3).parallelize(net, mesh, "32-true")
     results["user_sharded"] = {
         "block1_reshard": net.blocks[1]._get_fsdp_state()._fsdp_param_group._reshard_after_forward,
         "block0_reshard": net.blocks[0]._get_fsdp_state()._fsdp_param_group._reshard_after_forward,
@@ -53,10 +53,24 @@ def main() -> None:
 
     # bf16-mixed: parameters are gathered in bf16, gradients reduced in fp32.
     net = Net(width=32)
-    FSDPOptions(auto_wrap_policy=[Block]).parallelize(net, [net], mesh, "bf16-mixed")
+    FSDPOptions(auto_wrap_policy=[Block]).parallelize(net, mesh, "bf16-mixed")
     policy = net.blocks[0]._get_fsdp_state()._mp_policy
     results["mixed_precision"] = {"param_dtype": str(policy.param_dtype), "reduce_dtype": str(policy.reduce_dtype),
                                   "master_dtype": str(net.blocks[0].linear.weight.dtype)}
+
+    # No policy: the repeated block is found; an empty policy means one unit.
+    for name, policy in [("auto", None), ("one_unit", [])]:
+        net = Net(width=32)
+        FSDPOptions(auto_wrap_policy=policy).parallelize(net, mesh, "32-true")
+        results[name] = [name for name, m in net.named_modules() if isinstance(m, FSDPModule)]
+
+    # A block whose weight is tied to a module outside it stays in the root unit, so the tie holds.
+    net = Net(width=32)
+    net.head = nn.Linear(32, 32)
+    net.head.weight = net.blocks[2].linear.weight
+    FSDPOptions(auto_wrap_policy=[Block]).parallelize(net, mesh, "32-true")
+    results["tied"] = {"sharded": [name for name, m in net.named_modules() if isinstance(m, FSDPModule)],
+                       "same_parameter": net.head.weight is net.blocks[2].linear.weight}
     print(json.dumps(results))
     dist.destroy_process_group()
 

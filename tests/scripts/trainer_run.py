@@ -4,6 +4,8 @@ Writes ``<out>/result.json`` from rank 0 (per-step losses, the dtype of Linear o
 ``<out>/fraction_rank<r>.json`` from each rank (the share of parameter elements it holds after training).
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import os
@@ -15,7 +17,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_npu
-from lightning_npu.strategies.parallelize import sharded_fraction
 
 
 class Block(nn.Module):
@@ -62,6 +63,24 @@ class Regression(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def sharded_fraction(module: nn.Module) -> float | None:
+    """Local parameter elements over global parameter elements on this rank (None without parameters).
+
+    FSDP units are resharded first: a unit left gathered after an evaluation forward (the root unit keeps its
+    parameters gathered after forward) would otherwise count whole.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+    local = total = 0
+    for param in module.parameters():
+        total += param.numel()
+        local += param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+    return local / total if total else None
 
 
 def data(n: int = 48) -> DataLoader:

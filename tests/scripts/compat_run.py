@@ -1,0 +1,137 @@
+"""The npu_fsdp compatibility suite's run: every model of ``compat_models`` fitted a few steps under npu_ddp and
+under npu_fsdp in the same 2 processes (started by torchrun, so several Trainers share one process group).
+
+Writes ``<out>/rank<r>.json``: per model and strategy, this rank's per-step losses, the loss of the freshly built
+model on this rank's first batch, whether tied parameters are still one tensor with equal values, and the buffers'
+sums (to compare across ranks); then the messages of the runs that must fail (``errors``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import StochasticWeightAveraging
+from torch.utils.data import DataLoader, Subset
+
+import lightning_npu
+from tests.scripts.compat_models import MODELS, ConfigureModelNet, CustomInitNet, L2PenaltyNet, Shift
+
+BATCH = 4
+STEPS = 4
+
+
+class LossRecorder(Callback):
+    """This rank's per-step losses, and its first batch."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.first_batch = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.first_batch is None:
+            self.first_batch = [t.clone() for t in batch]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+
+def strategy(name: str):
+    if name == "npu_ddp":
+        return lightning_npu.NPUDDPStrategy(timeout=120)
+    return lightning_npu.NPUFSDPStrategy(timeout=120)
+
+
+def trainer(strategy_name: str, **kwargs) -> Trainer:
+    return Trainer(accelerator="npu", devices=2, strategy=strategy(strategy_name), precision="32-true",
+                   max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+
+
+def fresh_loss(name: str, out: str, batch) -> float:
+    """The loss of the model as its own code builds it (outside any Trainer) on ``batch``."""
+    seed_everything(0)
+    model = MODELS[name](out)
+    model.configure_model()
+    with torch.no_grad():
+        return float(model.loss(batch))
+
+
+def fit(name: str, strategy_name: str, out: str, build=None) -> dict:
+    seed_everything(0)
+    recorder = LossRecorder()
+    run = trainer(strategy_name, callbacks=[recorder])
+    model = build(run) if build else MODELS[name](out)
+    run.fit(model, train_dataloaders=DataLoader(model.dataset(), batch_size=BATCH))
+    result = {"losses": recorder.losses, "first_batch": recorder.first_batch}
+    if hasattr(model, "tied"):
+        first, second = model.tied()
+        full = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in (first, second)]
+        result["tied_same_tensor"] = first is second
+        result["tied_max_difference"] = float((full[0] - full[1]).abs().max())
+    result["buffers"] = {n: float(b.double().sum()) for n, b in model.named_buffers() if b.is_floating_point()}
+    return result
+
+
+def expect_failure(strategy_name: str, build, out: str, callbacks=()) -> str:
+    seed_everything(0)
+    run = trainer(strategy_name, callbacks=list(callbacks))
+    model = build(run)
+    try:
+        run.fit(model, train_dataloaders=DataLoader(model.dataset(), batch_size=BATCH))
+    except Exception as error:  # noqa: BLE001 -- the message is what the test checks
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+class MetaShiftNet(CustomInitNet):
+    """A model built with ``trainer.init_module(empty_init=True)`` holding a module without reset_parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = Shift()
+
+
+def main() -> None:
+    out = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        ConfigureModelNet.write_weights(str(Path(out) / "encoder.pt"))
+    dist.barrier()
+
+    results: dict = {}
+    for name in MODELS:
+        results[name] = {strategy_name: fit(name, strategy_name, out) for strategy_name in ("npu_ddp", "npu_fsdp")}
+
+    # Built under trainer.init_module(): the custom initialisation of __init__ is kept.
+    def under_init_module(run):
+        with run.init_module():
+            return CustomInitNet()
+
+    results["init_module"] = {strategy_name: fit("init_module", strategy_name, out, build=under_init_module)
+                              for strategy_name in ("npu_ddp", "npu_fsdp")}
+    for name, result in results.items():
+        for run in result.values():
+            run["fresh_loss"] = fresh_loss("custom_init" if name == "init_module" else name, out, run.pop("first_batch"))
+
+    def meta_init(run):
+        with run.init_module(empty_init=True):
+            return MetaShiftNet()
+
+    errors = {
+        "swa": expect_failure("npu_fsdp", lambda run: MODELS["module_list"](out), out,
+                              callbacks=[StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)]),
+        "l2_penalty": expect_failure("npu_fsdp", lambda run: L2PenaltyNet(), out),
+        "meta_without_reset_parameters": expect_failure("npu_fsdp", meta_init, out),
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"results": results, "errors": errors}))
+
+
+if __name__ == "__main__":
+    main()
