@@ -39,7 +39,7 @@ TRACE_FOLDER = "profiler"
 
 
 class NPUProfiler(Profiler):
-    """Records NPU and CPU activity with torch_npu's profiler: ``active`` batches after ``wait`` + ``warmup``, ``repeat`` times."""
+    """NPU and CPU activity through torch_npu's profiler: ``active`` batches after ``wait`` + ``warmup``, ``repeat`` times."""
 
     def __init__(
         self,
@@ -57,7 +57,7 @@ class NPUProfiler(Profiler):
         Args:
             dirpath: folder for the traces (default: ``<trainer.log_dir>/profiler``).
             wait: batches to skip before each recording window.
-            warmup: batches profiled but discarded before each window (the first one is slow to trace).
+            warmup: batches profiled but discarded before each window, so tracing start-up is not in it.
             active: batches recorded in each window.
             repeat: number of windows; 0 records windows until the run ends.
             record_shapes: record operator input shapes.

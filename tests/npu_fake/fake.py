@@ -1,9 +1,10 @@
 """A strict, CPU-only stand-in for torch_npu 2.13.0, checked against the API recorded from the real wheel.
 
 ``install_fake_torch_npu(monkeypatch)`` puts a ``torch_npu`` module (with ``torch_npu.npu``,
-``torch_npu.npu.amp`` and ``torch_npu.profiler``, the latter in profiler.py) into ``sys.modules`` and sets ``torch.npu`` to the fake ``npu`` module; monkeypatch
-undoes both. Strictness is the point: code under test may only touch names recorded in
-``torch_npu_2_13_0_api.json`` (written by ``tools/extract_torch_npu_api.py``), else ``AttributeError``;
+``torch_npu.npu.amp`` and ``torch_npu.profiler``, the latter built in profiler.py) into ``sys.modules`` and
+sets ``torch.npu`` to the fake ``npu`` module; monkeypatch undoes both. Strictness is the point: code under
+test may only touch names recorded in ``torch_npu_2_13_0_api.json`` (written by
+``tools/extract_torch_npu_api.py``), else ``AttributeError``;
 every call is bound against the recorded signature, else ``TypeError``; every call is recorded in
 ``FakeTorchNPU.calls`` as ``(name, explicitly_passed_arguments)``. Recorded names whose behaviour the fake
 does not model raise ``NotImplementedError`` when called, so a test can never pass on an invented result.
