@@ -20,6 +20,7 @@ __all__ = [
     "NPUFabricDDPStrategy",
     "NPUFabricFSDPStrategy",
     "NPUFabricSingleStrategy",
+    "NPUProfiler",
     "NPUSingleStrategy",
     "NPUUnavailableError",
     "TokenThroughputMonitor",
@@ -44,6 +45,7 @@ else:
 
 if _IMPORT_ERROR is None:
     from lightning_npu.accelerator import NPUAccelerator
+    from lightning_npu.profiler import NPUProfiler
     from lightning_npu.registration import register
     from lightning_npu.runtime import NPUUnavailableError, get_runtime
     from lightning_npu.strategies import (

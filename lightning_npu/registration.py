@@ -7,6 +7,7 @@ Registering touches no device.
 from __future__ import annotations
 
 from lightning_npu.accelerator import NPUAccelerator
+from lightning_npu import oom
 from lightning_npu.connectors import install_all
 from lightning_npu.strategies import STRATEGIES
 
@@ -14,7 +15,8 @@ ACCELERATOR_DESCRIPTION = "Huawei Ascend NPU (lightning-npu)"
 
 
 def register() -> None:
-    """Add everything to the four registries and wrap the connectors; calling it again changes nothing."""
+    """Add everything to the four registries, wrap the connectors and Lightning's OOM handling (``oom.py``);
+    calling it again changes nothing."""
     from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.accelerators import AcceleratorRegistry
@@ -28,3 +30,4 @@ def register() -> None:
             if name not in registry:
                 registry.register(name, cls, description=f"{cls.__doc__.splitlines()[0]} (lightning-npu)")
     install_all()
+    oom.install()

@@ -430,6 +430,24 @@ def test_extractor_follows_imports_and_parses_op_schemas(tmp_path):
         ),
         "torch_npu/_op_plugin_docs.py": "torch_npu.npu_rms_norm(Tensor self, float eps=1.) -> (Tensor, Tensor)\n",
         "torch_npu/utils/custom_ops.py": "torch_npu.npu_rms_norm = torch.ops.npu.npu_rms_norm\n",
+        "torch_npu/profiler/__init__.py": (
+            "from torch_npu._C._profiler import ProfilerActivity\n"
+            "from .profiler import profile\n"
+            "from .scheduler import Schedule as schedule\n"
+            "from .scheduler import ProfilerAction\n"
+            "__all__ = ['profile', 'ProfilerActivity', 'schedule', 'ProfilerAction']\n"
+        ),
+        "torch_npu/profiler/profiler.py": (
+            "class _Base:\n    def start(self):\n        pass\n"
+            "class profile(_Base):\n    def __init__(self, *, activities=None):\n        pass\n"
+            "    def step(self):\n        if ProfilerActivity.NPU:\n            pass\n"
+            "    def _private(self):\n        pass\n"
+        ),
+        "torch_npu/profiler/scheduler.py": (
+            "class ProfilerAction(Enum):\n    NONE = 0\n    RECORD = 2\n"
+            "class Schedule:\n    def __init__(self, wait, active, warmup=0):\n        pass\n"
+        ),
+        "torch_npu/contrib/transfer.py": "m = ['profiler.ProfilerActivity.CUDA', x.ProfilerActivity.CPU]\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -448,3 +466,9 @@ def test_extractor_follows_imports_and_parses_op_schemas(tmp_path):
     assert str(signature_from_params(rms["params"])) == "(input, dims=None, *, eps=1.0, mode='half')"
     assert [p["type"] for p in rms["params"]] == ["Tensor", "int[]?", "float", "str"]
     assert rms["bound_to"] == "torch.ops.npu.npu_rms_norm" and rms["doc_signature"].startswith("torch_npu.npu_rms_norm(")
+    prof = api["profiler"]
+    assert str(signature_from_params(prof["profile"]["init_params"])) == "(*, activities=None)"
+    assert prof["profile"]["methods"] == ["start", "step"]  # inherited ones too, private ones not
+    assert str(signature_from_params(prof["schedule"]["init_params"])) == "(wait, active, warmup=0)"
+    assert prof["ProfilerAction"]["members"] == ["NONE", "RECORD"]
+    assert prof["ProfilerActivity"]["members"] == ["CPU", "NPU"]  # from code, not from the 'CUDA' string

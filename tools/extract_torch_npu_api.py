@@ -9,7 +9,9 @@ by parsing the wheel's Python sources with ``ast`` and its op schemas as text:
   (``from .memory import *`` and so on) to the function, class or object that defines it, with the exact
   parameter list of functions and class constructors;
 - the names of ``torch_npu.npu.amp``;
-- the fused ops lightning-npu calls, from ``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml``.
+- the fused ops lightning-npu calls, from ``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml``;
+- every name in ``torch_npu/profiler/__init__.py``'s ``__all__``, classes with their public methods, and the
+  members of the C enum ``ProfilerActivity`` as the wheel's Python code uses them (``ProfilerActivity.NPU``).
 
 Usage::
 
@@ -32,6 +34,7 @@ FUSED_OPS = ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swig
 SCHEMA_YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 OP_DOCS = "torch_npu/_op_plugin_docs.py"
 CUSTOM_OPS = "torch_npu/utils/custom_ops.py"
+PROFILER = "torch_npu.profiler"
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "tests" / "npu_fake" / "torch_npu_2_13_0_api.json"
 
 
@@ -343,6 +346,78 @@ def doc_signature(docs_text: str, op: str) -> Optional[str]:
     return m.group(0).strip() if m else None
 
 
+# ---------------------------------------------------------------- torch_npu.profiler
+
+
+def public_methods(resolver: ModuleResolver, module: str, class_name: str, depth: int = 0) -> list[str]:
+    """Public methods a class defines or inherits from classes of the same module (``profile`` <- ``_KinetoProfile``)."""
+    tree = resolver.tree(module)
+    node = next((n for n in _top_level(tree) if isinstance(n, ast.ClassDef) and n.name == class_name), None)
+    if node is None or depth > 5:
+        return []
+    names = {item.name for item in node.body if isinstance(item, ast.FunctionDef) and not item.name.startswith("_")}
+    for base in node.bases:
+        if isinstance(base, ast.Name):
+            names.update(public_methods(resolver, module, base.id, depth + 1))
+    return sorted(names)
+
+
+def enum_members_defined(resolver: ModuleResolver, module: str, class_name: str) -> list[str]:
+    """Members of a Python ``Enum`` class, in definition order (``NONE = 0`` ...)."""
+    node = next(n for n in _top_level(resolver.tree(module)) if isinstance(n, ast.ClassDef) and n.name == class_name)
+    return [t.id for item in node.body if isinstance(item, ast.Assign) for t in item.targets if isinstance(t, ast.Name)]
+
+
+def enum_members_used(source: WheelSource, enum: str) -> list[str]:
+    """Members of a C-defined enum, as the package's own Python code spells them (``enum.MEMBER`` in code, not strings)."""
+    members: set[str] = set()
+    names = source._zip.namelist() if source._zip is not None else [
+        str(p.relative_to(source.path)) for p in (source.path / "torch_npu").rglob("*.py")]
+    for rel in names:
+        if not (rel.startswith("torch_npu/") and rel.endswith(".py")):
+            continue
+        try:
+            tree = ast.parse(source.read(rel))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.isupper():
+                owner = node.value
+                owner_name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", None)
+                if owner_name == enum:
+                    members.add(node.attr)
+    return sorted(members)
+
+
+def profiler_api(resolver: ModuleResolver, source: WheelSource) -> dict[str, Any]:
+    names = resolver.all_names(PROFILER)
+    if names is None:
+        raise SystemExit("torch_npu/profiler/__init__.py has no __all__")
+    out = {}
+    for name in names:
+        entry = resolver.resolve(PROFILER, name)
+        if entry["kind"] == "class":
+            module = entry["defined_in"].removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+            target = _imported_name(resolver, PROFILER, name)
+            entry["methods"] = public_methods(resolver, module, target)
+            if entry["bases"] == ["Enum"]:
+                entry["members"] = enum_members_defined(resolver, module, target)
+        if name == "ProfilerActivity":
+            entry["members"] = enum_members_used(source, name)
+        out[name] = entry
+    return out
+
+
+def _imported_name(resolver: ModuleResolver, module: str, name: str) -> str:
+    """The original name behind ``from .scheduler import Schedule as schedule`` (or ``name`` itself)."""
+    for node in _top_level(resolver.tree(module)):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if (alias.asname or alias.name) == name:
+                    return alias.name
+    return name
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -381,6 +456,7 @@ def extract(source: WheelSource) -> dict[str, Any]:
         "npu": npu,
         "npu_amp": amp,
         "ops": ops,
+        "profiler": profiler_api(resolver, source),
     }
 
 
@@ -396,7 +472,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(
         f"torch_npu {api['torch_npu_version']}: {len(api['npu'])} torch.npu names "
         f"({len(unresolved)} defined in C: {', '.join(unresolved)}), {len(api['npu_amp'])} amp names, "
-        f"{len(api['ops'])} ops -> {args.out}"
+        f"{len(api['ops'])} ops, {len(api['profiler'])} torch_npu.profiler names -> {args.out}"
     )
     return 0
 

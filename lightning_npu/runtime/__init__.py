@@ -19,6 +19,7 @@ __all__ = [
     "NPUUnavailableError",
     "ProbeResult",
     "Runtime",
+    "active_runtime",
     "SIMULATE_ENV",
     "SimulationWarning",
     "chip_facts",
@@ -52,6 +53,11 @@ def get_runtime() -> Runtime:
     from lightning_npu.runtime.npu import NPURuntime
 
     return NPURuntime()
+
+
+def active_runtime() -> Runtime | None:
+    """The runtime if this process already created it (``get_runtime()`` succeeded), else None; never probes."""
+    return get_runtime() if get_runtime.cache_info().currsize else None
 
 
 def is_available() -> bool:

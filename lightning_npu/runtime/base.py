@@ -71,6 +71,13 @@ class Runtime(ABC):
     def grad_scaler(self, sharded: bool) -> torch.amp.GradScaler:
         """A dynamic loss scaler for fp16 training; the sharded one under FSDP."""
 
+    @abstractmethod
+    def profiler(self, trace_dir: str, *, wait: int, warmup: int, active: int, repeat: int, record_shapes: bool,
+                 profile_memory: bool, with_stack: bool) -> Any:
+        """An unstarted profiler of host and device activity with ``start()``, ``step()`` (once per batch) and
+        ``stop()``: it skips ``wait`` steps, warms up for ``warmup``, records ``active``, ``repeat`` times (0 =
+        until stopped), and writes each recorded window as a trace into ``trace_dir``."""
+
 
 def torch_grad_scaler(device_type: str, sharded: bool) -> torch.amp.GradScaler:
     """PyTorch's own loss scaler for ``device_type``; FSDP's sharded one (which agrees on inf/nan across ranks)."""

@@ -59,3 +59,18 @@ class NPURuntime(Runtime):
             # torch_npu replaces FSDP's ShardedGradScaler with its NPU-aware one on import.
             return torch_grad_scaler(self.device_type, sharded)
         return torch.npu.amp.GradScaler()
+
+    def profiler(self, trace_dir: str, *, wait: int, warmup: int, active: int, repeat: int, record_shapes: bool,
+                 profile_memory: bool, with_stack: bool) -> Any:
+        # torch.profiler cannot see NPU kernels; torch_npu's profiler records CANN activity and writes traces
+        # that MindStudio Insight and TensorBoard open.
+        import torch_npu.profiler
+
+        return torch_npu.profiler.profile(
+            activities=[torch_npu.profiler.ProfilerActivity.CPU, torch_npu.profiler.ProfilerActivity.NPU],
+            schedule=torch_npu.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=repeat),
+            on_trace_ready=torch_npu.profiler.tensorboard_trace_handler(trace_dir),
+            record_shapes=record_shapes,
+            profile_memory=profile_memory,
+            with_stack=with_stack,
+        )

@@ -30,6 +30,7 @@ class SimulatedRuntime(Runtime):
 
     def __init__(self, count: int) -> None:
         self.count = count
+        self._warned_cpu_profile = False
         warnings.warn(
             f"{SIMULATE_ENV}={count}: accelerator='npu' runs on the CPU with gloo, simulating {count} NPU(s)."
             " Nothing runs on an NPU; unset it to use real devices.",
@@ -76,6 +77,25 @@ class SimulatedRuntime(Runtime):
 
     def grad_scaler(self, sharded: bool) -> torch.amp.GradScaler:
         return torch_grad_scaler(self.device_type, sharded)
+
+    def profiler(self, trace_dir: str, *, wait: int, warmup: int, active: int, repeat: int, record_shapes: bool,
+                 profile_memory: bool, with_stack: bool) -> Any:
+        if not self._warned_cpu_profile:
+            self._warned_cpu_profile = True
+            warnings.warn(
+                f"{SIMULATE_ENV} is set: the NPU profiler records with torch.profiler, profiling the CPU only"
+                " (no NPU activity exists to record).",
+                SimulationWarning,
+                stacklevel=2,
+            )
+        return torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU],
+            schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=repeat),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir),
+            record_shapes=record_shapes,
+            profile_memory=profile_memory,
+            with_stack=with_stack,
+        )
 
 
 def simulated_count(value: str | None) -> int:

@@ -1,9 +1,10 @@
 """A strict, CPU-only stand-in for torch_npu 2.13.0, checked against the API recorded from the real wheel.
 
-``install_fake_torch_npu(monkeypatch)`` puts a ``torch_npu`` module (with ``torch_npu.npu`` and
-``torch_npu.npu.amp``) into ``sys.modules`` and sets ``torch.npu`` to the fake ``npu`` module; monkeypatch
-undoes both. Strictness is the point: code under test may only touch names recorded in
-``torch_npu_2_13_0_api.json`` (written by ``tools/extract_torch_npu_api.py``), else ``AttributeError``;
+``install_fake_torch_npu(monkeypatch)`` puts a ``torch_npu`` module (with ``torch_npu.npu``,
+``torch_npu.npu.amp`` and ``torch_npu.profiler``, the latter built in profiler.py) into ``sys.modules`` and
+sets ``torch.npu`` to the fake ``npu`` module; monkeypatch undoes both. Strictness is the point: code under
+test may only touch names recorded in ``torch_npu_2_13_0_api.json`` (written by
+``tools/extract_torch_npu_api.py``), else ``AttributeError``;
 every call is bound against the recorded signature, else ``TypeError``; every call is recorded in
 ``FakeTorchNPU.calls`` as ``(name, explicitly_passed_arguments)``. Recorded names whose behaviour the fake
 does not model raise ``NotImplementedError`` when called, so a test can never pass on an invented result.
@@ -29,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tests.npu_fake import ops
+from tests.npu_fake.profiler import build_profiler_module
 
 API_PATH = Path(__file__).with_name("torch_npu_2_13_0_api.json")
 GiB = 1024**3
@@ -141,6 +143,8 @@ class FakeTorchNPU:
         self.bf16_supported = bf16_supported
         self.total_memory = total_memory
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        #: One entry per trace torch_npu.profiler's tensorboard_trace_handler would write (see profiler.py).
+        self.traces: list[dict[str, Any]] = []
         # torch_npu's defaults when the options were never set (npu/npu_config.py).
         self.settings: dict[str, Any] = {"matmul.allow_hf32": False, "matmul.cube_math_type": None, "conv.allow_hf32": True}
         self.initialized = False
@@ -209,6 +213,7 @@ class FakeTorchNPU:
         mod = _StrictModule("torch_npu")
         mod.__version__ = self.api["torch_npu_version"]
         mod.npu = self.npu
+        mod.profiler = build_profiler_module(self, _StrictModule)
         for name, entry in self.api["ops"].items():
             sig = signature_from_params(entry["params"])
             types_ = {p["name"]: p["type"] for p in entry["params"]}
@@ -601,6 +606,7 @@ def install_fake_torch_npu(
     monkeypatch.setitem(sys.modules, "torch_npu", fake.torch_npu)
     monkeypatch.setitem(sys.modules, "torch_npu.npu", fake.npu)
     monkeypatch.setitem(sys.modules, "torch_npu.npu.amp", fake.npu.amp)
+    monkeypatch.setitem(sys.modules, "torch_npu.profiler", fake.torch_npu.profiler)
     monkeypatch.setattr(torch, "npu", fake.npu, raising=False)
     return fake
 
