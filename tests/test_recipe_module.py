@@ -5,6 +5,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from recipes.llama2.module import LLaMA2, warmup_cosine
+from tests.helpers import SCRIPTS, read_json, run_python
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -53,3 +54,14 @@ def test_loss_of_a_batch_is_next_token_cross_entropy():
     expected = torch.nn.functional.cross_entropy(module(batch["input_ids"]).reshape(-1, 2048), batch["labels"].reshape(-1))
     assert module._loss(batch).item() == pytest.approx(expected.item())
     assert module.count_tokens(batch) == 32
+
+
+def test_init_from_is_read_on_rank_zero_only_and_reaches_every_shard(tmp_path):
+    """Catches every rank reading the full checkpoint (rank 1 is given a path that does not exist), a shard
+    that does not receive rank 0's weights, and a config mismatch seen by rank 0 alone (rank 1 would hang)."""
+    run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                str(SCRIPTS / "init_from_run.py"), str(tmp_path)], simulate=None)
+    first, second = (read_json(tmp_path / f"rank{rank}.json") for rank in (0, 1))
+    assert first["equal"] is True and first["keys"] == 35
+    assert first["mismatch"] == second["mismatch"]
+    assert first["mismatch"].startswith("init_from=") and "n_layers=1" in first["mismatch"]

@@ -129,9 +129,32 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
 
 
 def load_pretrained(model: LLaMA, path: str, config: LLaMAConfig) -> None:
-    """Copy weights from a Hugging Face directory or a recipe checkpoint into ``model`` (sharded or not)."""
+    """Copy weights from a Hugging Face directory or a recipe checkpoint into ``model`` (sharded or not).
+
+    Only rank 0 reads the weights (a full host copy: 13.5 GB for 7B in bf16); every rank receives its shard from
+    rank 0. Rank 0's checks (shapes, config) reach every rank, so all fail together with the same message.
+    """
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    distributed = dist.is_available() and dist.is_initialized()
+    state_dict: dict[str, Tensor] = {}
+    problem: list[Optional[ValueError]] = [None]
+    if not distributed or dist.get_rank() == 0:
+        try:
+            state_dict = read_pretrained(path, config)
+        except ValueError as error:  # CheckpointError included
+            problem = [error]
+    if distributed:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise problem[0]
+    options = StateDictOptions(full_state_dict=True, strict=True, broadcast_from_rank0=distributed)
+    set_model_state_dict(model, state_dict, options=options)
+
+
+def read_pretrained(path: str, config: LLaMAConfig) -> dict[str, Tensor]:
+    """The weights at ``path`` (a Hugging Face directory or a recipe checkpoint), checked against ``config``."""
     from recipes.llama2.convert import check_state_dict, is_hf_directory, load_hf_checkpoint, load_recipe_checkpoint
 
     source_config, state_dict = (load_hf_checkpoint if is_hf_directory(path) else load_recipe_checkpoint)(path)
@@ -141,4 +164,4 @@ def load_pretrained(model: LLaMA, path: str, config: LLaMAConfig) -> None:
             " set model.preset / model.config to match the weights"
         )
     check_state_dict(state_dict, config, source=path)
-    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
+    return state_dict
