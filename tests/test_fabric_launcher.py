@@ -39,6 +39,19 @@ def test_run_starts_one_process_per_device_with_fabric_configured_from_the_launc
         assert report["main_module"] == "__main__"
 
 
+def test_a_failing_script_makes_run_exit_1_with_the_failed_rank_and_its_exit_code(tmp_path):
+    """Catches a launcher that reports success (or hides which process failed) when the script fails."""
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nraise SystemExit(3 if sys.argv[1:] == ['--code', '3'] else 0)\n")
+    with pytest.raises(AssertionError) as failure:
+        run_python(["-m", "lightning_npu.cli", "run", "--devices", "2", "--main-port", str(_free_port()),
+                    str(script), "--code", "3"])
+    report = str(failure.value)
+    assert " exited 1\n" in report
+    assert f"lightning-npu run: {script} failed:" in report
+    assert "exitcode  : 3" in report
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

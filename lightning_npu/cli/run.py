@@ -131,7 +131,8 @@ def _torchrun(args: argparse.Namespace, processes: int) -> int:
     ]
     try:
         torchrun.main(torchrun_args)
-    except ChildFailedError:  # torchrun has already reported which rank failed and why
+    except ChildFailedError as error:  # its message is torchrun's table of the failed ranks and exit codes
+        print(f"lightning-npu run: {args.script} failed:{error}", file=sys.stderr)
         return 1
     return 0
 

@@ -33,9 +33,8 @@ def gradients_unsynced(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         for unit, (reduce, all_reduce) in saved:
-            unit.set_requires_gradient_sync(reduce, recurse=False)
-            if reduce:
-                unit.set_requires_all_reduce(all_reduce, recurse=False)
+            unit.set_requires_gradient_sync(reduce, recurse=False)  # sets both flags to `reduce`
+            unit.set_requires_all_reduce(all_reduce, recurse=False)
 
 
 class RestoringBackwardSyncControl(_BackwardSyncControl):
