@@ -75,7 +75,7 @@ def validate(args: argparse.Namespace) -> int:
     if not args.main_address.strip():
         raise LaunchError("--main-address is empty; give the host name or IP of the node with rank 0")
 
-    # The rest needs the plugin, and with it torch (never imported for --help).
+    # The rest needs the plugin and torch: imported here, as the cli package imports no torch at module level.
     import lightning_npu  # noqa: F401 -- registers "npu" and the NPU strategies
     from lightning_npu.accelerator import parse_device_ids
     from lightning_npu.precision import check_precision
