@@ -1,4 +1,5 @@
-"""The same mechanisms under Fabric: two simulated NPUs, FSDP2 sharding, bf16, DCP checkpoint and resume."""
+"""The same mechanisms under Fabric: two simulated NPUs, FSDP2 sharding, bf16, DCP checkpoint and resume,
+gradient accumulation with no_backward_sync."""
 
 import pytest
 
@@ -28,3 +29,26 @@ def test_fabric_resume_reproduces_uninterrupted_losses_and_shards(tmp_path):
 def test_fabric_bf16_mixed_computes_linear_layers_in_bf16(tmp_path):
     result = _run(tmp_path, "--steps", "2", "--precision", "bf16-mixed")
     assert result["linear_dtypes"] == ["torch.bfloat16"]
+
+
+def test_no_backward_sync_accumulates_like_ddp_and_leaves_sync_as_found_under_fsdp(tmp_path):
+    """Catches Lightning's FSDP2 ``no_backward_sync`` leaving gradient sync off after an ``enabled=False``
+    context (the next plain backward reduced nothing: step 1's gradients were missing) and an inner context
+    turning sync back on inside an outer one (a gradient was reduced mid-accumulation).
+
+    Both strategies run the same accumulation schedule (see the script) and are checked against an unsharded
+    reference trained on every rank's micro-batches; npu_ddp, whose ``no_sync`` is DDP's own, vouches for it.
+    """
+    results = {}
+    for strategy in ("npu_fsdp", "npu_ddp"):
+        run_python([str(SCRIPTS / "fabric_no_sync.py"), "--out", str(tmp_path / strategy), "--strategy", strategy])
+        results[strategy] = read_json(tmp_path / strategy / "result.json")
+    fsdp, ddp = results["npu_fsdp"], results["npu_ddp"]
+    assert fsdp["strategy"] == "NPUFabricFSDPStrategy"
+    for result in (fsdp, ddp):
+        assert len(result["grad_errors"]) == 4
+        assert max(result["grad_errors"]) < 1e-5, result["grad_errors"]
+        assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-5)
+    assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
+    assert fsdp["losses"][-1] < fsdp["losses"][0]
+    assert fsdp["fsdp_reduced_inside_outer_context"] is False

@@ -30,6 +30,10 @@ COMMANDS: dict[str, Command] = {
         "lightning_npu.cli.plan",
         "per-device memory of a recipe config under npu_fsdp (ZeRO-2/3): fit verdict and largest micro-batch",
     ),
+    "run": Command(
+        "lightning_npu.cli.run",
+        "launch a Lightning Fabric script on N NPUs per node (fabric run with accelerator npu, through torchrun)",
+    ),
 }
 
 

@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_npu.precision import mixed_precision_policy, precision_name
 from lightning_npu.strategies import initial_state
+from lightning_npu.strategies.backward_sync import RestoresBackwardSync
 from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta
 from lightning_npu.strategies.parallelize import (
     MODULE_CLASSES,
@@ -281,7 +282,7 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         return get_optimizer_state_dict(self.model, optimizer, options=options)
 
 
-class NPUFabricFSDPStrategy(_FSDPStrategyBase, FabricModelParallelStrategy):
+class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModelParallelStrategy):
     """Fabric FSDP2 on NPUs; same options as :class:`NPUFSDPStrategy`. ``fabric.setup(model)`` shards ``model``."""
 
     def _base_kwargs(self) -> dict[str, Any]:
