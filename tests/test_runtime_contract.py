@@ -86,3 +86,37 @@ def test_bf16_on_910a_suggests_fp16(npu, precision):
         Trainer(accelerator="npu", devices=1, precision=precision, logger=False)
     with pytest.raises(ValueError, match=message):
         Fabric(accelerator="npu", devices=1, precision=precision)
+
+
+@pytest.mark.parametrize("cpu_offload", [False, True])
+def test_cpu_offload_adds_a_host_backend_beside_hccl(npu, cpu_offload):
+    """hccl refuses CPU tensors; with offload, clip_grad_norm_ and the fp16 scaler reduce CPU DTensors. The
+    simulation's gloo takes both, so the decision itself is tested: it failed with a pure 'hccl' group."""
+    from lightning_npu import NPUFSDPStrategy
+
+    npu(device_count=2, device_name="Ascend910B3")
+    trainer = Trainer(accelerator="npu", devices=2, strategy=NPUFSDPStrategy(cpu_offload=cpu_offload), logger=False)
+    expected = "cpu:gloo,npu:hccl" if cpu_offload else "hccl"
+    assert trainer.strategy._get_process_group_backend() == expected
+
+
+def test_offloaded_parameters_are_initialised_on_the_npu_then_moved_to_the_host(npu, monkeypatch):
+    """DTensor offsets only the mesh device's generator per rank: shards initialised on the CPU of an NPU mesh
+    would draw the same numbers on every rank. The simulation's mesh is the CPU, so it cannot show this; the
+    decision is tested: the first values are made on the NPU and offloaded afterwards (before: on the CPU)."""
+    from torch import nn
+
+    from lightning_npu import NPUFSDPStrategy
+    from lightning_npu.strategies import fsdp, initial_state
+
+    npu(device_count=2, device_name="Ascend910B3")
+    trainer = Trainer(accelerator="npu", devices=2, strategy=NPUFSDPStrategy(cpu_offload=True), logger=False)
+    strategy = trainer.strategy
+    strategy._device_mesh = None
+    steps = []
+    monkeypatch.setattr(initial_state, "capture", lambda model: "state")
+    monkeypatch.setattr(fsdp.FSDPOptions, "parallelize", lambda self, *args: steps.append("shard"))
+    monkeypatch.setattr(initial_state, "apply", lambda model, state, device: steps.append(("initialise", device)))
+    monkeypatch.setattr(fsdp, "_offload_parameters", lambda model: steps.append("offload"))
+    strategy._shard(nn.Linear(2, 2), precision_plugin=None)
+    assert steps == ["shard", ("initialise", torch.device("npu", 0)), "offload"]

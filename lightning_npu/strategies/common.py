@@ -49,6 +49,15 @@ class BackendFromRuntime:
         return _get_default_process_group_backend_for_device(self.root_device)
 
 
+def with_host_backend(backend: str, device_type: str) -> str:
+    """The process-group backend when some collectives run on host tensors (CPU offload: gradient-norm clipping
+    and the fp16 scaler's overflow check reduce CPU DTensors). hccl is bound to NPU tensors, so gloo is added for
+    the CPU (``"cpu:gloo,npu:hccl"``); gloo alone, or a backend already given per device, serves as it is."""
+    if backend == "gloo" or ":" in backend:
+        return backend
+    return f"cpu:gloo,{device_type}:{backend}"
+
+
 class SingleDeviceFromConnector:
     """Mixin for single-device strategies: take the device from ``devices=`` when none was given.
 

@@ -24,7 +24,7 @@ from typing_extensions import override
 from lightning_npu.precision import mixed_precision_policy, precision_name
 from lightning_npu.strategies import initial_state
 from lightning_npu.strategies.backward_sync import RestoresBackwardSync
-from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta
+from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta, with_host_backend
 from lightning_npu.strategies.parallelize import (
     MODULE_CLASSES,
     SHARDING,
@@ -199,6 +199,10 @@ class _FSDPStrategyBase(BackendFromRuntime):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every rank is its own data-parallel replica (ModelParallelStrategy's mesh would say otherwise).
         return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def _get_process_group_backend(self) -> str:
+        backend = super()._get_process_group_backend()
+        return with_host_backend(backend, self.root_device.type) if self.options.cpu_offload else backend
 
     def _setup_sharded_environment(self) -> None:
         self.accelerator.setup_device(self.root_device)
