@@ -14,7 +14,7 @@ import pytest
 from tests.helpers import SCRIPTS, read_json, run_python
 from tests.scripts.compat_models import MODELS
 
-PATTERNS = [*MODELS, "init_module"]
+PATTERNS = [*MODELS, "init_module", "gradient_accumulation"]
 
 
 @pytest.fixture(scope="module")

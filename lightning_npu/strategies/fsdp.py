@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from lightning_npu.precision import mixed_precision_policy, precision_name
 from lightning_npu.strategies import initial_state
-from lightning_npu.strategies.backward_sync import RestoresBackwardSync
+from lightning_npu.strategies.backward_sync import RestoresBackwardSync, gradients_unsynced
 from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta, with_host_backend
 from lightning_npu.strategies.parallelize import (
     MODULE_CLASSES,
@@ -250,6 +250,13 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Gradient accumulation: reduce only in the micro-batch that steps (Lightning's base handles DDP only).
+        with gradients_unsynced(self.model):
+            yield
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

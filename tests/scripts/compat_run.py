@@ -38,7 +38,8 @@ class LossRecorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss))
+        # Lightning hands over the loss divided by the number of micro-batches it accumulates.
+        self.losses.append(float(loss) * trainer.accumulate_grad_batches)
 
 
 def strategy(name: str):
@@ -47,9 +48,9 @@ def strategy(name: str):
     return lightning_npu.NPUFSDPStrategy(timeout=120)
 
 
-def trainer(strategy_name: str, **kwargs) -> Trainer:
+def trainer(strategy_name: str, max_steps: int = STEPS, **kwargs) -> Trainer:
     return Trainer(accelerator="npu", devices=2, strategy=strategy(strategy_name), precision="32-true",
-                   max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
 
 
@@ -62,10 +63,10 @@ def fresh_loss(name: str, out: str, batch) -> float:
         return float(model.loss(batch))
 
 
-def fit(name: str, strategy_name: str, out: str, build=None) -> dict:
+def fit(name: str, strategy_name: str, out: str, build=None, **trainer_kwargs) -> dict:
     seed_everything(0)
     recorder = LossRecorder()
-    run = trainer(strategy_name, callbacks=[recorder])
+    run = trainer(strategy_name, callbacks=[recorder], **trainer_kwargs)
     model = build(run) if build else MODELS[name](out)
     run.fit(model, train_dataloaders=DataLoader(model.dataset(), batch_size=BATCH))
     result = {"losses": recorder.losses, "first_batch": recorder.first_batch}
@@ -116,9 +117,15 @@ def main() -> None:
 
     results["init_module"] = {strategy_name: fit("init_module", strategy_name, out, build=under_init_module)
                               for strategy_name in ("npu_ddp", "npu_fsdp")}
+    # Gradient accumulation: 2 optimizer steps of 2 micro-batches each.
+    results["gradient_accumulation"] = {
+        strategy_name: fit("module_list", strategy_name, out, max_steps=STEPS // 2, accumulate_grad_batches=2)
+        for strategy_name in ("npu_ddp", "npu_fsdp")
+    }
     for name, result in results.items():
         for run in result.values():
-            run["fresh_loss"] = fresh_loss("custom_init" if name == "init_module" else name, out, run.pop("first_batch"))
+            built_as = {"init_module": "custom_init", "gradient_accumulation": "module_list"}.get(name, name)
+            run["fresh_loss"] = fresh_loss(built_as, out, run.pop("first_batch"))
 
     def meta_init(run):
         with run.init_module(empty_init=True):
