@@ -149,6 +149,17 @@ def sharded_parameter_errors_explained() -> Generator[None, None, None]:
         ) from error
 
 
+def _explained(name: str) -> Any:
+    """A Trainer strategy method that runs Lightning's ``name`` with sharded-parameter errors explained."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with sharded_parameter_errors_explained():
+            return getattr(super(NPUFSDPStrategy, self), name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
 class _FSDPStrategyBase(BackendFromRuntime):
     """What the Trainer and Fabric FSDP strategies share: options, mesh, sampler split, parameter device.
 
@@ -258,30 +269,12 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         with gradients_unsynced(self.model):
             yield
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with sharded_parameter_errors_explained():
-            return super().training_step(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with sharded_parameter_errors_explained():
-            return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with sharded_parameter_errors_explained():
-            return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with sharded_parameter_errors_explained():
-            return super().predict_step(*args, **kwargs)
-
-    @override
-    def backward(self, *args: Any, **kwargs: Any) -> Any:
-        with sharded_parameter_errors_explained():
-            return super().backward(*args, **kwargs)
+    # Lightning's step and backward methods, with sharded-parameter errors explained.
+    training_step = _explained("training_step")
+    validation_step = _explained("validation_step")
+    test_step = _explained("test_step")
+    predict_step = _explained("predict_step")
+    backward = _explained("backward")
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
