@@ -43,10 +43,15 @@ def test_fsdp_zero3_shards_parameters_across_ranks(tmp_path):
     assert sum(fractions) == pytest.approx(1.0)
 
 
-def test_bf16_mixed_computes_linear_layers_in_bf16(tmp_path):
-    result = _run(tmp_path, "--epochs", "1", "--precision", "bf16-mixed")
+@pytest.mark.parametrize("strategy", ["npu_fsdp", "npu_ddp"])
+def test_bf16_mixed_autocasts_on_two_npus(tmp_path, strategy):
+    """Catches a no-op autocast (e.g. CUDA autocast on an NPU run): the fp32 matmul in training_step stays fp32,
+    and under npu_ddp the Linear outputs too (under npu_fsdp FSDP2's bf16 parameters make Linear outputs bf16
+    by themselves, which is why the matmul is checked)."""
+    result = _run(tmp_path, "--epochs", "1", "--precision", "bf16-mixed", "--strategy", strategy)
     assert result["precision"] == "MixedPrecision"
     assert result["linear_dtypes"] == ["torch.bfloat16"]
+    assert result["matmul_dtypes"] == ["torch.bfloat16"]
 
 
 def test_consolidated_checkpoint_loads_into_plain_model(tmp_path):

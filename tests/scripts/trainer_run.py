@@ -46,12 +46,15 @@ class Regression(LightningModule):
         self.net = Net()
         self.losses: list[float] = []
         self.linear_dtypes: set[str] = set()
+        self.matmul_dtypes: set[str] = set()
         for module in self.net.modules():
             if isinstance(module, nn.Linear):
                 module.register_forward_hook(lambda _m, _i, out: self.linear_dtypes.add(str(out.dtype)))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        # A matmul of fp32 tensors that FSDP's MixedPrecisionPolicy does not cast: only autocast makes it bf16.
+        self.matmul_dtypes.add(str((x.float() @ x.float().t()).dtype))
         loss = nn.functional.mse_loss(self.net(x).float(), y)
         # The loss averaged over ranks, so every rank records the same number.
         self.losses.append(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean").item())
@@ -125,6 +128,7 @@ def main() -> None:
         result = {
             "losses": model.losses,
             "linear_dtypes": sorted(model.linear_dtypes),
+            "matmul_dtypes": sorted(model.matmul_dtypes),
             "strategy": type(trainer.strategy).__name__,
             "precision": type(trainer.precision_plugin).__name__,
             "world_size": trainer.world_size,
