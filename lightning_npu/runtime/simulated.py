@@ -60,8 +60,8 @@ class SimulatedRuntime(Runtime):
         return {"rss_bytes": _rss_bytes(), "peak_rss_bytes": self.max_memory_allocated(device)}
 
     def max_memory_allocated(self, device: torch.device) -> int:
-        # ru_maxrss is in KiB on Linux.
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # ru_maxrss is in KiB on Linux, and the kernel updates it lazily: it can lag the current RSS.
+        return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, _rss_bytes())
 
     def reset_peak_memory_stats(self, device: torch.device) -> None:
         pass  # the process's peak RSS cannot be reset
