@@ -161,6 +161,7 @@ class CheckpointWriter:
         self._in_flight_path: Optional[Path] = None
         self._lock = threading.Lock()
         self._pending_removals: list[Path] = []
+        self._defer_removals = False  # True from a background save's start until it is published (or has failed)
         self._recovered: set[Path] = set()
 
     # ---- the two save kinds -----------------------------------------------------------------------------------
@@ -186,6 +187,8 @@ class CheckpointWriter:
         response = dcp.async_save(tensors, checkpoint_id=temporary, process_group=self._background_group())
         upload = getattr(response, "upload_completion", response)
         rank = strategy.global_rank
+        with self._lock:
+            self._defer_removals = True
         self._in_flight_path = path
         self._in_flight = self._background().submit(self._await_and_finish, upload, rank, temporary, path, token)
 
@@ -194,6 +197,7 @@ class CheckpointWriter:
         token = self._begin(strategy, path)
         if strategy.global_rank == 0:
             temporary = temporary_path(path, token)
+            temporary.parent.mkdir(parents=True, exist_ok=True)
             torch.save(checkpoint, temporary)
             with open(temporary, "rb") as handle:
                 os.fsync(handle.fileno())
@@ -205,7 +209,7 @@ class CheckpointWriter:
     def remove(self, path: Path) -> None:
         """Delete the checkpoint at ``path`` -- after the save in flight is complete, never before it."""
         with self._lock:
-            if self._in_flight is not None and not self._in_flight.done():
+            if self._defer_removals:
                 self._pending_removals.append(path)
                 return
         remove_checkpoint_path(path)
@@ -219,6 +223,9 @@ class CheckpointWriter:
         try:
             future.result()
         except BaseException as error:
+            with self._lock:
+                # The new checkpoint does not exist: keep the ones it was meant to supersede.
+                self._pending_removals, self._defer_removals = [], False
             raise CheckpointSaveError(
                 f"the background checkpoint save to {path} failed ({type(error).__name__}: {error}); the previous"
                 f" checkpoint at {path} (if any) is intact. Fix the cause (disk space, permissions) and save again."
@@ -257,10 +264,11 @@ class CheckpointWriter:
         if rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             publish(temporary, path, token)
-            with self._lock:
-                removals, self._pending_removals = self._pending_removals, []
-            for old in removals:
-                remove_checkpoint_path(old)
+        # Removals asked for while the save was in flight happen now that the new checkpoint is visible.
+        with self._lock:
+            removals, self._pending_removals, self._defer_removals = self._pending_removals, [], False
+        for old in removals:
+            remove_checkpoint_path(old)
 
     def _await_and_finish(self, upload: Future, rank: int, temporary: Path, path: Path, token: str) -> None:
         upload.result()  # on rank 0 this returns once every rank's shards and `.metadata` are written
@@ -411,11 +419,14 @@ def _load_full(path: Path, module_key: str, module: nn.Module, optimizers: dict[
 
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     _load_raw_module_state(checkpoint.pop(module_key), module, strict=strict)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     for index, (key, optimizer) in enumerate(optimizers.items()):
-        saved = checkpoint["optimizer_states"][index] if from_list else checkpoint.pop(key)
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=keyed_by_name(saved, module, optimizer),
-                                 options=options)
+        saved = keyed_by_name(checkpoint["optimizer_states"][index] if from_list else checkpoint.pop(key), module,
+                              optimizer)
+        # torch's full-state path shards the saved tensors onto the live ones and fails when there are none (an
+        # optimizer without state, e.g. SGD without momentum): then only the param groups need restoring.
+        full = any(isinstance(t, torch.Tensor) for values in saved.get("state", {}).values() for t in values.values())
+        options = StateDictOptions(full_state_dict=full, broadcast_from_rank0=full, strict=strict)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=saved, options=options)
     return checkpoint
 
 

@@ -324,6 +324,8 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, FabricModelParallelStrategy):
         self._checkpoints.recover_path(self, path)
         if isinstance(state, nn.Module) and is_sharded_checkpoint(path):
             raise directory_error(path, "loading into a bare module (fabric.load_raw)")
+        if not state and is_sharded_checkpoint(path):
+            raise directory_error(path, "fabric.load(path) without a state to load into")
         if not isinstance(state, dict) or not state:
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         return load_into(path, state, strict=strict, weights_only=weights_only)

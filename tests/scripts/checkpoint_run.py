@@ -147,9 +147,9 @@ def main() -> None:
     out = Path(args.out)
 
     seed_everything(7)
-    strategy = lightning_npu.NPUFSDPStrategy(
-        auto_wrap_policy={Block}, state_dict_type=args.state_dict_type, async_save=args.async_save, timeout=60,
-    )
+    extra = {"async_save": True} if args.async_save else {}
+    strategy = lightning_npu.NPUFSDPStrategy(auto_wrap_policy={Block}, state_dict_type=args.state_dict_type, timeout=60,
+                                             **extra)
     checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=args.save_top_k, every_n_epochs=1,
                                  save_on_train_epoch_end=True)
     trainer = Trainer(
@@ -168,7 +168,7 @@ def main() -> None:
         from lightning.pytorch.tuner import Tuner
 
         initial = sum(float(p.detach().double().sum()) for p in model.parameters())
-        finder = Tuner(trainer).lr_find(model, train_dataloaders=data(), val_dataloaders=data(16), num_training=5,
+        finder = Tuner(trainer).lr_find(model, train_dataloaders=data(), val_dataloaders=data(16), num_training=3, update_attr=False,
                                         early_stop_threshold=None)
         result.update(lr_find_points=len(finder.results["lr"]), lr_find_suggestion=finder.suggestion(),
                       initial_parameter_sum=initial, restored_parameter_sum=full_parameter_sum(model))
