@@ -125,10 +125,19 @@ def test_sharded_checkpoint_loads_without_the_strategy(tmp_path, uninterrupted):
     plain.load_state_dict(checkpoint["state_dict"])  # strict: every name and shape of the unsharded model
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, checkpoint["state_dict"][name])
-    # The optimizer state is numbered like optimizer.state_dict(), so a plain torch optimizer takes it.
+    # The optimizer state is numbered like optimizer.state_dict(), so a plain torch optimizer takes it...
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     optimizer.load_state_dict(checkpoint["optimizer_states"][0])
     assert len(optimizer.state) == len(list(plain.parameters()))
+    # ... and a Trainer on another strategy resumes from the directory itself (one CPU process: 6 steps an epoch).
+    from lightning.pytorch import Trainer
+
+    from tests.scripts.trainer_run import data
+
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(Regression(), train_dataloaders=data(), ckpt_path=ckpt)
+    assert trainer.global_step == 3 + 6
 
 
 def test_consolidate_explains_a_path_that_is_not_a_sharded_checkpoint(tmp_path, capsys):

@@ -45,7 +45,7 @@ from lightning.fabric.utilities.types import _Stateful
 DCP_METADATA_FILENAME = ".metadata"
 #: ``meta.pt``: the non-tensor part of a sharded checkpoint.
 META_FILENAME = _METADATA_FILENAME
-CONSOLIDATE_HINT = "lightning-npu consolidate {path} {path}.consolidated.ckpt"
+CONSOLIDATE_HINT = "lightning-npu consolidate {path} consolidated.ckpt"
 _TMP, _OLD = ".tmp-", ".old-"
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)(?P<kind>\.tmp-|\.old-)(?P<token>[0-9a-f]{12})$")
 _TRAINER_VERSION_KEY = "pytorch-lightning_version"
