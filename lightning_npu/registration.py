@@ -9,6 +9,7 @@ from __future__ import annotations
 from lightning_npu.accelerator import NPUAccelerator
 from lightning_npu import oom
 from lightning_npu.connectors import install_all
+from lightning_npu.strategies.checkpoint import install_loader
 from lightning_npu.strategies import STRATEGIES
 
 ACCELERATOR_DESCRIPTION = "Huawei Ascend NPU (lightning-npu)"
@@ -31,3 +32,4 @@ def register() -> None:
                 registry.register(name, cls, description=f"{cls.__doc__.splitlines()[0]} (lightning-npu)")
     install_all()
     oom.install()
+    install_loader()  # load_from_checkpoint & co. read npu_fsdp's sharded checkpoint directories

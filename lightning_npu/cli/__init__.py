@@ -22,6 +22,10 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command] = {
+    "consolidate": Command(
+        "lightning_npu.cli.consolidate",
+        "write a sharded npu_fsdp checkpoint directory as one Lightning checkpoint file",
+    ),
     "doctor": Command(
         "lightning_npu.cli.doctor",
         "check that this machine can train on Ascend NPUs; names each problem's cause and fix",

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Generator, Iterable, Literal, Optional
+from pathlib import Path
+from typing import Any, Callable, Generator, Iterable, Literal, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
@@ -24,6 +25,14 @@ from typing_extensions import override
 from lightning_npu.precision import mixed_precision_policy, precision_name
 from lightning_npu.strategies import initial_state
 from lightning_npu.strategies.backward_sync import RestoresBackwardSync, gradients_unsynced
+from lightning_npu.strategies.checkpoint import (
+    CheckpointWriter,
+    directory_error,
+    is_sharded_checkpoint,
+    load_into,
+    split_fabric_state,
+    trainer_tensors,
+)
 from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta, with_host_backend
 from lightning_npu.strategies.parallelize import (
     MODULE_CLASSES,
@@ -174,6 +183,8 @@ class _FSDPStrategyBase(BackendFromRuntime):
         timeout: process-group timeout in seconds.
         memory_fraction: share (0..1] of each NPU's memory this process may use.
         process_group_backend: override the backend (default: hccl on NPUs, gloo when simulated).
+        async_save: write sharded checkpoints in the background while training continues (see
+            ``lightning_npu.strategies.checkpoint``); saves are atomic either way.
     """
 
     options: FSDPOptions
@@ -191,7 +202,14 @@ class _FSDPStrategyBase(BackendFromRuntime):
         timeout: Optional[TIMEOUT] = None,
         memory_fraction: Optional[float] = None,
         process_group_backend: Optional[str] = None,
+        async_save: bool = False,
     ) -> None:
+        if async_save and not _is_sharded(state_dict_type):
+            raise ValueError(
+                "async_save=True needs state_dict_type='sharded': a full checkpoint is gathered on rank 0, which"
+                " blocks training anyway; use state_dict_type='sharded' (consolidate later with"
+                " `lightning-npu consolidate`) or async_save=False"
+            )
         super().__init__(
             save_distributed_checkpoint=_is_sharded(state_dict_type),
             process_group_backend=process_group_backend,
@@ -202,6 +220,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
             auto_wrap_policy, zero_stage, sharding, activation_checkpointing_policy,
             activation_checkpointing_ratio, cpu_offload, memory_fraction,
         )
+        self._checkpoints = CheckpointWriter(bool(async_save), self._timeout)
 
     def _base_kwargs(self) -> dict[str, Any]:
         return {}
@@ -229,6 +248,28 @@ class _FSDPStrategyBase(BackendFromRuntime):
         initial_state.apply(model, state, self.root_device)
         if self.options.cpu_offload:
             _offload_parameters(model)
+
+    # ---- checkpoints (lightning_npu.strategies.checkpoint does the work) ----
+
+    def _state_dict_options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # An async save copies the shards to host memory itself: offloading here first would copy them twice.
+        offload = not (self._checkpoints.async_save and self._save_distributed_checkpoint)
+        return StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=offload)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete a checkpoint (global rank 0), never before a save in flight has completed."""
+        if self.global_rank == 0:
+            self._checkpoints.remove(Path(filepath))
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the asynchronous save in flight is complete and visible; raises if it failed."""
+        self._checkpoints.wait()
+
+    def teardown(self) -> None:
+        self._checkpoints.close()
+        super().teardown()
 
 
 class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
@@ -277,13 +318,42 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
     backward = _explained("backward")
 
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model, options=self._state_dict_options())
+
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         # Keyed by parameter name (Lightning's base rekeys through FSDP1 APIs that NPUs lack).
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, optimizer, options=options)
+        return get_optimizer_state_dict(self.model, optimizer, options=self._state_dict_options())
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (it uses no CheckpointIO)")
+        path = Path(self.broadcast(filepath))
+        if self._save_distributed_checkpoint:
+            self._checkpoints.save_sharded(self, path, trainer_tensors(checkpoint), checkpoint)
+        else:
+            self._checkpoints.save_full(self, path, checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        self._checkpoints.recover_path(self, path)
+        state = {"state_dict": self.model, **{f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers)}}
+        return load_into(path, state, strict=self.lightning_module.strict_loading, optimizer_states_from_list=True,
+                         weights_only=weights_only)
+
+    @override
+    def on_train_end(self) -> None:
+        # The last save of the run is complete and visible before fit() returns.
+        self._checkpoints.wait()
+        self.barrier()
 
 
 class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModelParallelStrategy):
@@ -301,6 +371,38 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
     def setup_module(self, module: nn.Module) -> nn.Module:
         self._shard(module, self.precision)
         return module
+
+    @override
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (it uses no CheckpointIO)")
+        if filter is not None and self._save_distributed_checkpoint:
+            raise NotImplementedError("a filtered checkpoint cannot be sharded; use state_dict_type='full' with filter=")
+        path = Path(self.broadcast(path))
+        options = self._state_dict_options()
+        tensors, metadata = split_fabric_state(state, options.full_state_dict, filter, options.cpu_offload)
+        if self._save_distributed_checkpoint:
+            self._checkpoints.save_sharded(self, path, tensors, metadata)
+        else:
+            self._checkpoints.save_full(self, path, {**tensors, **metadata})
+
+    @override
+    def load_checkpoint(
+        self, path: Any, state: Optional[Union[nn.Module, Optimizer, Mapping[str, Any]]] = None, strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        path = Path(self.broadcast(path))
+        self._checkpoints.recover_path(self, path)
+        if isinstance(state, nn.Module) and is_sharded_checkpoint(path):
+            raise directory_error(path, "loading into a bare module (fabric.load_raw)")
+        if not state and is_sharded_checkpoint(path):
+            raise directory_error(path, "fabric.load(path) without a state to load into")
+        if not isinstance(state, dict) or not state:
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        return load_into(path, state, strict=strict, weights_only=weights_only)
 
 
 def _offload_parameters(model: nn.Module) -> None:

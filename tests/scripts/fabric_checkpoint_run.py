@@ -1,0 +1,87 @@
+"""Fabric checkpoint round trips on 2 simulated NPUs, in one launch (driven by tests/test_checkpoints.py).
+
+1. state_dict_type="full", plain SGD (an optimizer with no state): 6 steps saving at step 3, then a fresh model and
+   optimizer load that file and redo steps 4-6.
+2. async_save=True, sharded, AdamW: the same with a background save, loaded after ``wait_for_checkpoint()``.
+3. ``fabric.load_raw`` of the sharded directory into a bare module: the error message.
+Rank 0 writes ``<out>/result.json`` with the per-step losses of each part and the error text.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from lightning.fabric import Fabric, seed_everything
+from torch import nn
+
+import lightning_npu
+from tests.scripts.fabric_run import batch
+from tests.scripts.trainer_run import Block, Net
+
+
+def train(fabric, model, optimizer, state, steps):
+    losses = []
+    for step in range(state["step"], steps):
+        x, y = batch(step, fabric.global_rank)
+        loss = nn.functional.mse_loss(model(x.to(fabric.device)).float(), y.to(fabric.device))
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+        state["step"] = step + 1
+        yield losses
+
+
+def round_trip(fabric, make_optimizer, path):
+    """Losses of steps 4-6: uninterrupted (saving at step 3), then resumed from the step-3 checkpoint."""
+    seed_everything(7)
+    model = fabric.setup(Net())
+    optimizer = fabric.setup_optimizers(make_optimizer(model.parameters()))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    for losses in train(fabric, model, optimizer, state, 6):
+        if state["step"] == 3:
+            fabric.save(path, state)
+    reference = losses[3:]
+
+    seed_everything(8)  # different initial weights: only the checkpoint can bring the step-3 ones back
+    model = fabric.setup(Net())
+    optimizer = fabric.setup_optimizers(make_optimizer(model.parameters()))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(path, state)
+    assert state["step"] == 3, state["step"]
+    for losses in train(fabric, model, optimizer, state, 6):
+        pass
+    return reference, losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    result = {}
+
+    full = lightning_npu.NPUFabricFSDPStrategy(auto_wrap_policy=[Block], state_dict_type="full", timeout=60)
+    fabric = Fabric(accelerator="npu", devices=2, strategy=full)
+    fabric.launch()
+    result["full_sgd_reference"], result["full_sgd_resumed"] = round_trip(
+        fabric, lambda params: torch.optim.SGD(params, lr=1e-2), out / "full.ckpt")
+
+    sharded = lightning_npu.NPUFabricFSDPStrategy(auto_wrap_policy=[Block], async_save=True, timeout=60)
+    fabric = Fabric(accelerator="npu", devices=2, strategy=sharded)
+    fabric.launch()
+    result["async_reference"], result["async_resumed"] = round_trip(
+        fabric, lambda params: torch.optim.AdamW(params, lr=1e-2), out / "sharded.ckpt")
+
+    try:
+        fabric.load_raw(out / "sharded.ckpt", fabric.setup(Net()))
+    except IsADirectoryError as error:
+        result["load_raw_error"] = str(error)
+    fabric.strategy.wait_for_checkpoint()
+    if fabric.global_rank == 0:
+        (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""npu_fsdp checkpoints: atomic saves survive a rank dying at any moment of a save, asynchronous saves, the
+stateless-optimizer and lr_find round trips, and reading a sharded checkpoint without the strategy
+(``load_from_checkpoint``, ``lightning-npu consolidate``). Multi-process cases run 2 simulated NPUs in subprocesses."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import REPO, SCRIPTS, SUBPROCESS_TIMEOUT_S, read_json, run_python
+
+SCRIPT = str(SCRIPTS / "checkpoint_run.py")
+FABRIC_SCRIPT = str(SCRIPTS / "fabric_checkpoint_run.py")
+LEFTOVER = re.compile(r"\.(tmp|old)-[0-9a-f]{12}$")
+
+
+def _run(out, ckpt_dir, *args):
+    run_python([SCRIPT, "--out", str(out), "--ckpt-dir", str(ckpt_dir), *args])
+    return read_json(out / "result.json")
+
+
+def _run_to_crash(out, ckpt_dir, *args):
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_NPU_SIMULATE"}
+    env.update(LIGHTNING_NPU_SIMULATE="2", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(out), "--ckpt-dir", str(ckpt_dir), *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Two epochs (6 steps), blocking sharded saves after each epoch: the reference losses."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    return _run(root / "out", root / "ckpts", "--epochs", "2")
+
+
+@pytest.mark.parametrize(
+    ("point", "extra"),
+    [("data", []), ("metadata", []), ("meta", []), ("publish", []), ("data", ["--async-save"])],
+    ids=["mid-shard", "before-dcp-metadata", "before-meta-pt", "between-renames", "async-mid-shard"],
+)
+def test_crash_during_save_keeps_last_checkpoint_resumable(tmp_path, uninterrupted, point, extra):
+    """A rank dies during the 4th save (last.ckpt after epoch 2); resuming from last.ckpt then reproduces the
+    uninterrupted run's losses. Catches in-place rewrites of last.ckpt (truncated shards beside an old `.metadata`,
+    new weights under an old step counter) and a lost checkpoint when the process dies between the two renames."""
+    ckpts = tmp_path / "ckpts"
+    crashed = _run_to_crash(tmp_path / "crashed", ckpts, "--epochs", "2", "--crash", point, "--crash-save", "4", *extra)
+    assert crashed.returncode != 0, crashed.stdout[-2000:]
+    assert any((tmp_path / "crashed").glob("crashed-rank*")), f"the crash hook never fired\n{crashed.stderr[-3000:]}"
+
+    resumed = _run(tmp_path / "resumed", ckpts, "--epochs", "2", "--resume", str(ckpts / "last.ckpt"), *extra)
+    assert resumed["losses"] == pytest.approx(uninterrupted["losses"][3:], abs=1e-6)
+    # The resumed run cleaned what the crash left (temporary and set-aside names).
+    assert "last.ckpt" in resumed["entries"]
+    assert not [e for e in resumed["entries"] if LEFTOVER.search(e)], resumed["entries"]
+
+
+def test_async_save_trains_identically_and_leaves_complete_checkpoints(tmp_path, uninterrupted):
+    """async_save=True: the same losses as blocking saves, the final last.ckpt is complete (written before fit()
+    returns) and top-k rotation deleted the older checkpoint only once the newer one existed."""
+    from recipes.llama2.convert import read_recipe_metadata
+
+    result = _run(tmp_path / "out", tmp_path / "ckpts", "--epochs", "2", "--async-save")
+    assert result["losses"] == pytest.approx(uninterrupted["losses"], abs=1e-6)
+    assert result["entries"] == ["epoch=1-step=6.ckpt", "last.ckpt"]
+    assert read_recipe_metadata(tmp_path / "ckpts" / "last.ckpt")["global_step"] == 6
+
+
+def test_failed_background_save_raises(tmp_path):
+    """A background shard write that fails (disk full) stops the run with an error naming the checkpoint, instead
+    of a log line; the checkpoint it would have replaced stays loadable."""
+    proc = _run_to_crash(tmp_path / "out", tmp_path / "ckpts", "--epochs", "2", "--async-save", "--fail-save", "2")
+    assert proc.returncode != 0
+    assert "background checkpoint save to" in proc.stderr and "last.ckpt failed" in proc.stderr, proc.stderr[-3000:]
+    assert "No space left on device (injected)" in proc.stderr
+
+
+def test_full_checkpoint_with_stateless_optimizer_resumes_and_evaluates(tmp_path):
+    """state_dict_type='full' with plain SGD (no optimizer state): resume, validate/test/predict(ckpt_path=...) work
+    (Lightning's rekeying indexed the first state entry and raised IndexError)."""
+    common = ["--optimizer", "sgd", "--state-dict-type", "full"]
+    full = _run(tmp_path / "full", tmp_path / "ckpts", "--epochs", "2", "--save-top-k", "-1", *common)
+    ckpt = tmp_path / "ckpts" / "epoch=0-step=3.ckpt"
+    assert ckpt.is_file()
+    resumed = _run(tmp_path / "resumed", tmp_path / "ckpts2", "--epochs", "2", "--resume", str(ckpt),
+                   "--evaluate", str(ckpt), *common)
+    assert resumed["losses"] == pytest.approx(full["losses"][3:], abs=1e-6)
+    assert all(torch.isfinite(torch.tensor([resumed["validate"], resumed["test"], resumed["predict"]])))
+    assert resumed["validate"] == pytest.approx(resumed["test"])  # same data, same restored weights
+
+
+def test_lr_find_restores_the_model_under_npu_fsdp(tmp_path):
+    """Tuner.lr_find saves a sharded checkpoint, trains, then restores it through the strategy (which failed with
+    "Missing key ... initial_lr"): the weights afterwards equal the initial weights and fit() runs on."""
+    result = _run(tmp_path / "out", tmp_path / "ckpts", "--epochs", "1", "--lr-find")
+    assert result["lr_find_points"] == 3
+    assert result["restored_parameter_sum"] == pytest.approx(result["initial_parameter_sum"], abs=1e-4)
+    assert len(result["losses"]) == 3 + 3  # lr_find's 3 steps, then the real epoch
+
+
+def test_sharded_checkpoint_loads_without_the_strategy(tmp_path, uninterrupted):
+    """A sharded directory goes into an unsharded module through LightningModule.load_from_checkpoint, and
+    `lightning-npu consolidate` writes one normal Lightning checkpoint file with the same weights (Lightning's own
+    consolidation tool expects a 'model' key and fails; load_from_checkpoint raised IsADirectoryError)."""
+    import lightning_npu  # noqa: F401 -- teaches Lightning's loader the sharded layout
+    from tests.scripts.trainer_run import Regression
+
+    ckpt = tmp_path / "ckpts" / "last.ckpt"
+    _run(tmp_path / "out", tmp_path / "ckpts", "--epochs", "1")
+    assert ckpt.is_dir()
+    model = Regression.load_from_checkpoint(ckpt)
+    assert not any(hasattr(p, "to_local") for p in model.parameters())
+
+    output = tmp_path / "consolidated.ckpt"
+    proc = subprocess.run([sys.executable, "-m", "lightning_npu.cli", "consolidate", str(ckpt), str(output)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    checkpoint = torch.load(output, map_location="cpu", weights_only=False)
+    assert checkpoint["global_step"] == 3 and checkpoint["epoch"] == 0
+    plain = Regression()
+    plain.load_state_dict(checkpoint["state_dict"])  # strict: every name and shape of the unsharded model
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, checkpoint["state_dict"][name])
+    # The optimizer state is numbered like optimizer.state_dict(), so a plain torch optimizer takes it...
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+    assert len(optimizer.state) == len(list(plain.parameters()))
+    # ... and a Trainer on another strategy resumes from the directory itself (one CPU process: 6 steps an epoch).
+    from lightning.pytorch import Trainer
+
+    from tests.scripts.trainer_run import data
+
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(Regression(), train_dataloaders=data(), ckpt_path=ckpt)
+    assert trainer.global_step == 3 + 6
+
+
+def test_consolidate_explains_a_path_that_is_not_a_sharded_checkpoint(tmp_path, capsys):
+    """`lightning-npu consolidate` on a missing path exits 2 with the reason, not a traceback."""
+    from lightning_npu.cli import main
+
+    assert main(["consolidate", str(tmp_path / "nope"), str(tmp_path / "out.ckpt")]) == 2
+    assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+
+
+def test_fabric_full_sgd_and_async_sharded_round_trip(tmp_path):
+    """Fabric: a full checkpoint of a stateless SGD optimizer loads back (IndexError before), an asynchronous
+    sharded save resumes to the same losses, and fabric.load_raw of a sharded directory names the consolidate
+    command."""
+    run_python([FABRIC_SCRIPT, "--out", str(tmp_path)])
+    result = read_json(tmp_path / "result.json")
+    assert result["full_sgd_resumed"] == pytest.approx(result["full_sgd_reference"], abs=1e-6)
+    assert result["async_resumed"] == pytest.approx(result["async_reference"], abs=1e-6)
+    assert "lightning-npu consolidate" in result["load_raw_error"]
+
+
+def test_publish_and_recover_never_lose_the_previous_checkpoint(tmp_path):
+    """The rename protocol on its own: a new directory replaces an old one; a crash between moving the old one aside
+    and renaming the new one in is repaired by putting the old one back; stale temporaries are deleted."""
+    from lightning_npu.strategies.checkpoint import aside_path, publish, recover, temporary_path
+
+    target = tmp_path / "last.ckpt"
+    target.mkdir()
+    (target / "meta.pt").write_text("old")
+    new = temporary_path(target, "0123456789ab")
+    new.mkdir()
+    (new / "meta.pt").write_text("new")
+    publish(new, target, "0123456789ab")
+    assert (target / "meta.pt").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+    # Crash between the renames: the old checkpoint is aside, the new one still temporary.
+    os.replace(target, aside_path(target, "ba9876543210"))
+    temporary_path(target, "ba9876543210").mkdir()
+    recover(tmp_path)
+    assert (target / "meta.pt").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
