@@ -23,6 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor
 
 from lightning_npu import TokenThroughputMonitor  # importing the plugin registers accelerator="npu" and npu_*
 from recipes.llama2.data import TextDataModule, check_vocab_fits
@@ -35,12 +36,13 @@ class RunSummary(Callback):
     """Prints the first and last training loss, where the checkpoint went, and how to generate from it."""
 
     def __init__(self) -> None:
-        self.first_loss: Optional[float] = None
-        self.last_loss: Optional[float] = None
+        # Device tensors, read once at the end: a float() per batch would stall the NPU's queue every step.
+        self.first_loss: Optional[Tensor] = None
+        self.last_loss: Optional[Tensor] = None
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        loss = float(outputs["loss"])
+        loss = outputs["loss"].detach()
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.last_loss = loss
 
@@ -48,7 +50,7 @@ class RunSummary(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.first_loss is None:
             return
-        print(f"train loss: first {self.first_loss:.4f} -> last {self.last_loss:.4f}")
+        print(f"train loss: first {float(self.first_loss):.4f} -> last {float(self.last_loss):.4f}")
         checkpoint = trainer.checkpoint_callback
         path = getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")
         if path:
