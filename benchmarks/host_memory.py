@@ -160,6 +160,8 @@ def worker(args: argparse.Namespace) -> None:
     module = module_class(**kwargs)
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
     Path(args.result, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    # Left to interpreter exit, gloo's threads once aborted a rank ("terminate called without an active exception").
+    torch.distributed.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------------------- driver
