@@ -122,6 +122,9 @@ class FSDPOptions:
         runtime.set_memory_fraction(self.memory_fraction, device)
 
 
+#: Set on a model this strategy has sharded.
+_SHARDED_HERE = "_lightning_npu_sharded"
+
 #: Callbacks that cannot work on sharded parameters, and what to do instead.
 _UNSUPPORTED_CALLBACKS = {
     StochasticWeightAveraging: "it copies whole parameters between the model and an unsharded average",
@@ -246,13 +249,17 @@ class _FSDPStrategyBase(BackendFromRuntime):
         self._device_mesh = build_mesh(self.root_device.type, self.world_size, self.num_nodes, self.options.sharding)
 
     def _shard(self, model: nn.Module, precision_plugin: Any, step_methods: Iterable[str] = ()) -> None:
-        """Shard ``model`` and give it the first values the user's code made (see ``initial_state``)."""
+        """Shard ``model`` and give it the first values the user's code made (see ``initial_state``), once: a
+        later stage of the same Trainer (``validate`` after ``fit``) finds it sharded and trained already."""
+        if getattr(model, _SHARDED_HERE, False):
+            return
         state = initial_state.capture(model)
         self.options.parallelize(model, self._device_mesh, precision_name(precision_plugin), step_methods)
         # Initialised on the mesh's device, whose generator DTensor offsets per rank, then offloaded.
         initial_state.apply(model, state, self.root_device)
         if self.options.cpu_offload:
             _offload_parameters(model)
+        setattr(model, _SHARDED_HERE, True)
 
     # ---- checkpoints (lightning_npu.strategies.checkpoint does the work) ----
 

@@ -26,6 +26,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 
 class MaterializationError(TypeError):
@@ -54,7 +55,10 @@ def capture(model: nn.Module) -> InitialState:
     _check_materializable(model, meta_names)
     values = {}
     if rank0:
-        values = {name: param for name, param in model.named_parameters(remove_duplicate=False) if name not in meta_names}
+        # Parameters that are DTensors already (sharded by the user, or by an earlier stage of this Trainer:
+        # validate after fit) hold their values on every rank.
+        values = {name: param for name, param in model.named_parameters(remove_duplicate=False)
+                  if name not in meta_names and not isinstance(param, DTensor)}
     return InitialState(meta_names, values)
 
 
