@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from lightning_npu.accelerator import NPUAccelerator
 from lightning_npu.connectors import install_all
+from lightning_npu.preemption import install as install_preemption
 from lightning_npu.strategies import STRATEGIES
 
 ACCELERATOR_DESCRIPTION = "Huawei Ascend NPU (lightning-npu)"
 
 
 def register() -> None:
-    """Add everything to the four registries and wrap the connectors; calling it again changes nothing."""
+    """Add everything to the four registries and wrap the connectors (and the signal connector, see preemption.py); calling it again changes nothing."""
     from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.accelerators import AcceleratorRegistry
@@ -28,3 +29,4 @@ def register() -> None:
             if name not in registry:
                 registry.register(name, cls, description=f"{cls.__doc__.splitlines()[0]} (lightning-npu)")
     install_all()
+    install_preemption()
