@@ -89,7 +89,7 @@ class GracefulPreemption(Callback):
     # ------------------------------------------------------------------------------ signals
     def signals(self, trainer: Trainer) -> list[int]:
         """SIGTERM, and the requeue signal (SLURM's configured one, else SIGUSR1)."""
-        environment = trainer.strategy.cluster_environment
+        environment = _environment(trainer)
         requeue = environment.requeue_signal if isinstance(environment, SLURMEnvironment) else None
         return [signal.SIGTERM, requeue or signal.SIGUSR1]
 
@@ -155,7 +155,7 @@ class GracefulPreemption(Callback):
 
     # ------------------------------------------------------------------------------ actions
     def _save(self, trainer: Trainer) -> str:
-        environment = trainer.strategy.cluster_environment
+        environment = _environment(trainer)
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
         else:
@@ -167,7 +167,7 @@ class GracefulPreemption(Callback):
         return path
 
     def _requeue(self, trainer: Trainer, signum: int) -> None:
-        environment = trainer.strategy.cluster_environment
+        environment = _environment(trainer)
         if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue and trainer.is_global_zero):
             return
         if signum != (environment.requeue_signal or signal.SIGUSR1):
@@ -176,6 +176,11 @@ class GracefulPreemption(Callback):
         job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
         result = subprocess.call(["scontrol", "requeue", job])
         print(f"[lightning-npu] scontrol requeue {job}: {'done' if result == 0 else f'failed ({result})'}", flush=True)
+
+
+def _environment(trainer: Trainer) -> Any:
+    # Single-device strategies have no cluster environment.
+    return getattr(trainer.strategy, "cluster_environment", None)
 
 
 def _children(trainer: Optional[Trainer]) -> list[subprocess.Popen]:
