@@ -47,12 +47,14 @@ def _group_alive(pgid):
     return True
 
 
-@pytest.mark.parametrize("target", ["group", "main"])
-def test_sigterm_stops_every_rank_saves_and_exits_143_then_resumes(tmp_path, target):
+@pytest.mark.parametrize(("target", "workers"), [("group", 0), ("main", 0), ("group", 2)],
+                         ids=["group", "main-process-only", "group-with-dataloader-workers"])
+def test_sigterm_stops_every_rank_saves_and_exits_143_then_resumes(tmp_path, target, workers):
     """Catches: Lightning's handler running a collective inside the signal handler (ranks hang until the 30 min
-    process-group timeout), exit code 0 on SIGTERM, no checkpoint written, a rank left running, and (target=main)
-    the main process not forwarding the signal to the rank it launched."""
-    proc = _start(tmp_path)
+    process-group timeout), exit code 0 on SIGTERM, no checkpoint written, a rank left running, (main-process-only)
+    the main process not forwarding the signal to the rank it launched, and (dataloader-workers) workers killed by
+    the group's SIGTERM failing their rank's next batch."""
+    proc = _start(tmp_path, "--data.num_workers", str(workers))
     _wait_for_training(proc)
     signalled = time.monotonic()
     if target == "group":

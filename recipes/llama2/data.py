@@ -409,6 +409,7 @@ class TextDataModule(L.LightningDataModule):
             drop_last=drop_last,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            worker_init_fn=_ignore_termination if self.num_workers > 0 else None,
         )
 
     def _rank_and_world(self) -> tuple[int, int]:
@@ -595,6 +596,15 @@ class TextDataModule(L.LightningDataModule):
 
 
 # ------------------------------------------------------------------------------ module helpers
+def _ignore_termination(worker_id: int) -> None:
+    """DataLoader workers ignore SIGTERM: a scheduler signals the whole process group, and a worker killed by it
+    fails its rank's next batch before the ranks can stop together (lightning_npu.GracefulPreemption). The
+    DataLoader stops its workers through its queues, and a worker exits by itself once its rank is gone."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _check_positive(name: str, value: int, meaning: str) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be an integer >= 1: it is {meaning}.")
