@@ -14,6 +14,7 @@ import os as _os
 __version__ = "0.1.0"
 
 __all__ = [
+    "GracefulPreemption",
     "NPUAccelerator",
     "NPUDDPStrategy",
     "NPUFSDPStrategy",
@@ -23,6 +24,7 @@ __all__ = [
     "NPUProfiler",
     "NPUSingleStrategy",
     "NPUUnavailableError",
+    "NonFiniteLossGuard",
     "TokenThroughputMonitor",
     "get_runtime",
     "register",
@@ -57,6 +59,8 @@ if _IMPORT_ERROR is None:
         NPUSingleStrategy,
     )
 
+    from lightning_npu.guards import NonFiniteLossGuard
+    from lightning_npu.preemption import GracefulPreemption
     from lightning_npu.telemetry import TokenThroughputMonitor
 
     register()

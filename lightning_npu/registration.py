@@ -9,6 +9,7 @@ from __future__ import annotations
 from lightning_npu.accelerator import NPUAccelerator
 from lightning_npu import oom
 from lightning_npu.connectors import install_all
+from lightning_npu.preemption import install as install_preemption
 from lightning_npu.strategies.checkpoint import install_loader
 from lightning_npu.strategies import STRATEGIES
 
@@ -16,8 +17,8 @@ ACCELERATOR_DESCRIPTION = "Huawei Ascend NPU (lightning-npu)"
 
 
 def register() -> None:
-    """Add everything to the four registries, wrap the connectors and Lightning's OOM handling (``oom.py``);
-    calling it again changes nothing."""
+    """Add everything to the four registries, wrap the connectors, Lightning's OOM handling (``oom.py``), its
+    signal handlers (``preemption.py``) and its checkpoint loading; calling it again changes nothing."""
     from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.accelerators import AcceleratorRegistry
@@ -33,3 +34,4 @@ def register() -> None:
     install_all()
     oom.install()
     install_loader()  # load_from_checkpoint & co. read npu_fsdp's sharded checkpoint directories
+    install_preemption()

@@ -176,6 +176,7 @@ def test_two_ranks_see_disjoint_samples_that_cover_the_epoch(tmp_path):
     ranks = []
     for rank in (0, 1):
         dm = TextDataModule(path=path, seq_len=15, batch_size=3, val_fraction=0.0, cache_dir=str(tmp_path / "c"))
+        dm.prepare()  # several ranks need the cache prepared beforehand
         dm.trainer = _fake_trainer(rank, 2)
         dm.setup("fit")
         ranks.append(dm)
@@ -217,6 +218,7 @@ def test_lightning_keeps_the_sampler_under_ddp_even_with_use_distributed_sampler
         cache_dir=str(tmp_path / "c"),
     )
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", use_distributed_sampler=True, logger=False)
+    dm.prepare()
     dm.trainer = _fake_trainer(1, 2)
     dm.setup("fit")
     loader = dm.train_dataloader()
@@ -551,6 +553,7 @@ def test_fewer_blocks_than_ranks_times_batch_is_refused(tmp_path):
         val_fraction=0.0,
         cache_dir=str(tmp_path / "c"),
     )
+    dm.prepare()
     dm.trainer = _fake_trainer(0, 64)
     with pytest.raises(ValueError, match=r"batch_size 4 x 64 ranks = 256"):
         dm.setup("fit")

@@ -347,6 +347,46 @@ def test_cli_modules_import_nothing_that_imports_torch():
                 [node.module] if isinstance(node, ast.ImportFrom) else []
             for name in names:
                 top = name.split(".")[0]
-                assert top in sys.stdlib_module_names or top == "__future__" or name.startswith("lightning_npu.cli"), \
-                    f"{path.name} imports {name} at module level"
+                assert top in sys.stdlib_module_names or top == "__future__" or name.startswith("lightning_npu.cli") \
+                    or name == "lightning_npu.timeouts", f"{path.name} imports {name} at module level"
+    # The timeout rule the doctor shares with the strategies imports nothing but the standard library.
+    for node in ast.parse((cli.parent / "timeouts.py").read_text()).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+            assert module.split(".")[0] in sys.stdlib_module_names or module == "__future__", module
     assert (doctor.SIMULATE_ENV, doctor.VISIBLE_DEVICES_ENV) == (SIMULATE_ENV, VISIBLE_DEVICES_ENV)
+
+
+def test_process_group_timeout_below_hccl_exec_timeout_is_flagged_with_the_fix(capsys, monkeypatch):
+    """Catches: the doctor not comparing the process-group timeout with HCCL_EXEC_TIMEOUT (torch_npu advises it
+    above both HCCL timeouts), or a fix that does not name a timeout that would pass."""
+    monkeypatch.setenv("LIGHTNING_NPU_SIMULATE", "1")
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "3600")
+    code, out = run_doctor(capsys, "--timeout", "1800")
+    assert code == 0  # a warning, not an error
+    assert ("WARNING  timeouts: the process-group timeout (1800 s) is not above HCCL_EXEC_TIMEOUT (3600 s;"
+            " HCCL_CONNECT_TIMEOUT=120 s (default), HCCL_EXEC_TIMEOUT=3600 s)") in out
+    assert "fix: set the strategy's timeout to at least 3660" in out
+    assert "export HCCL_EXEC_TIMEOUT=1740" in out
+    assert "  process group          1800\n" in out
+
+
+def test_default_timeouts_agree_with_hccl_defaults(capsys, monkeypatch):
+    """Catches: the strategies' default process-group timeout (once 1800 s) below HCCL_EXEC_TIMEOUT's default
+    of 1836 s, which every real NPU run would then violate."""
+    monkeypatch.setenv("LIGHTNING_NPU_SIMULATE", "1")
+    code, out = run_doctor(capsys)
+    assert "timeouts:" not in out
+    assert "  process group          1896\n" in out and "  HCCL_EXEC_TIMEOUT      1836\n" in out
+
+
+def test_hang_diagnostics_prints_the_flight_recorder_exports(capsys, monkeypatch):
+    """Catches: --hang-diagnostics missing or naming variables torch_npu 2.13 does not read (names checked
+    against the wheel's libtorch_npu.so), and overriding a value the user already set."""
+    monkeypatch.setenv("LIGHTNING_NPU_SIMULATE", "1")
+    monkeypatch.setenv("TORCH_HCCL_TRACE_BUFFER_SIZE", "500")
+    _, out = run_doctor(capsys, "--hang-diagnostics")
+    for line in ("export TORCH_HCCL_TRACE_BUFFER_SIZE=500", "export TORCH_HCCL_ENABLE_MONITORING=1",
+                 "export TORCH_HCCL_DUMP_ON_TIMEOUT=1", "export TORCH_HCCL_DEBUG_INFO_TEMP_FILE=/tmp/hccl_trace_rank_"):
+        assert line + "\n" in out
+    assert "export" not in run_doctor(capsys)[1]  # only on request

@@ -58,6 +58,52 @@ def test_fit_resume_generate_export_roundtrip(tmp_path):
         torch.testing.assert_close(hf(tokens).logits, recipe(tokens), atol=1e-5, rtol=1e-5)
 
 
+def _tiny_checkpoint(tmp_path):
+    """A 4-layer tiny recipe checkpoint file (random weights), as an earlier run would have saved."""
+    from recipes.llama2.config import LLaMAConfig
+    from recipes.llama2.convert import save_recipe_checkpoint
+    from recipes.llama2.model import LLaMA
+
+    config = LLaMAConfig.from_preset("tiny")
+    return str(save_recipe_checkpoint(tmp_path / "in" / "tiny.ckpt", config, LLaMA(config).state_dict()))
+
+
+def _text_file(tmp_path):
+    path = tmp_path / "in" / "notes.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("this is not a checkpoint\n")
+    return str(path)
+
+
+def _empty_jsonl(tmp_path):
+    path = tmp_path / "in" / "empty.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    return str(path)
+
+
+def _jsonl_with_bad_line_201(tmp_path):
+    path = tmp_path / "in" / "bad.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"text": f"document {i} " * 20}) for i in range(300)]
+    lines[200] = '{"text": "unterminated'
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def _parquet_without_text(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "in" / "docs.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"body": [f"document {i}" for i in range(50)]}), path)
+    return str(path)
+
+
+STRATEGY = "--trainer.strategy.init_args."
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -66,12 +112,56 @@ def test_fit_resume_generate_export_roundtrip(tmp_path):
         (["--model.config", json.dumps({"vocab_size": 1000})], "The tokenizer has 2048 tokens but the model's vocab_size is 1000"),
         (["--data.path", "/nonexistent/corpus.jsonl"], "/nonexistent/corpus.jsonl"),
         (["--model.init_from", "/nonexistent/hf"], "model.init_from='/nonexistent/hf' does not exist"),
+        (["--ckpt_path", _tiny_checkpoint, "--model.config", "{n_layers: 2}"],
+         "holds a different model (n_layers: checkpoint 4 vs configured 2)"),
+        (["--ckpt_path", _tiny_checkpoint, "--model.config", "{dim: 256}"],
+         "holds a different model (dim: checkpoint 128 vs configured 256)"),
+        (["--ckpt_path", _text_file], "notes.txt' is not a checkpoint of this recipe"),
+        (["--data.path", _empty_jsonl], "is empty: every data file has 0 bytes"),
+        (["--data.path", _jsonl_with_bad_line_201], "Line 201 of "),
+        (["--data.path", _parquet_without_text], "text_column='text' is not a column of"),
+        ([STRATEGY + "zero_stage", "4"], "error: trainer.strategy (NPUFSDPStrategy): zero_stage=4 is not supported"),
+        ([STRATEGY + "activation_checkpointing_ratio", "1.5"],
+         "error: trainer.strategy (NPUFSDPStrategy): activation_checkpointing_ratio=1.5 must lie in [0, 1]"),
     ],
+    ids=["missing-ckpt", "seq-len", "vocab", "missing-data", "missing-init-from", "ckpt-fewer-layers",
+         "ckpt-other-dim", "ckpt-not-a-checkpoint", "empty-jsonl", "bad-jsonl-line", "parquet-without-text",
+         "zero-stage", "ac-ratio"],
 )
 def test_bad_input_fails_before_workers_and_writes_nothing(tmp_path, args, message):
+    """Catches each configuration error surfacing only inside the workers (both ranks' tracebacks), after a
+    checkpoint is half-restored (extra keys ignored), or buried in jsonargparse's Union report."""
+    args = [a(tmp_path) if callable(a) else a for a in args]
     with pytest.raises(AssertionError) as failure:
-        _train(tmp_path, "--trainer.max_steps", "2", *args)
+        _train(tmp_path / "run", "--trainer.max_steps", "2", *args)
     text = str(failure.value)
     assert message in text
+    # One message, shown alone: not both ranks' tracebacks, not a line of jsonargparse's Union report.
+    assert text.count("Traceback (most recent call last)") <= 1 and "Union subtypes" not in text
     assert "Initializing distributed" not in text  # no worker process was started
-    assert not (tmp_path / "lightning_logs").exists()
+    assert not (tmp_path / "run" / "lightning_logs").exists()
+
+
+def test_prepare_tokenises_once_and_training_on_two_ranks_then_starts_from_the_cache(tmp_path):
+    """Catches: no offline preparation step, a preparation whose cache training does not find (so the ranks would
+    tokenise again under the barrier), and a multi-rank run launched from outside (torchrun: LOCAL_RANK set) that
+    tokenises instead of stopping at once with the command to run."""
+    cache = str(tmp_path / "cache")
+    data_args = ["--data.cache_dir", cache, "--data.max_documents", "60", "--data.seq_len", "64"]
+    with pytest.raises(AssertionError) as outside:
+        run_python([TRAIN, "fit", "--config", TINY, *SMALL, *data_args, "--trainer.max_steps", "2",
+                    "--trainer.default_root_dir", str(tmp_path / "run0")],
+                   env={"LOCAL_RANK": "0", "NODE_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29531"}, timeout=120)
+    text = str(outside.value)
+    assert "NotPreparedError" in text and "python recipes/llama2/train.py prepare --config" in text
+    assert "Tokenising" not in text and "Initializing distributed" not in text
+
+    prepared = run_python([TRAIN, "prepare", "--config", TINY, *data_args, "--data.tokenize_num_proc", "2"],
+                          simulate=None)
+    assert "tokens/s tokenising with 2 process(es)" in prepared.stdout + prepared.stderr
+    manifests = list((tmp_path / "cache" / "tokenized").glob("*/manifest.json"))
+    assert len(manifests) == 1 and json.loads(manifests[0].read_text())["tokens"] > 0
+
+    fit = _train(tmp_path / "run1", *data_args, "--trainer.max_steps", "2")
+    assert "Tokenising" not in fit.stdout + fit.stderr  # the ranks read the prepared cache

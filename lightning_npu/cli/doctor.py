@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from lightning_npu.cli._probe_child import MARKER as CHILD_MARKER
+from lightning_npu.timeouts import FLIGHT_RECORDER_ENV, default_timeout_s, flight_recorder_exports, hccl_timeouts_s
+from lightning_npu.timeouts import minimum_timeout_s, timeout_problem
 
 ERROR, WARNING, NOTE = "error", "warning", "note"
 AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
@@ -57,11 +59,22 @@ CHILD_TIMEOUT_S = 180
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="the process-group timeout your run sets (strategy timeout, seconds), checked against"
+                             " HCCL_CONNECT_TIMEOUT / HCCL_EXEC_TIMEOUT; default: the strategies' default")
+    parser.add_argument("--hang-diagnostics", action="store_true",
+                        help="also print the exports that turn on torch_npu's HCCL flight recorder and CANN logs")
 
 
 def run(args: argparse.Namespace) -> int:
-    report = build_report()
-    print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
+    report = build_report(timeout_s=args.timeout)
+    if args.json:
+        data = report.to_dict()
+        if args.hang_diagnostics:
+            data["hang_diagnostics"] = {name: os.environ.get(name, value) for name, value in FLIGHT_RECORDER_ENV.items()}
+        print(json.dumps(data, indent=2))
+    else:
+        print(render(report) + (render_hang_diagnostics(os.environ) if args.hang_diagnostics else ""))
     return report.exit_code
 
 
@@ -96,6 +109,7 @@ class Report:
     torch_import: dict[str, Any]
     devices: Optional[dict[str, Any]]
     environment: list[tuple[str, Optional[str], str]]
+    timeouts: dict[str, float] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -109,8 +123,9 @@ class Report:
         return data
 
 
-def build_report() -> Report:
-    """Gather everything about this process's environment and diagnose it."""
+def build_report(timeout_s: Optional[float] = None) -> Report:
+    """Gather everything about this process's environment and diagnose it. ``timeout_s``: the process-group
+    timeout to check against the HCCL timeouts (None: the strategies' default)."""
     # A snapshot: probing in this process may import a torch_npu that changes os.environ as it fails.
     env = dict(os.environ)
     package_dir = Path(__file__).resolve().parents[1]
@@ -125,9 +140,23 @@ def build_report() -> Report:
     cann = find_cann(env)
     torch_import, devices = gather_devices(env)
     environment, env_findings = check_environment(env, host_interfaces())
-    report = Report(versions, cann, searched, torch_import, devices, environment)
-    report.findings = _package_findings(report) + _device_findings(report) + _cann_findings(report, env) + env_findings
+    timeouts, timeout_findings = check_timeouts(env, timeout_s)
+    report = Report(versions, cann, searched, torch_import, devices, environment, timeouts)
+    report.findings = (_package_findings(report) + _device_findings(report) + _cann_findings(report, env) + env_findings
+                       + timeout_findings)
     return report
+
+
+def check_timeouts(env: Mapping[str, str], timeout_s: Optional[float]) -> tuple[dict[str, float], list[Finding]]:
+    """The collective timeouts in effect (seconds) and a warning when the process-group timeout is not above the
+    HCCL ones (the rule lives in lightning_npu/timeouts.py, shared with the strategies' start-up check)."""
+    process_group = default_timeout_s(env) if timeout_s is None else float(timeout_s)
+    timeouts = {**hccl_timeouts_s(env), "process group": process_group, "minimum process group": minimum_timeout_s(env)}
+    problem = timeout_problem(process_group, env)
+    if problem is None:
+        return timeouts, []
+    cause, fix = problem.split("; set ", 1)
+    return timeouts, [Finding(WARNING, "timeouts", cause, "set " + fix)]
 
 
 def installed_version(distribution: str) -> Optional[str]:
@@ -578,6 +607,10 @@ def render(report: Report) -> str:
     out += ["", "Environment"]
     out += _rows({name: f"(unset: {unset})" if value is None else value for name, value, unset in report.environment})
 
+    if report.timeouts:
+        out += ["", "Collective timeouts (s)"]
+        out += _rows({name: f"{value:g}" for name, value in report.timeouts.items()})
+
     order = {ERROR: 0, WARNING: 1, NOTE: 2}
     findings = sorted(report.findings, key=lambda f: order[f.level])
     out += ["", "Problems" if findings else "Problems: none"]
@@ -590,6 +623,17 @@ def render(report: Report) -> str:
     verdict = "Ready" if report.exit_code == 0 else "Not ready"
     out += ["", f"{verdict}: {errors} error(s), {warnings} warning(s) (exit status {report.exit_code})."]
     return "\n".join(out)
+
+
+def render_hang_diagnostics(env: Mapping[str, str]) -> str:
+    """The exports that turn on torch_npu's HCCL flight recorder (and CANN's logs), for a run that hangs."""
+    prefix = env.get("TORCH_HCCL_DEBUG_INFO_TEMP_FILE", FLIGHT_RECORDER_ENV["TORCH_HCCL_DEBUG_INFO_TEMP_FILE"])
+    return "\n".join([
+        "", "", "Hang diagnostics: export these in the job script before launching, on every node",
+        flight_recorder_exports(env),
+        f"On a collective timeout each rank writes its last collectives to {prefix}<rank>; the rank whose last",
+        "sequence number is behind the others is the one that stalled (its stack is in the dump).",
+    ])
 
 
 def _device_rows(report: Report) -> dict[str, str]:

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_npu.timeouts import default_timeout_s, timeout_problem
+
 TIMEOUT = Union[float, timedelta]
-#: The process-group timeout when none is given (seconds). A hung collective then fails after 30 min.
-DEFAULT_TIMEOUT_S = 1800.0
 
 
 def as_timedelta(timeout: Optional[TIMEOUT]) -> timedelta:
-    """A process-group timeout given in seconds (YAML) or as a timedelta (Python)."""
+    """A process-group timeout given in seconds (YAML) or as a timedelta (Python). None: 30 min, or more when
+    the HCCL timeouts in the environment need it (see lightning_npu/timeouts.py)."""
     if timeout is None:
-        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+        return timedelta(seconds=default_timeout_s(os.environ))
     if isinstance(timeout, timedelta):
         return timeout
     if float(timeout) <= 0:
@@ -30,6 +33,16 @@ def wrap_ddp(module: torch.nn.Module, root_device: torch.device, ddp_kwargs: dic
     return DistributedDataParallel(module=module, device_ids=device_ids, **ddp_kwargs)
 
 
+def check_timeouts(timeout: timedelta, backend: str) -> None:
+    """Warn (once per process) when the process-group timeout is not above the HCCL timeouts: on hccl, or
+    whenever the user set an HCCL timeout (so a simulated run shows what the real one would say)."""
+    if backend != "hccl" and not any(name in os.environ for name in ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT")):
+        return
+    problem = timeout_problem(timeout.total_seconds(), os.environ)
+    if problem:
+        rank_zero_warn(problem[0].upper() + problem[1:])
+
+
 class BackendFromRuntime:
     """Mixin for distributed strategies: the process-group backend comes from the NPU runtime (hccl, or gloo
     when simulated) rather than from the device-type map torch_npu may or may not have filled in."""
@@ -39,6 +52,14 @@ class BackendFromRuntime:
     root_device: torch.device
 
     def _get_process_group_backend(self) -> str:
+        backend = self._resolve_process_group_backend()
+        # Lightning asks for the backend right before init_process_group: the moment to compare the timeouts.
+        if not getattr(self, "_timeouts_checked", False) and getattr(self, "_timeout", None) is not None:
+            self._timeouts_checked = True
+            check_timeouts(self._timeout, backend)
+        return backend
+
+    def _resolve_process_group_backend(self) -> str:
         if self._process_group_backend:
             return self._process_group_backend
         runtime = getattr(self.accelerator, "runtime", None)

@@ -31,9 +31,13 @@ injecting its own, so it is kept whatever ``use_distributed_sampler`` says; the 
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import hashlib
 import json
+import lzma
 import os
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,7 +53,9 @@ DEFAULT_CORPUS = str(ASSETS_DIR / "corpus.jsonl")
 DEFAULT_TOKENIZER = str(ASSETS_DIR / "tokenizer")
 
 # Bump when the tokenised cache layout or the encoding rule changes, so old caches are not reused.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
+# Written last by TextDataModule.prepare: a cache folder without it is incomplete.
+_MANIFEST = "manifest.json"
 _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 _FORMAT_OF_SUFFIX = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text"}
 # Files that define a tokenizer; a model directory's weights are deliberately not hashed.
@@ -78,6 +84,10 @@ def check_vocab_fits(tokenizer_vocab_size: int, model_vocab_size: int) -> None:
             f"Set the model's vocab_size to at least {tokenizer_vocab_size}, or use the tokenizer the "
             "model was built for."
         )
+
+
+class NotPreparedError(RuntimeError):
+    """A multi-rank run found no prepared token cache."""
 
 
 class PackedBlocks(Dataset):
@@ -284,7 +294,8 @@ class TextDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------------------- lifecycle
     def prepare_data(self) -> None:
-        """Read, check and tokenise into the cache (Lightning runs this on one process per node)."""
+        """Check that the token cache exists, tokenising into it in a single-process run (Lightning runs this on
+        one process per node; several ranks need :meth:`prepare` run beforehand)."""
         self._tokenized_splits()
 
     def setup(self, stage: str | None = None) -> None:
@@ -398,6 +409,7 @@ class TextDataModule(L.LightningDataModule):
             drop_last=drop_last,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            worker_init_fn=_ignore_termination if self.num_workers > 0 else None,
         )
 
     def _rank_and_world(self) -> tuple[int, int]:
@@ -431,20 +443,36 @@ class TextDataModule(L.LightningDataModule):
 
         return Path(datasets.config.HF_DATASETS_CACHE) / "lightning_npu"
 
-    def _tokenized_splits(self) -> tuple[Any, Any | None]:
-        """Token datasets (``input_ids`` per document) of the train and validation splits, from cache if present."""
-        import datasets
-
-        documents = self._load_documents()
+    # ------------------------------------------------------------------------------ preparation
+    @property
+    def cache_path(self) -> Path:
+        """The folder of this data's token cache: keyed by the data files (path, size, mtime), the tokenizer
+        files and the split settings, so it is found without reading the data."""
         key = _fingerprint(
             _CACHE_FORMAT,
-            documents._fingerprint,
+            _source_fingerprint(self._format, self.path, self._data_files),
             _hash_tokenizer_files(self.tokenizer_path),
             self.text_column,
             self.val_fraction,
             self.seed,
             self.max_documents,
         )
+        return self._cache_root() / "tokenized" / key
+
+    def is_prepared(self) -> bool:
+        """Whether :meth:`prepare` completed for this data and these settings (its manifest exists)."""
+        return (self.cache_path / _MANIFEST).is_file()
+
+    def prepare(self) -> dict[str, Any]:
+        """Check the data, tokenise it into the cache (``tokenize_num_proc`` processes, with a progress bar) and
+        write the cache's manifest last, atomically. Returns the manifest (documents, tokens, seconds, tokens/s);
+        when the cache is already complete, returns its manifest without reading the data."""
+        if self.is_prepared():
+            return json.loads((self.cache_path / _MANIFEST).read_text())
+        import datasets
+
+        begin = time.perf_counter()
+        documents = self._load_documents()
         train_rows, val_rows = _split_documents(len(documents), self.val_fraction, self.seed)
         train_documents = documents.select(train_rows, keep_in_memory=True)
         if not _has_text(train_documents, self.text_column):
@@ -452,16 +480,17 @@ class TextDataModule(L.LightningDataModule):
                 f"The dataset at {self.path!r} has no document with text in column {self.text_column!r} "
                 "(all are empty or null) in its training split."
             )
-        out_dir = self._cache_root() / "tokenized" / key
+        out_dir = self.cache_path
         out_dir.mkdir(parents=True, exist_ok=True)
         features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
-        splits = []
+        manifest: dict[str, Any] = {"path": self.path, "tokenize_num_proc": self.tokenize_num_proc or 1, "splits": {}}
+        tokenise_s = 0.0
         for name, rows in (("train", train_rows), ("val", val_rows)):
             if rows is None:
-                splits.append(None)
                 continue
             # keep_in_memory: the index mapping must not be written next to the user's data.
             subset = train_documents if name == "train" else documents.select(rows, keep_in_memory=True)
+            started = time.perf_counter()
             tokens = subset.map(
                 _encode_documents,
                 batched=True,
@@ -469,13 +498,62 @@ class TextDataModule(L.LightningDataModule):
                 features=features,
                 fn_kwargs={"tokenizer": self.tokenizer, "text_column": self.text_column, "eos_id": self.eos_id},
                 cache_file_name=str(out_dir / f"{name}.arrow"),
-                new_fingerprint=_fingerprint(key, name),
+                new_fingerprint=_fingerprint(out_dir.name, name),
                 load_from_cache_file=True,
                 num_proc=self.tokenize_num_proc,
                 desc=f"Tokenising {name} documents",
             )
-            splits.append(tokens)
+            tokenise_s += time.perf_counter() - started
+            manifest["splits"][name] = {
+                "files": [Path(f["filename"]).name for f in tokens.cache_files],
+                "documents": len(subset),
+                "tokens": PackedBlocks(tokens, 1).num_tokens,
+            }
+        total = sum(split["tokens"] for split in manifest["splits"].values())
+        manifest.update(seconds=round(time.perf_counter() - begin, 3), tokenise_seconds=round(tokenise_s, 3),
+                        tokens=total, tokens_per_s=round(total / max(tokenise_s, 1e-9)))
+        scratch = out_dir / f".{_MANIFEST}.{os.getpid()}"
+        scratch.write_text(json.dumps(manifest, indent=1))
+        os.replace(scratch, out_dir / _MANIFEST)  # the cache counts as complete only once this exists
+        rank_zero_info(
+            f"TextDataModule: prepared {sum(s['documents'] for s in manifest['splits'].values())} documents,"
+            f" {total} tokens in {manifest['seconds']:.1f} s ({manifest['tokens_per_s']:,} tokens/s tokenising with"
+            f" {manifest['tokenize_num_proc']} process(es)) into {out_dir}"
+        )
+        return manifest
+
+    def _tokenized_splits(self) -> tuple[Any, Any | None]:
+        """Token datasets (``input_ids`` per document) of the train and validation splits, from the cache.
+
+        A single process tokenises here if the cache is missing. Several ranks do not: the others would wait for
+        it at Lightning's barrier under the process-group timeout, so they stop with the command that prepares it.
+        """
+        import datasets
+
+        if not self.is_prepared():
+            _, world = self._rank_and_world()
+            if world > 1:
+                raise NotPreparedError(self.not_prepared_message(world))
+            self.prepare()
+        manifest = json.loads((self.cache_path / _MANIFEST).read_text())
+        splits = []
+        for name in ("train", "val"):
+            files = manifest["splits"].get(name, {}).get("files")
+            if files is None:
+                splits.append(None)
+                continue
+            parts = [datasets.Dataset.from_file(str(self.cache_path / f)) for f in files]
+            splits.append(parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts))
         return splits[0], splits[1]
+
+    def not_prepared_message(self, world: int) -> str:
+        return (
+            f"The token cache of data.path={self.path!r} is not prepared ({self.cache_path} has no {_MANIFEST}), and"
+            f" this run has {world} ranks: tokenising inside them would keep the other ranks waiting at a barrier"
+            " under the process-group timeout. Prepare it once first, with the same config and --data options"
+            " (on any machine that sees data.cache_dir; tokenize_num_proc sets its processes):"
+            " python recipes/llama2/train.py prepare --config <config.yaml> [--data.tokenize_num_proc 8]"
+        )
 
     def _load_documents(self) -> Any:
         import datasets
@@ -493,6 +571,9 @@ class TextDataModule(L.LightningDataModule):
             if all(os.path.getsize(f) == 0 for f in self._data_files):
                 raise ValueError(f"The dataset at {self.path!r} is empty: every data file has 0 bytes.")
             _peek(self._format, self._data_files, self.text_column, self.path)
+            if self._format == "json":
+                for file in self._data_files:
+                    _check_json_lines(file)
             kwargs = {"sample_by": "paragraph"} if self._format == "text" else {}
             try:
                 loaded = datasets.load_dataset(
@@ -515,6 +596,15 @@ class TextDataModule(L.LightningDataModule):
 
 
 # ------------------------------------------------------------------------------ module helpers
+def _ignore_termination(worker_id: int) -> None:
+    """DataLoader workers ignore SIGTERM: a scheduler signals the whole process group, and a worker killed by it
+    fails its rank's next batch before the ranks can stop together (lightning_npu.GracefulPreemption). The
+    DataLoader stops its workers through its queues, and a worker exits by itself once its rank is gone."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _check_positive(name: str, value: int, meaning: str) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be an integer >= 1: it is {meaning}.")
@@ -591,6 +681,46 @@ def _peek(fmt: str, files: Sequence[str], text_column: str, path: str) -> None:
             columns = list(record)
     if columns is not None and text_column not in columns:
         raise _missing_column_error(text_column, columns, path)
+
+
+_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+
+
+def _check_json_lines(file: str) -> None:
+    """Fail on the first line of a JSON Lines file that is not a JSON object, naming its line number (``datasets``
+    reports a row number within a parse chunk instead, and only inside the workers). A ``.json`` file whose first
+    line is not a whole object is one JSON document, left to ``datasets``; ``.zst`` files are left to it too."""
+    name = file.lower()
+    suffix = next((c for c in _OPENERS if name.endswith(c)), "")
+    if name.endswith(".zst"):
+        return
+    json_lines = name[: len(name) - len(suffix)].endswith(".jsonl")
+    with (_OPENERS[suffix] if suffix else open)(file, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                if not json_lines and number == 1:
+                    return  # not JSON Lines: one (pretty-printed) JSON document
+                raise ValueError(
+                    f"Line {number} of {file} is not JSON ({err.msg}, column {err.colno}): {line.strip()[:80]!r}."
+                    " Each line of a JSON Lines file must be one JSON object; fix or delete that line."
+                ) from None
+            if not isinstance(record, dict):
+                if not json_lines and number == 1:
+                    return
+                raise ValueError(
+                    f"Line {number} of {file} is a JSON {type(record).__name__}, not an object: each line of a JSON"
+                    " Lines file must be one object with the text column, e.g. {\"text\": \"...\"}."
+                )
+
+
+def _source_fingerprint(fmt: str, path: str, data_files: Sequence[str]) -> list[Any]:
+    """What identifies the data without reading it: every file's resolved path, size and modification time."""
+    files = [Path(f) for f in data_files] if fmt != "arrow" else sorted(p for p in Path(path).rglob("*") if p.is_file())
+    return [fmt] + [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
 
 
 def _check_text_column(dataset: Any, text_column: str, path: str) -> None:

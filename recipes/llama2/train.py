@@ -2,10 +2,14 @@
 
     python recipes/llama2/train.py fit --config recipes/llama2/configs/tiny.yaml
     LIGHTNING_NPU_SIMULATE=2 python recipes/llama2/train.py fit --config recipes/llama2/configs/tiny.yaml
+    python recipes/llama2/train.py prepare --config recipes/llama2/configs/llama2_7b.yaml --data.tokenize_num_proc 32
     torchrun --nproc-per-node 8 recipes/llama2/train.py fit --config recipes/llama2/configs/llama2_7b.yaml
 
-Every check of the configuration (checkpoint path, tokenizer against the model's vocabulary, context length
-against the model's positions) runs before any worker process starts.
+Every check of the configuration runs before any worker process starts: strategy and callback options (shown alone,
+not inside jsonargparse's report), the resume checkpoint (a recipe checkpoint whose model matches the configured
+one), the tokenizer against the model's vocabulary, the context length against the model's positions, and the data
+(read, checked and tokenised into the cache by ``prepare``, or here when Lightning's own launcher starts the ranks;
+ranks started by torchrun / SLURM stop at once if the cache is not prepared).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 
-from lightning_npu import TokenThroughputMonitor  # importing the plugin registers accelerator="npu" and npu_*
-from recipes.llama2.data import TextDataModule, check_vocab_fits
+from lightning_npu import GracefulPreemption, NonFiniteLossGuard, TokenThroughputMonitor  # importing the plugin registers accelerator="npu" and npu_*
+from recipes.llama2.data import NotPreparedError, TextDataModule, check_vocab_fits
+from recipes.llama2.config import LLaMAConfig
 from recipes.llama2.module import LLaMA2
 
 GENERATE_SCRIPT = Path(__file__).resolve().parent / "generate.py"
@@ -64,17 +69,54 @@ class LLaMACLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.link_arguments("data.tokenizer", "model.tokenizer_path")
 
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        # Before LightningCLI reads ckpt_path (torch.load of any file, whose hyper-parameters then silently replace
+        # the configured model's) and before anything is built.
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            config = self.config[subcommand]
+            ckpt_path = config.get("ckpt_path")
+            if ckpt_path not in (None, "last", "hpc", "best", "registry"):
+                model = config.get("model")
+                check_resume_checkpoint(str(ckpt_path), LLaMAConfig.from_preset(model.preset, **(model.config or {})))
+
+    def instantiate_classes(self) -> None:
+        check_class_options(self.config.get(self.subcommand, self.config) if self.subcommand else self.config)
+        super().instantiate_classes()
+
     def before_fit(self) -> None:
-        check_run(self.model, self.datamodule, self.config_init[self.subcommand].get("ckpt_path"))
+        check_run(self.model, self.datamodule, self.trainer)
 
 
-def check_run(model: LLaMA2, data: TextDataModule, ckpt_path: Optional[str]) -> None:
-    """Configuration errors that would otherwise surface inside the workers, after start-up."""
-    if ckpt_path not in (None, "last", "hpc", "best", "registry") and not Path(ckpt_path).exists():
-        raise FileNotFoundError(
-            f"ckpt_path={ckpt_path!r} does not exist; give the path of a checkpoint file or sharded checkpoint"
-            " directory written by an earlier run (its location is printed at the end of that run)"
-        )
+def check_class_options(config: Any) -> None:
+    """Build the strategy and the callbacks once from their ``class_path`` / ``init_args``, so a ValueError of theirs
+    is the whole message. jsonargparse would report it as one line of its "Union subtypes" report."""
+    from jsonargparse import Namespace
+    from jsonargparse.typing import import_object
+
+    trainer = config.get("trainer") or {}
+    callbacks = trainer.get("callbacks") or []
+    entries = [("trainer.strategy", trainer.get("strategy"))]
+    entries += [(f"trainer.callbacks[{i}]", c) for i, c in enumerate(callbacks if isinstance(callbacks, list) else [callbacks])]
+    for where, value in entries:
+        if not isinstance(value, Namespace) or not isinstance(value.get("class_path"), str):
+            continue
+        init_args = dict(value.get("init_args") or {})
+        if any(isinstance(v, Namespace) for v in init_args.values()):
+            continue  # nested classes: left to jsonargparse
+        try:
+            cls = import_object(value.class_path)
+            cls(**init_args)
+        except (ValueError, TypeError) as err:
+            sys.exit(f"error: {where} ({value.class_path.rsplit('.', 1)[-1]}): {err}")
+        except ImportError:
+            continue  # jsonargparse names an unknown class_path itself
+
+
+def check_run(model: LLaMA2, data: TextDataModule, trainer: Optional[Trainer] = None) -> None:
+    """Configuration errors that would otherwise surface inside the workers, after start-up (the resume
+    checkpoint is checked earlier, in LLaMACLI.parse_arguments)."""
     init_from = model.hparams.init_from
     if init_from and not Path(init_from).exists():
         raise FileNotFoundError(
@@ -88,13 +130,78 @@ def check_run(model: LLaMA2, data: TextDataModule, ckpt_path: Optional[str]) -> 
             f" rotary positions beyond it were never trained. Lower data.seq_len or set"
             f" model.config.max_seq_len >= {data.seq_len}"
         )
+    if trainer is not None:
+        prepare_before_launch(data, trainer)
 
 
-def main(args: Optional[list[str]] = None) -> LLaMACLI:
+def check_resume_checkpoint(ckpt_path: str, config: LLaMAConfig) -> None:
+    """``ckpt_path`` must be a recipe checkpoint of the configured model's shape (reads only its metadata)."""
+    from recipes.llama2.convert import config_from_hparams, read_recipe_metadata
+
+    if not Path(ckpt_path).exists():
+        raise FileNotFoundError(
+            f"ckpt_path={ckpt_path!r} does not exist; give the path of a checkpoint file or sharded checkpoint"
+            " directory written by an earlier run (its location is printed at the end of that run)"
+        )
+    try:
+        stored = config_from_hparams(read_recipe_metadata(ckpt_path).get("hyper_parameters"), source=ckpt_path)
+    except Exception as err:  # torch.load fails on other files in many ways (KeyError, UnpicklingError, ...)
+        raise ValueError(
+            f"ckpt_path={ckpt_path!r} is not a checkpoint of this recipe ({type(err).__name__}: {err}); give a"
+            " last.ckpt / epoch=...ckpt file or directory written by recipes/llama2/train.py"
+        ) from None
+    differences = [(name, value, getattr(config, name)) for name, value in stored.to_dict().items()
+                   if getattr(config, name) != value]
+    if differences:
+        shown = ", ".join(f"{name}: checkpoint {old!r} vs configured {new!r}" for name, old, new in differences)
+        raise ValueError(
+            f"ckpt_path={ckpt_path!r} holds a different model ({shown}); resuming restores the checkpoint's weights"
+            " and optimizer, so the shapes must match. Configure the model as it was (model.preset / model.config),"
+            " or start from its weights with model.init_from instead of ckpt_path"
+        )
+
+
+def prepare_before_launch(data: TextDataModule, trainer: Trainer) -> None:
+    """Read, check and tokenise the data here, before the ranks exist, so no rank waits for it under the
+    process-group timeout. Ranks started by an outside launcher (torchrun, SLURM, another node) are already
+    running: they stop at once when the cache is missing, naming the command that prepares it."""
+    if data.is_prepared():
+        return
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    launched_outside = environment is not None and environment.creates_processes_externally
+    if trainer.world_size > 1 and (launched_outside or trainer.num_nodes > 1):
+        raise NotPreparedError(data.not_prepared_message(trainer.world_size))
+    data.prepare()
+
+
+def prepare(args: list[str]) -> dict[str, Any]:
+    """``train.py prepare --config ...``: the data section of a training config, tokenised into its cache."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(prog="train.py prepare", description="Check and tokenise the data of a training config"
+                            " into its cache (data.cache_dir), so that multi-rank training starts at once.")
+    parser.add_argument("--config", action=ActionConfigFile, help="the training config (only its data section is used)")
+    parser.add_class_arguments(TextDataModule, "data")
+    for other in ("model", "trainer", "optimizer", "lr_scheduler"):  # parts of the training config, not used here
+        parser.add_argument(f"--{other}", type=Optional[Any], default=None)
+    parser.add_argument("--seed_everything", type=Optional[Any], default=None)
+    parser.add_argument("--ckpt_path", type=Optional[str], default=None)
+    config = parser.parse_args(args)
+    data = TextDataModule(**config.data.as_dict())
+    if data.is_prepared():
+        print(f"already prepared: {data.cache_path}")
+    return data.prepare()
+
+
+def main(args: Optional[list[str]] = None) -> Any:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["prepare"]:
+        return prepare(argv[1:])
     return LLaMACLI(
         LLaMA2,
         TextDataModule,
-        trainer_defaults={"callbacks": [TokenThroughputMonitor(), RunSummary(), ModelCheckpoint(save_last=True)]},
+        trainer_defaults={"callbacks": [TokenThroughputMonitor(), RunSummary(), ModelCheckpoint(save_last=True),
+                                       GracefulPreemption(save_on_preemption=True), NonFiniteLossGuard()]},
         save_config_kwargs={"overwrite": False},
         args=args,
     )

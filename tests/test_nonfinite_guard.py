@@ -1,0 +1,68 @@
+"""NonFiniteLossGuard on 2 simulated NPUs (npu_fsdp): a NaN loss stops the run naming its step, every rank agrees,
+no checkpoint is written from the weights it produced, and skipping leaves the optimizer step unapplied."""
+
+import json
+
+import pytest
+
+from tests.helpers import SCRIPTS, run_python
+from tests.test_recipe_e2e import SMALL, TINY, TRAIN
+
+SCRIPT = str(SCRIPTS / "nonfinite_run.py")
+
+
+def _run(tmp_path, *args, fails):
+    if fails:
+        with pytest.raises(AssertionError) as failure:
+            run_python([SCRIPT, "--out", str(tmp_path), *args], timeout=180)
+        output = str(failure.value)
+        assert "exited 1" in output  # a non-zero exit, not a hang (run_python's timeout) nor a crash signal
+    else:
+        run_python([SCRIPT, "--out", str(tmp_path), *args], timeout=180)
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+@pytest.mark.parametrize("nan_ranks", [["0", "1"], ["1"]], ids=["every-rank", "one-rank"])
+def test_nan_loss_stops_naming_the_step_and_nothing_is_saved_after_it(tmp_path, nan_ranks):
+    """Catches: training on after a NaN loss, ModelCheckpoint saving NaN weights (its save at step 9 comes before the
+    guard's next logging-step read at 10), a wrong step in the message, and (one-rank) ranks disagreeing, which
+    would leave one rank raising while the other hangs in the next collective."""
+    result = _run(tmp_path, "--nan-steps", "7", "--nan-ranks", *nan_ranks, fails=True)
+    assert result["error"].startswith("NonFiniteLossError: The training loss was NaN or Inf at step 7 ")
+    assert result["saved"] == ["step=3.ckpt", "step=6.ckpt"]
+    assert result["global_step"] == 9  # stopped at the first read point after the bad step (the save at step 9)
+
+
+def test_skipped_steps_are_not_applied_and_training_finishes(tmp_path):
+    """Catches: a 'skipped' step that still updates the weights or AdamW's moments (updates would count 12), and
+    NaN weights after skipping."""
+    result = _run(tmp_path, "--nan-steps", "4", "5", "--max-skipped-steps", "2", fails=False)
+    assert result["error"] is None
+    assert result["skipped"] == [4, 5]
+    assert result["updates"] == [10]  # 12 optimizer steps, 2 of them not applied
+    assert result["finite"] is True
+    assert result["saved"] == ["step=12.ckpt", "step=3.ckpt", "step=6.ckpt", "step=9.ckpt"]
+
+
+def test_more_bad_steps_than_allowed_stops_at_the_one_over(tmp_path):
+    """Catches: max_skipped_steps not enforced, or the error naming the first skipped step instead of the last."""
+    result = _run(tmp_path, "--nan-steps", "4", "5", "--max-skipped-steps", "1", fails=True)
+    assert result["error"].startswith("NonFiniteLossError: The training loss was NaN or Inf at step 5 (trainer.global_step)"
+                                      " after skipping steps [4];")
+    assert result["saved"] == ["step=3.ckpt"]
+
+
+def test_recipe_with_a_diverging_learning_rate_stops_without_a_nan_checkpoint_or_generate_line(tmp_path):
+    """Catches: the recipe training on with a diverged model, saving it (last.ckpt), and printing its 'generate'
+    command for it."""
+    from recipes.llama2.convert import load_recipe_checkpoint
+
+    with pytest.raises(AssertionError) as failure:
+        run_python([TRAIN, "fit", "--config", TINY, *SMALL, "--trainer.max_steps", "40", "--model.learning_rate", "1e9",
+                    "--trainer.gradient_clip_val", "null", "--trainer.default_root_dir", str(tmp_path)])
+    output = str(failure.value)
+    assert "NonFiniteLossError: The training loss was NaN or Inf at step" in output
+    assert "generate:" not in output
+    for checkpoint in (tmp_path / "lightning_logs").rglob("*.ckpt"):
+        _, state = load_recipe_checkpoint(checkpoint)
+        assert all(t.isfinite().all() for t in state.values()), checkpoint
