@@ -2,7 +2,8 @@
 ``float()``, ``bool()``, ``int()`` of a tensor all dispatch ``aten._local_scalar_dense``) and the runtime's
 ``synchronize``, each attributed to who made it:
 
-- ``ours``: code in ``lightning_npu/`` or ``recipes/`` is on the stack;
+- ``preemption_check``: the ranks' agreement on a preemption signal (``lightning_npu/preemption.py``);
+- ``ours``: any other code in ``lightning_npu/`` or ``recipes/``;
 - ``lightning``: Lightning's own loop (e.g. its per-step SIGTERM broadcast);
   (each read belongs to the innermost caller outside torch itself)
 - ``optimizer_host_counters``: torch.optim reading its ``step`` counters, which live on the host for the
@@ -33,6 +34,8 @@ def _source() -> str:
         path = frame.filename
         if "/torch/optim/" in path:
             return "optimizer_host_counters"
+        if path.endswith("/lightning_npu/preemption.py"):
+            return "preemption_check"
         if "/lightning_npu/" in path or "/recipes/" in path:
             return "ours"
         if "/lightning/" in path:
