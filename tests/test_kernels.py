@@ -228,8 +228,15 @@ def test_unsupported_inputs_fall_back_to_the_reference_and_say_so_once(npu, capl
     assert sum("rms_norm" in m and "float64" in m for m in messages) == 1
 
 
-def test_a2_only_fused_ops_are_not_called_on_an_ascend910a(monkeypatch, caplog):
-    fake = _take_npu_branch(monkeypatch, device_name="Ascend910A", bf16_supported=False)
+@pytest.mark.parametrize(
+    ("chip", "bf16"),
+    [("Ascend910A", None), ("Ascend910B", None), ("Ascend310P3", None), ("Ascend950", True), ("Ascend910B9", True)],
+    ids=["910A", "910B-first-generation", "310P3-inference", "950-newer", "unknown-910B-lookalike"],
+)
+def test_a2_only_fused_ops_are_not_called_on_other_chips(monkeypatch, caplog, chip, bf16):
+    """Catches gating by name prefix: "Ascend910B" (SocVersion 104) and chips torch_npu added after A2/A3
+    must not get npu_fusion_attention / npu_rotary_mul / npu_swiglu, which are documented for A2/A3 only."""
+    fake = _take_npu_branch(monkeypatch, device_name=chip, bf16_supported=bf16)
     q, k, v = _qkv(1, 3, 3, 2, 2, 4)
     x = torch.randn(1, 3, 2, 4)
     cos, sin = rotary_tables(3, 4)
@@ -244,7 +251,21 @@ def test_a2_only_fused_ops_are_not_called_on_an_ascend910a(monkeypatch, caplog):
     assert len(fake.calls_to("npu.get_device_name")) == 1  # read once, not per call
     warned = " ".join(r.getMessage() for r in caplog.records)
     for op in ("npu_fusion_attention", "npu_rotary_mul", "npu_swiglu"):
-        assert f"{op} is documented for Atlas A2/A3 chips" in warned and "Ascend910A" in warned
+        assert f"{op} is documented for Atlas A2/A3 chips (Ascend910B1..B4, Ascend910_93xx) only, not {chip}" in warned
+
+
+@pytest.mark.parametrize("chip", ["Ascend910B1", "Ascend910B2C", "Ascend910B4-1", "Ascend910_9362", "Ascend910_9391"])
+def test_a2_and_a3_chips_run_every_fused_op(monkeypatch, chip):
+    """Catches an exact-name table that misses an A2/A3 variant (they would silently run the slow path)."""
+    fake = _take_npu_branch(monkeypatch, device_name=chip)
+    q, k, v = _qkv(1, 3, 3, 2, 2, 4)
+    x = torch.randn(1, 3, 2, 4)
+    cos, sin = rotary_tables(3, 4)
+    causal_attention(q, k, v)
+    apply_rotary(x, cos, sin)
+    swiglu(x)
+    for op in ("npu_fusion_attention", "npu_rotary_mul", "npu_swiglu"):
+        assert len(fake.calls_to(op)) == 1, op
 
 
 # ---------------------------------------------------------------- rms_norm

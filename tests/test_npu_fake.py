@@ -166,6 +166,25 @@ def test_device_name_and_bf16_follow_the_configured_chip(monkeypatch):
     assert torch.npu.get_amp_supported_dtype() == [torch.float16, torch.float32]
 
 
+@pytest.mark.parametrize(
+    ("chip", "bf16"),
+    [("Ascend910A", False), ("Ascend910B", False), ("Ascend310P3", False), ("Ascend910B1", True),
+     ("Ascend910B4-1", True), ("Ascend910_9391", True), ("Ascend950", True)],
+)
+def test_bf16_support_follows_the_soc_version_and_initialises_the_device(monkeypatch, chip, bf16):
+    """Catches a fake that answers bf16 from a default instead of torch_npu's rule (SocVersion >= Ascend910B1)."""
+    fake = install_fake_torch_npu(monkeypatch, device_name=chip)
+    assert torch.npu.is_bf16_supported() is bf16
+    assert fake.initialized  # torch_npu's is_bf16_supported() calls _lazy_init()
+
+
+def test_a_chip_outside_torch_npus_soc_table_needs_an_explicit_bf16_answer(monkeypatch):
+    with pytest.raises(ValueError, match="not one of torch_npu's SocVersion names"):
+        install_fake_torch_npu(monkeypatch, device_name="Ascend999")
+    install_fake_torch_npu(monkeypatch, device_name="Ascend999", bf16_supported=True)
+    assert torch.npu.get_device_name() == "Ascend999" and torch.npu.is_bf16_supported() is True
+
+
 def test_memory_stats_are_empty_until_init_then_track_current_and_peak(fake):
     assert torch.npu.memory_stats() == {}
     assert torch.npu.memory_allocated() == 0
