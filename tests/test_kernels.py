@@ -286,10 +286,25 @@ def test_rms_norm_matches_plain_math(path, dtype):
 
 
 def test_rms_norm_keeps_x_dtype_with_fp32_weight(path):
-    x = torch.randn(2, 8, dtype=torch.bfloat16)
-    out = rms_norm(x, torch.ones(8))
+    """Catches npu_rms_norm called with (bf16 x, fp32 gamma), which the wheel's docs rule out, and checks that
+    the fp32 master weight still gets an fp32 gradient equal to the math's up to bf16 rounding."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 3, 8, generator=g).to(torch.bfloat16).requires_grad_(True)
+    weight = (1 + 0.1 * torch.randn(8, generator=g)).requires_grad_(True)
+    out = rms_norm(x, weight)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), rms_norm_math(x.double(), torch.ones(8, dtype=torch.float64), 1e-6), **BF16_TOL)
+    x64, w64 = x.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    expected = rms_norm_math(x64, w64, 1e-6)
+    torch.testing.assert_close(out.double(), expected, **BF16_TOL)
+    grad_out = torch.randn(expected.shape, generator=g, dtype=torch.float64)
+    (out.double() * grad_out).sum().backward()
+    (expected * grad_out).sum().backward()
+    assert weight.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(weight.grad.double(), w64.grad, **BF16_TOL)
+    torch.testing.assert_close(x.grad.double(), x64.grad, **BF16_TOL)
+    if path is not None:
+        (call,) = path.calls_to("npu_rms_norm")
+        assert call["input"].dtype == call["gamma"].dtype == torch.bfloat16
 
 
 def test_rms_norm_rejects_a_weight_of_the_wrong_size():

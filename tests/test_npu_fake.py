@@ -377,8 +377,23 @@ def test_rms_norm_returns_y_and_fp32_rstd(fake):
     assert rstd.shape == (2, 3, 1) and rstd.dtype == torch.float32 and y.dtype == torch.bfloat16
     torch.testing.assert_close(rstd.double(), expected_rstd, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(y, (x64 * expected_rstd * w.double()).to(torch.bfloat16), atol=1e-2, rtol=1e-2)
-    with pytest.raises(TypeError, match="dtypes"):
+    with pytest.raises(TypeError, match="gamma's dtype to equal x's"):
         torch_npu.npu_rms_norm(x.half(), w)
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "gamma_dtype"),
+    [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.bfloat16),
+     (torch.float16, torch.bfloat16)],
+)
+def test_rms_norm_refuses_a_gamma_of_another_dtype(fake, x_dtype, gamma_dtype):
+    """Catches the fake accepting (bf16 x, fp32 gamma): the wheel's docs require gamma's dtype to equal x's."""
+    import torch_npu
+
+    with pytest.raises(TypeError, match="gamma's dtype to equal x's"):
+        torch_npu.npu_rms_norm(torch.randn(2, 8, dtype=x_dtype), torch.ones(8, dtype=gamma_dtype))
+    with pytest.raises(ValueError, match="2-8 dimensional"):
+        torch_npu.npu_rms_norm(torch.randn(8, dtype=x_dtype), torch.ones(8, dtype=x_dtype))
 
 
 def test_rotary_mul_half_and_interleave_modes(fake):

@@ -180,20 +180,19 @@ def _from_bnsd(out: Tensor, layout: str) -> Tensor:
 
 # ---------------------------------------------------------------- npu_rms_norm
 
-# (x, gamma) dtype pairs documented for Atlas A2.
-_RMS_NORM_PAIRS = {
-    (torch.bfloat16, torch.bfloat16),
-    (torch.bfloat16, torch.float32),
-    (torch.float16, torch.float16),
-    (torch.float16, torch.float32),
-    (torch.float32, torch.float32),
-}
-
-
 def npu_rms_norm(input: Tensor, gamma: Tensor, epsilon: float = 1e-06):
-    """(y, rstd): y = x * rstd * gamma over gamma's trailing dims, rstd = 1/sqrt(mean(x^2) + eps) in fp32."""
-    if (input.dtype, gamma.dtype) not in _RMS_NORM_PAIRS:
-        raise TypeError(f"npu_rms_norm does not support (x, gamma) dtypes ({input.dtype}, {gamma.dtype})")
+    """(y, rstd): y = x * rstd * gamma over gamma's trailing dims, rstd = 1/sqrt(mean(x^2) + eps) in fp32.
+
+    Documented: x is float16/bfloat16/float32 with 2-8 dims, and gamma's dtype must equal x's
+    ("数据类型需要和self保持一致", 2.6.0 .. 2.14.0 wheels). An older op-plugin page listed (bf16, fp32) pairs;
+    the wheel's own documentation does not, so the fake refuses them.
+    """
+    if input.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"npu_rms_norm supports float16/bfloat16/float32 input, got {input.dtype}")
+    if gamma.dtype != input.dtype:
+        raise TypeError(f"npu_rms_norm needs gamma's dtype to equal x's; got x {input.dtype}, gamma {gamma.dtype}")
+    if not 2 <= input.dim() <= 8:
+        raise ValueError(f"npu_rms_norm supports 2-8 dimensional input, got shape {tuple(input.shape)}")
     if gamma.dim() == 0 or tuple(input.shape[-gamma.dim():]) != tuple(gamma.shape):
         raise ValueError(f"gamma shape {tuple(gamma.shape)} must equal the trailing dims of x {tuple(input.shape)}")
     dims = tuple(range(input.dim() - gamma.dim(), input.dim()))
