@@ -360,6 +360,26 @@ def test_rotary_scores_depend_only_on_relative_position(path):
     assert score(7, 3) != pytest.approx(score(7, 4), abs=1e-3)
 
 
+def test_rotary_falls_back_when_its_backward_would_exceed_batch_times_heads_1024(npu, caplog):
+    """Catches a micro-batch that passes npu_rotary_mul's per-dimension limits (B, N < 1000) but fails in its
+    backward (B * N <= 1024 for the cos/sin gradients): 33 x 32 heads must take the reference path when training,
+    and may keep the fused kernel when no gradient is needed."""
+    cos, sin = rotary_tables(2, 8)
+    x = torch.randn(33, 2, 32, 8, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="lightning_npu.kernels"):
+        out = apply_rotary(x, cos, sin)
+    out.sum().backward()
+    assert npu.calls_to("npu_rotary_mul") == []
+    torch.testing.assert_close(out, rotary_math(x.detach(), cos, sin))
+    assert any("33 x 32 = 1056 exceeds npu_rotary_mul's backward limit" in r.getMessage() for r in caplog.records)
+    with torch.no_grad():
+        torch.testing.assert_close(apply_rotary(x, cos, sin), out.detach())
+    assert len(npu.calls_to("npu_rotary_mul")) == 1
+    small = x[:32].detach().requires_grad_(True)  # 32 x 32 = 1024: within the limit, fused forward and backward
+    apply_rotary(small, cos, sin).sum().backward()
+    assert len(npu.calls_to("npu_rotary_mul")) == 2 and small.grad is not None
+
+
 def test_apply_rotary_rejects_tables_for_another_length():
     cos, sin = rotary_tables(5, 8)
     with pytest.raises(ValueError, match="rotary_tables\\(seq_len=4"):

@@ -396,6 +396,30 @@ def test_rms_norm_refuses_a_gamma_of_another_dtype(fake, x_dtype, gamma_dtype):
         torch_npu.npu_rms_norm(torch.randn(8, dtype=x_dtype), torch.ones(8, dtype=x_dtype))
 
 
+def test_rotary_mul_enforces_its_documented_batch_and_heads_limits(fake):
+    """Catches a fake that lets npu_rotary_mul run where torch_npu documents it cannot: B or N >= 1000 (half),
+    B * N >= 1000 (interleave), and a backward whose broadcast axes (B * N) exceed 1024."""
+    import torch_npu
+
+    def tables(s, d):
+        return torch.rand(1, s, 1, d) * 0.5, torch.rand(1, s, 1, d) * 0.5  # 1S1D: BSND input
+
+    r1, r2 = tables(2, 8)
+    with pytest.raises(ValueError, match="B, N < 1000"):
+        torch_npu.npu_rotary_mul(torch.randn(1000, 2, 1, 8), r1, r2)
+    with pytest.raises(ValueError, match="B, N < 1000"):
+        torch_npu.npu_rotary_mul(torch.randn(1, 2, 1000, 8), r1, r2)
+    with pytest.raises(ValueError, match="B \\* N < 1000"):
+        torch_npu.npu_rotary_mul(torch.randn(40, 2, 25, 8), r1, r2, "interleave")
+    x = torch.randn(33, 2, 32, 8, requires_grad=True)
+    out = torch_npu.npu_rotary_mul(x, r1, r2)  # the forward is within its limits
+    with pytest.raises(RuntimeError, match="B \\* N <= 1024"):
+        out.sum().backward()
+    ok = torch.randn(32, 2, 32, 8, requires_grad=True)
+    torch_npu.npu_rotary_mul(ok, r1, r2).sum().backward()
+    assert ok.grad is not None
+
+
 def test_rotary_mul_half_and_interleave_modes(fake):
     import torch_npu
 
