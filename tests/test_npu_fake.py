@@ -128,7 +128,8 @@ def test_install_is_undone_with_the_monkeypatch():
 
 @pytest.mark.parametrize(
     ("visible", "expected"),
-    [(None, 8), ("0,1", 2), ("3", 1), ("", 0), ("2,1", 0), ("1,1", 0), ("0,9", 1), ("0,1,x", 2), ("abc", 0), ("4,5x6", 2)],
+    [(None, 8), ("0,1", 2), ("3", 1), ("", 0), ("2,1", 0), ("1,1", 0), ("0,9", 1), ("0,1,x", 2), ("abc", 0), ("4,5x6", 2),
+     ("0,1,", 2), ("0, 1", 1), (" 0,1", 0), ("0,,1", 1)],
 )
 def test_device_count_honours_ascend_rt_visible_devices(monkeypatch, visible, expected):
     fake = install_fake_torch_npu(monkeypatch, device_count=8)
