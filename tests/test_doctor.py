@@ -198,8 +198,9 @@ def test_ascend_home_path_without_cann_is_flagged(capsys, monkeypatch, tmp_path)
 @pytest.mark.parametrize(
     ("value", "message", "fix"),
     [
-        ("0, 1", "ASCEND_RT_VISIBLE_DEVICES='0, 1' is malformed (CANN then shows no device)",
-         "use comma-separated device ids without spaces, e.g. 0,1,2,3"),
+        ("0, 1", "ASCEND_RT_VISIBLE_DEVICES='0, 1' is malformed: torch_npu reads only device(s) 0 from it"
+         " (it stops at the first empty field or character other than a digit or comma)",
+         "use comma-separated device ids without spaces, e.g. 0,1"),
         ("3,1", "ASCEND_RT_VISIBLE_DEVICES='3,1' is not strictly ascending (CANN then shows no device)",
          "list each id once in ascending order, e.g. 1,3"),
     ],
