@@ -14,7 +14,8 @@ import torch
 
 import lightning_npu.kernels as kernels
 from lightning_npu.kernels import _fallback, apply_rotary, causal_attention, rms_norm, rotary_tables, swiglu
-from tests.npu_fake import install_fake_torch_npu
+from tests.npu_fake import RELEASES, install_fake_torch_npu
+from tests.npu_fake.fake import DEFAULT_RELEASE
 
 # The package re-exports functions named like their modules (rms_norm, swiglu), so fetch the modules themselves.
 attention_mod = importlib.import_module("lightning_npu.kernels.attention")
@@ -32,25 +33,28 @@ BF16_TOL = {"atol": 3e-2, "rtol": 3e-2}
 TOL = {torch.float32: FP32_TOL, torch.bfloat16: BF16_TOL}
 
 
-def _take_npu_branch(monkeypatch, **fake_options):
-    """Install the fake torch_npu and make every kernel treat CPU tensors as NPU tensors."""
+def _take_npu_branch(monkeypatch, release=DEFAULT_RELEASE, **fake_options):
+    """Install the fake torch_npu ``release`` and make every kernel treat CPU tensors as NPU tensors."""
     monkeypatch.setattr(_fallback, "_announced", set())
     monkeypatch.setattr(_fallback, "_device_name", {})
-    fake = install_fake_torch_npu(monkeypatch, **fake_options)
+    fake = install_fake_torch_npu(monkeypatch, release=release, **fake_options)
     for module in KERNEL_MODULES:
         monkeypatch.setattr(module, "_on_npu", lambda x: True)
     return fake
 
 
-@pytest.fixture(params=["reference", "npu"])
+@pytest.fixture(params=["reference", *(f"npu-{release}" for release in RELEASES)])
 def path(request, monkeypatch):
-    """Run a test on the reference path (None), and on the NPU branch against the fake (the FakeTorchNPU)."""
-    return _take_npu_branch(monkeypatch) if request.param == "npu" else None
+    """Run a test on the reference path (None), and on the NPU branch against the fake of each recorded
+    torch_npu release (the FakeTorchNPU)."""
+    if request.param == "reference":
+        return None
+    return _take_npu_branch(monkeypatch, release=request.param.removeprefix("npu-"))
 
 
-@pytest.fixture
-def npu(monkeypatch):
-    return _take_npu_branch(monkeypatch)
+@pytest.fixture(params=RELEASES)
+def npu(monkeypatch, request):
+    return _take_npu_branch(monkeypatch, release=request.param)
 
 
 def _leaves(*tensors):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.npu_fake import install_fake_torch_npu, load_api
+from tests.npu_fake import RELEASES, install_fake_torch_npu, load_api
 from tests.npu_fake.fake import _Runtime, signature_from_params
 
 
@@ -49,6 +49,24 @@ def test_every_modelled_runtime_function_has_the_recorded_signature():
         ours = inspect.signature(getattr(_Runtime, name))
         ours = ours.replace(parameters=list(ours.parameters.values())[1:], return_annotation=inspect.Signature.empty)
         assert ours == signature_from_params(api[name]["params"]), name
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_each_recorded_release_binds_onto_the_modelled_functions(release):
+    """Catches a release record the fake cannot serve: every modelled function it records must accept exactly
+    the recorded parameters (2.6.0's is_bf16_supported() takes none; 2.13.0's takes including_emulation)."""
+    api = load_api(release)
+    assert api["torch_npu_version"] == release
+    for name in (n for n in vars(_Runtime) if not n.startswith("_") and n in api["npu"]):
+        recorded = [p["name"] for p in api["npu"][name]["params"]]
+        ours = list(inspect.signature(getattr(_Runtime, name)).parameters.values())[1:]
+        assert recorded == [p.name for p in ours][: len(recorded)], (release, name)
+        assert all(p.default is not inspect.Parameter.empty for p in ours[len(recorded):]), (release, name)
+
+
+def test_the_calls_the_plugin_makes_are_the_same_in_2_13_0_and_2_14_0():
+    new, old = load_api("2.14.0"), load_api("2.13.0")
+    assert new["ops"] == old["ops"] and new["npu"] == old["npu"] and new["npu_amp"] == old["npu_amp"]
 
 
 # ---------------------------------------------------------------- strictness

@@ -1,5 +1,5 @@
-"""Every torch.npu call the plugin makes, run against the strict fake of torch_npu 2.13.0 (real names and
-signatures only; documented semantics)."""
+"""Every torch.npu call the plugin makes, run against the strict fake of each recorded torch_npu release
+(2.6.0, 2.13.0, 2.14.0: real names and signatures only; documented semantics)."""
 
 import pytest
 import torch
@@ -8,13 +8,13 @@ from lightning.pytorch import Trainer
 
 from lightning_npu import NPUAccelerator, NPUDDPStrategy, NPUSingleStrategy, runtime
 from lightning_npu.runtime.npu import NPURuntime
-from tests.npu_fake import install_fake_torch_npu
+from tests.npu_fake import RELEASES, install_fake_torch_npu
 
 
-@pytest.fixture
-def npu(monkeypatch):
+@pytest.fixture(params=RELEASES)
+def npu(monkeypatch, request):
     def install(**kwargs):
-        fake = install_fake_torch_npu(monkeypatch, **kwargs)
+        fake = install_fake_torch_npu(monkeypatch, release=request.param, **kwargs)
         runtime.reset()
         return fake
 

@@ -1,17 +1,19 @@
-"""A strict, CPU-only stand-in for torch_npu 2.13.0, checked against the API recorded from the real wheel.
+"""A strict, CPU-only stand-in for torch_npu, checked against the API recorded from the real wheels.
 
-``install_fake_torch_npu(monkeypatch)`` puts a ``torch_npu`` module (with ``torch_npu.npu`` and
+``install_fake_torch_npu(monkeypatch, release="2.13.0")`` puts a ``torch_npu`` module (with ``torch_npu.npu`` and
 ``torch_npu.npu.amp``) into ``sys.modules`` and sets ``torch.npu`` to the fake ``npu`` module; monkeypatch
-undoes both. Strictness is the point: code under test may only touch names recorded in
-``torch_npu_2_13_0_api.json`` (written by ``tools/extract_torch_npu_api.py``), else ``AttributeError``;
-every call is bound against the recorded signature, else ``TypeError``; every call is recorded in
-``FakeTorchNPU.calls`` as ``(name, explicitly_passed_arguments)``. Recorded names whose behaviour the fake
-does not model raise ``NotImplementedError`` when called, so a test can never pass on an invented result.
+undoes both. Strictness is the point: code under test may only touch names recorded for that release in
+``torch_npu_<release>_api.json`` (written by ``tools/extract_torch_npu_api.py``; ``RELEASES`` lists them), else
+``AttributeError``; every call is bound against the recorded signature, else ``TypeError``; every call is
+recorded in ``FakeTorchNPU.calls`` as ``(name, explicitly_passed_arguments)``. Recorded names whose behaviour
+the fake does not model raise ``NotImplementedError`` when called, so a test can never pass on an invented result.
 
-The runtime functions follow the 2.13.0 Python sources (``torch_npu/npu/{__init__,utils,memory,random}.py``):
-``device_count`` honours ``ASCEND_RT_VISIBLE_DEVICES``, ``memory_stats`` is empty until the device is
-initialised, ``set_per_process_memory_fraction`` rejects non-floats, and so on. Device memory cannot be
-observed on CPU, so tests drive it with ``FakeTorchNPU.simulate_alloc`` / ``simulate_free``.
+The runtime functions follow the Python sources (``torch_npu/npu/{__init__,utils,memory,random}.py``, the same
+in 2.6.0 .. 2.14.0 for what is modelled): ``device_count`` honours ``ASCEND_RT_VISIBLE_DEVICES``, ``memory_stats``
+is empty until the device is initialised, ``set_per_process_memory_fraction`` rejects non-floats, and
+``is_bf16_supported`` initialises the device and answers from the chip's SocVersion (settable per test, with the
+chip name). Device memory cannot be observed on CPU, so tests drive it with ``FakeTorchNPU.simulate_alloc`` /
+``simulate_free``.
 """
 
 from __future__ import annotations
