@@ -49,6 +49,10 @@ def validate(connector: Any, precision: str) -> None:
             " (streams, NCCL, FSDP1 APIs NPUs lack). Use strategy='npu_single', 'npu_ddp' or 'npu_fsdp'"
             " (or leave strategy='auto')."
         )
+    if not precision.startswith("bf16"):
+        check_precision(precision)
+        return
+    # Reading the chip initialises the device (torch.npu.is_bf16_supported), so only a bf16 run asks.
     chip = get_runtime().chip()
     check_precision(precision, chip.name, chip.supports_bf16)
 

@@ -7,6 +7,7 @@ picks the tree, and everything else is shared.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any, Optional
 
@@ -50,11 +51,38 @@ def build_precision(precision: str, *, device_type: str, scaler: Optional[torch.
     if precision in ("bf16-true", "16-true"):
         return plugins_namespace.HalfPrecision(precision)
     if precision == "bf16-mixed":
-        return plugins_namespace.MixedPrecision(precision, device=device_type)
+        return _unscaled_mixed_precision(plugins_namespace.MixedPrecision)(precision, device=device_type)
     if precision == "16-mixed":
         return plugins_namespace.MixedPrecision(precision, device=device_type, scaler=scaler)
     check_precision(precision)
     raise AssertionError(precision)  # check_precision raised already
+
+
+@functools.lru_cache(maxsize=None)
+def _unscaled_mixed_precision(base: type) -> type:
+    """``base`` (Lightning's MixedPrecision) for bf16, where no loss scaler exists: gradient clipping is allowed
+    with optimizers that unscale inside ``step()``.
+
+    Lightning's Trainer plugin refuses to clip for any optimizer with ``_step_supports_amp_scaling`` (fused
+    AdamW), even when there is no scaler and so nothing to unscale; the NPU runtime prefers fused AdamW
+    (``Runtime.fused_optimizer``) and the recipes clip, so bf16-mixed skips that check. Fabric's plugin has no
+    such check (it refuses only with a scaler), and fp16 keeps it: there the gradients must be unscaled first.
+    """
+    if not hasattr(base, "clip_gradients"):
+        return base
+
+    class UnscaledMixedPrecision(base):
+        def clip_gradients(self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None) -> None:
+            if self.scaler is not None:
+                return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+            parent = super(base, self)  # the plain Precision plugin's clipping, without the fused-optimizer check
+            if gradient_clip_algorithm is None:
+                return parent.clip_gradients(optimizer, clip_val)
+            return parent.clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    # Shown (logs, summaries) under Lightning's name: it is that plugin, with one check relaxed.
+    UnscaledMixedPrecision.__qualname__ = UnscaledMixedPrecision.__name__ = base.__name__
+    return UnscaledMixedPrecision
 
 
 def needs_rebuild(plugin: Any, device_type: str) -> bool:

@@ -53,8 +53,10 @@ def test_registration_is_idempotent():
     ("value", "message"),
     [
         ("", "is set but empty, which hides every NPU"),
-        ("0, 1", "is malformed"),
-        ("npu0", "is malformed"),
+        ("0, 1", "malformed: torch_npu reads only device\\(s\\) 0 from it.*e.g. 0,1$"),
+        ("0,,2", "malformed: torch_npu reads only device\\(s\\) 0 from it.*e.g. 0,2$"),
+        (" 0,1", "malformed and hides every NPU.*e.g. 0,1$"),
+        ("npu0", "malformed and hides every NPU"),
         ("1,0", "not strictly ascending.*e.g. 0,1$"),
         ("2,2", "not strictly ascending.*e.g. 2$"),
     ],
@@ -66,9 +68,27 @@ def test_visible_devices_problems(monkeypatch, value, message):
     assert re.search(message, result.reason)
 
 
-def test_wellformed_visible_devices_pass_the_mask_check():
-    assert probe.visible_devices_problem("0,1,3") is None
-    assert probe.visible_devices_problem(None) is None
+@pytest.mark.parametrize(
+    ("value", "ids"),
+    [("0,1,3", [0, 1, 3]), ("0,1,", [0, 1]), ("0,1 ", [0, 1]), ("0,1\n", [0, 1]), ("0, 1", [0]), ("0,,1", [0]),
+     (" 0,1", []), ("4,5x6", [4, 5]), ("2,1", [2, 1]), ("", [])],
+)
+def test_visible_device_ids_are_read_like_torch_npu_reads_them(value, ids):
+    """Catches a parser that differs from torch_npu's _parse_visible_devices (trailing comma or space accepted,
+    reading stops at the first empty field or stray character)."""
+    assert probe.visible_device_ids(value) == ids
+
+
+@pytest.mark.parametrize(("value", "count"), [("0,1,", 2), ("0,1 ", 2), ("2,3,5", 3), ("0,1,3\n", 3)])
+def test_values_torch_npu_reads_in_full_pass_the_probe_with_its_count(monkeypatch, value, count):
+    """Catches the probe refusing ASCEND_RT_VISIBLE_DEVICES values torch_npu reads exactly as written."""
+    from tests.npu_fake import install_fake_torch_npu
+
+    install_fake_torch_npu(monkeypatch, device_count=8)
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", value)
+    assert probe.visible_devices_problem(value) is None
+    result = probe.probe_npu()
+    assert (result.available, result.device_count, result.reason) == (True, count, None)
 
 
 def test_version_mismatch_is_explained():

@@ -14,7 +14,8 @@ import torch
 
 import lightning_npu.kernels as kernels
 from lightning_npu.kernels import _fallback, apply_rotary, causal_attention, rms_norm, rotary_tables, swiglu
-from tests.npu_fake import install_fake_torch_npu
+from tests.npu_fake import RELEASES, install_fake_torch_npu
+from tests.npu_fake.fake import DEFAULT_RELEASE
 
 # The package re-exports functions named like their modules (rms_norm, swiglu), so fetch the modules themselves.
 attention_mod = importlib.import_module("lightning_npu.kernels.attention")
@@ -32,25 +33,28 @@ BF16_TOL = {"atol": 3e-2, "rtol": 3e-2}
 TOL = {torch.float32: FP32_TOL, torch.bfloat16: BF16_TOL}
 
 
-def _take_npu_branch(monkeypatch, **fake_options):
-    """Install the fake torch_npu and make every kernel treat CPU tensors as NPU tensors."""
+def _take_npu_branch(monkeypatch, release=DEFAULT_RELEASE, **fake_options):
+    """Install the fake torch_npu ``release`` and make every kernel treat CPU tensors as NPU tensors."""
     monkeypatch.setattr(_fallback, "_announced", set())
     monkeypatch.setattr(_fallback, "_device_name", {})
-    fake = install_fake_torch_npu(monkeypatch, **fake_options)
+    fake = install_fake_torch_npu(monkeypatch, release=release, **fake_options)
     for module in KERNEL_MODULES:
         monkeypatch.setattr(module, "_on_npu", lambda x: True)
     return fake
 
 
-@pytest.fixture(params=["reference", "npu"])
+@pytest.fixture(params=["reference", *(f"npu-{release}" for release in RELEASES)])
 def path(request, monkeypatch):
-    """Run a test on the reference path (None), and on the NPU branch against the fake (the FakeTorchNPU)."""
-    return _take_npu_branch(monkeypatch) if request.param == "npu" else None
+    """Run a test on the reference path (None), and on the NPU branch against the fake of each recorded
+    torch_npu release (the FakeTorchNPU)."""
+    if request.param == "reference":
+        return None
+    return _take_npu_branch(monkeypatch, release=request.param.removeprefix("npu-"))
 
 
-@pytest.fixture
-def npu(monkeypatch):
-    return _take_npu_branch(monkeypatch)
+@pytest.fixture(params=RELEASES)
+def npu(monkeypatch, request):
+    return _take_npu_branch(monkeypatch, release=request.param)
 
 
 def _leaves(*tensors):
@@ -228,8 +232,15 @@ def test_unsupported_inputs_fall_back_to_the_reference_and_say_so_once(npu, capl
     assert sum("rms_norm" in m and "float64" in m for m in messages) == 1
 
 
-def test_a2_only_fused_ops_are_not_called_on_an_ascend910a(monkeypatch, caplog):
-    fake = _take_npu_branch(monkeypatch, device_name="Ascend910A", bf16_supported=False)
+@pytest.mark.parametrize(
+    ("chip", "bf16"),
+    [("Ascend910A", None), ("Ascend910B", None), ("Ascend310P3", None), ("Ascend950", True), ("Ascend910B9", True)],
+    ids=["910A", "910B-first-generation", "310P3-inference", "950-newer", "unknown-910B-lookalike"],
+)
+def test_a2_only_fused_ops_are_not_called_on_other_chips(monkeypatch, caplog, chip, bf16):
+    """Catches gating by name prefix: "Ascend910B" (SocVersion 104) and chips torch_npu added after A2/A3
+    must not get npu_fusion_attention / npu_rotary_mul / npu_swiglu, which are documented for A2/A3 only."""
+    fake = _take_npu_branch(monkeypatch, device_name=chip, bf16_supported=bf16)
     q, k, v = _qkv(1, 3, 3, 2, 2, 4)
     x = torch.randn(1, 3, 2, 4)
     cos, sin = rotary_tables(3, 4)
@@ -244,7 +255,21 @@ def test_a2_only_fused_ops_are_not_called_on_an_ascend910a(monkeypatch, caplog):
     assert len(fake.calls_to("npu.get_device_name")) == 1  # read once, not per call
     warned = " ".join(r.getMessage() for r in caplog.records)
     for op in ("npu_fusion_attention", "npu_rotary_mul", "npu_swiglu"):
-        assert f"{op} is documented for Atlas A2/A3 chips" in warned and "Ascend910A" in warned
+        assert f"{op} is documented for Atlas A2/A3 chips (Ascend910B1..B4, Ascend910_93xx) only, not {chip}" in warned
+
+
+@pytest.mark.parametrize("chip", ["Ascend910B1", "Ascend910B2C", "Ascend910B4-1", "Ascend910_9362", "Ascend910_9391"])
+def test_a2_and_a3_chips_run_every_fused_op(monkeypatch, chip):
+    """Catches an exact-name table that misses an A2/A3 variant (they would silently run the slow path)."""
+    fake = _take_npu_branch(monkeypatch, device_name=chip)
+    q, k, v = _qkv(1, 3, 3, 2, 2, 4)
+    x = torch.randn(1, 3, 2, 4)
+    cos, sin = rotary_tables(3, 4)
+    causal_attention(q, k, v)
+    apply_rotary(x, cos, sin)
+    swiglu(x)
+    for op in ("npu_fusion_attention", "npu_rotary_mul", "npu_swiglu"):
+        assert len(fake.calls_to(op)) == 1, op
 
 
 # ---------------------------------------------------------------- rms_norm
@@ -265,10 +290,25 @@ def test_rms_norm_matches_plain_math(path, dtype):
 
 
 def test_rms_norm_keeps_x_dtype_with_fp32_weight(path):
-    x = torch.randn(2, 8, dtype=torch.bfloat16)
-    out = rms_norm(x, torch.ones(8))
+    """Catches npu_rms_norm called with (bf16 x, fp32 gamma), which the wheel's docs rule out, and checks that
+    the fp32 master weight still gets an fp32 gradient equal to the math's up to bf16 rounding."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 3, 8, generator=g).to(torch.bfloat16).requires_grad_(True)
+    weight = (1 + 0.1 * torch.randn(8, generator=g)).requires_grad_(True)
+    out = rms_norm(x, weight)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), rms_norm_math(x.double(), torch.ones(8, dtype=torch.float64), 1e-6), **BF16_TOL)
+    x64, w64 = x.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    expected = rms_norm_math(x64, w64, 1e-6)
+    torch.testing.assert_close(out.double(), expected, **BF16_TOL)
+    grad_out = torch.randn(expected.shape, generator=g, dtype=torch.float64)
+    (out.double() * grad_out).sum().backward()
+    (expected * grad_out).sum().backward()
+    assert weight.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(weight.grad.double(), w64.grad, **BF16_TOL)
+    torch.testing.assert_close(x.grad.double(), x64.grad, **BF16_TOL)
+    if path is not None:
+        (call,) = path.calls_to("npu_rms_norm")
+        assert call["input"].dtype == call["gamma"].dtype == torch.bfloat16
 
 
 def test_rms_norm_rejects_a_weight_of_the_wrong_size():
@@ -322,6 +362,26 @@ def test_rotary_scores_depend_only_on_relative_position(path):
 
     assert score(7, 3) == pytest.approx(score(104, 100), abs=1e-4)
     assert score(7, 3) != pytest.approx(score(7, 4), abs=1e-3)
+
+
+def test_rotary_falls_back_when_its_backward_would_exceed_batch_times_heads_1024(npu, caplog):
+    """Catches a micro-batch that passes npu_rotary_mul's per-dimension limits (B, N < 1000) but fails in its
+    backward (B * N <= 1024 for the cos/sin gradients): 33 x 32 heads must take the reference path when training,
+    and may keep the fused kernel when no gradient is needed."""
+    cos, sin = rotary_tables(2, 8)
+    x = torch.randn(33, 2, 32, 8, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="lightning_npu.kernels"):
+        out = apply_rotary(x, cos, sin)
+    out.sum().backward()
+    assert npu.calls_to("npu_rotary_mul") == []
+    torch.testing.assert_close(out, rotary_math(x.detach(), cos, sin))
+    assert any("33 x 32 = 1056 exceeds npu_rotary_mul's backward limit" in r.getMessage() for r in caplog.records)
+    with torch.no_grad():
+        torch.testing.assert_close(apply_rotary(x, cos, sin), out.detach())
+    assert len(npu.calls_to("npu_rotary_mul")) == 1
+    small = x[:32].detach().requires_grad_(True)  # 32 x 32 = 1024: within the limit, fused forward and backward
+    apply_rotary(small, cos, sin).sum().backward()
+    assert len(npu.calls_to("npu_rotary_mul")) == 2 and small.grad is not None
 
 
 def test_apply_rotary_rejects_tables_for_another_length():

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.npu_fake import install_fake_torch_npu, load_api
+from tests.npu_fake import RELEASES, install_fake_torch_npu, load_api
 from tests.npu_fake.fake import _Runtime, signature_from_params
 
 
@@ -49,6 +49,24 @@ def test_every_modelled_runtime_function_has_the_recorded_signature():
         ours = inspect.signature(getattr(_Runtime, name))
         ours = ours.replace(parameters=list(ours.parameters.values())[1:], return_annotation=inspect.Signature.empty)
         assert ours == signature_from_params(api[name]["params"]), name
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_each_recorded_release_binds_onto_the_modelled_functions(release):
+    """Catches a release record the fake cannot serve: every modelled function it records must accept exactly
+    the recorded parameters (2.6.0's is_bf16_supported() takes none; 2.13.0's takes including_emulation)."""
+    api = load_api(release)
+    assert api["torch_npu_version"] == release
+    for name in (n for n in vars(_Runtime) if not n.startswith("_") and n in api["npu"]):
+        recorded = [p["name"] for p in api["npu"][name]["params"]]
+        ours = list(inspect.signature(getattr(_Runtime, name)).parameters.values())[1:]
+        assert recorded == [p.name for p in ours][: len(recorded)], (release, name)
+        assert all(p.default is not inspect.Parameter.empty for p in ours[len(recorded):]), (release, name)
+
+
+def test_the_calls_the_plugin_makes_are_the_same_in_2_13_0_and_2_14_0():
+    new, old = load_api("2.14.0"), load_api("2.13.0")
+    assert new["ops"] == old["ops"] and new["npu"] == old["npu"] and new["npu_amp"] == old["npu_amp"]
 
 
 # ---------------------------------------------------------------- strictness
@@ -128,7 +146,8 @@ def test_install_is_undone_with_the_monkeypatch():
 
 @pytest.mark.parametrize(
     ("visible", "expected"),
-    [(None, 8), ("0,1", 2), ("3", 1), ("", 0), ("2,1", 0), ("1,1", 0), ("0,9", 1), ("0,1,x", 2), ("abc", 0), ("4,5x6", 2)],
+    [(None, 8), ("0,1", 2), ("3", 1), ("", 0), ("2,1", 0), ("1,1", 0), ("0,9", 1), ("0,1,x", 2), ("abc", 0), ("4,5x6", 2),
+     ("0,1,", 2), ("0, 1", 1), (" 0,1", 0), ("0,,1", 1)],
 )
 def test_device_count_honours_ascend_rt_visible_devices(monkeypatch, visible, expected):
     fake = install_fake_torch_npu(monkeypatch, device_count=8)
@@ -164,6 +183,25 @@ def test_device_name_and_bf16_follow_the_configured_chip(monkeypatch):
         torch.npu.get_device_name(2)
     assert torch.npu.is_bf16_supported() is False
     assert torch.npu.get_amp_supported_dtype() == [torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize(
+    ("chip", "bf16"),
+    [("Ascend910A", False), ("Ascend910B", False), ("Ascend310P3", False), ("Ascend910B1", True),
+     ("Ascend910B4-1", True), ("Ascend910_9391", True), ("Ascend950", True)],
+)
+def test_bf16_support_follows_the_soc_version_and_initialises_the_device(monkeypatch, chip, bf16):
+    """Catches a fake that answers bf16 from a default instead of torch_npu's rule (SocVersion >= Ascend910B1)."""
+    fake = install_fake_torch_npu(monkeypatch, device_name=chip)
+    assert torch.npu.is_bf16_supported() is bf16
+    assert fake.initialized  # torch_npu's is_bf16_supported() calls _lazy_init()
+
+
+def test_a_chip_outside_torch_npus_soc_table_needs_an_explicit_bf16_answer(monkeypatch):
+    with pytest.raises(ValueError, match="not one of torch_npu's SocVersion names"):
+        install_fake_torch_npu(monkeypatch, device_name="Ascend999")
+    install_fake_torch_npu(monkeypatch, device_name="Ascend999", bf16_supported=True)
+    assert torch.npu.get_device_name() == "Ascend999" and torch.npu.is_bf16_supported() is True
 
 
 def test_memory_stats_are_empty_until_init_then_track_current_and_peak(fake):
@@ -358,8 +396,47 @@ def test_rms_norm_returns_y_and_fp32_rstd(fake):
     assert rstd.shape == (2, 3, 1) and rstd.dtype == torch.float32 and y.dtype == torch.bfloat16
     torch.testing.assert_close(rstd.double(), expected_rstd, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(y, (x64 * expected_rstd * w.double()).to(torch.bfloat16), atol=1e-2, rtol=1e-2)
-    with pytest.raises(TypeError, match="dtypes"):
+    with pytest.raises(TypeError, match="gamma's dtype to equal x's"):
         torch_npu.npu_rms_norm(x.half(), w)
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "gamma_dtype"),
+    [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.bfloat16),
+     (torch.float16, torch.bfloat16)],
+)
+def test_rms_norm_refuses_a_gamma_of_another_dtype(fake, x_dtype, gamma_dtype):
+    """Catches the fake accepting (bf16 x, fp32 gamma): the wheel's docs require gamma's dtype to equal x's."""
+    import torch_npu
+
+    with pytest.raises(TypeError, match="gamma's dtype to equal x's"):
+        torch_npu.npu_rms_norm(torch.randn(2, 8, dtype=x_dtype), torch.ones(8, dtype=gamma_dtype))
+    with pytest.raises(ValueError, match="2-8 dimensional"):
+        torch_npu.npu_rms_norm(torch.randn(8, dtype=x_dtype), torch.ones(8, dtype=x_dtype))
+
+
+def test_rotary_mul_enforces_its_documented_batch_and_heads_limits(fake):
+    """Catches a fake that lets npu_rotary_mul run where torch_npu documents it cannot: B or N >= 1000 (half),
+    B * N >= 1000 (interleave), and a backward whose broadcast axes (B * N) exceed 1024."""
+    import torch_npu
+
+    def tables(s, d):
+        return torch.rand(1, s, 1, d) * 0.5, torch.rand(1, s, 1, d) * 0.5  # 1S1D: BSND input
+
+    r1, r2 = tables(2, 8)
+    with pytest.raises(ValueError, match="B, N < 1000"):
+        torch_npu.npu_rotary_mul(torch.randn(1000, 2, 1, 8), r1, r2)
+    with pytest.raises(ValueError, match="B, N < 1000"):
+        torch_npu.npu_rotary_mul(torch.randn(1, 2, 1000, 8), r1, r2)
+    with pytest.raises(ValueError, match="B \\* N < 1000"):
+        torch_npu.npu_rotary_mul(torch.randn(40, 2, 25, 8), r1, r2, "interleave")
+    x = torch.randn(33, 2, 32, 8, requires_grad=True)
+    out = torch_npu.npu_rotary_mul(x, r1, r2)  # the forward is within its limits
+    with pytest.raises(RuntimeError, match="B \\* N <= 1024"):
+        out.sum().backward()
+    ok = torch.randn(32, 2, 32, 8, requires_grad=True)
+    torch_npu.npu_rotary_mul(ok, r1, r2).sum().backward()
+    assert ok.grad is not None
 
 
 def test_rotary_mul_half_and_interleave_modes(fake):

@@ -197,7 +197,8 @@ def test_json_output_and_exit_status_follow_the_verdict(capsys):
     ("yaml_text", "flags", "message"),
     [
         ("model:\n  preset: 70b\n", [], "Unknown LLaMA preset '70b'"),
-        ("model:\n  preset: 7b\ntrainer:\n  strategy: npu_fsdp\n", ["--devices", "3"], "use 1, 2, 4 or 8 devices"),
+        ("model:\n  preset: 7b\ntrainer:\n  strategy: npu_fsdp\n", ["--devices", "3", "--chip", "Ascend910A"],
+         "use 1, 2, 4 or 8 devices"),
         ("model:\n  preset: 7b\ntrainer:\n  strategy: npu_ddp\n", [], "models npu_fsdp"),
         ("model:\n  preset: tiny\ndata:\n  seq_len: 4096\ntrainer:\n  strategy: npu_fsdp\n", [], "max_seq_len=256"),
         ("trainer:\n  devices: auto\n  strategy: npu_fsdp\n", [], "pass --devices N"),
@@ -208,6 +209,25 @@ def test_bad_configs_fail_with_the_value_and_the_fix(tmp_path, capsys, yaml_text
     config.write_text(yaml_text)
     assert main(["plan", "--config", str(config), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("chip", ["Ascend910B2", "Ascend910B4", "Ascend910_9391"])
+@pytest.mark.parametrize("devices", [3, 5, 6, 7])
+def test_a2_and_a3_chips_plan_any_device_count(chip, devices):
+    """Catches the first-generation 1/2/4/8 rule applied to A2/A3 servers, whose HCCL takes any count."""
+    spec = load_spec(CONFIG_7B, devices=devices, chip=chip)
+    assert (spec.world_size, spec.shard_group) == (devices, devices)
+    assert estimate(spec).items["parameters"] > 0
+
+
+@pytest.mark.parametrize("chip", ["Ascend910A", "Ascend910ProB", "Ascend910B"])
+def test_first_generation_chips_need_1_2_4_or_8_devices_per_node(chip):
+    """Catches the rule lost where CANN does state it: the Atlas training series (including "Ascend910B"
+    itself, SocVersion 104) runs collectives over 1, 2, 4 or 8 devices per server only."""
+    with pytest.raises(PlanError, match=f"devices=6 per node cannot run HCCL collectives on {chip}"):
+        load_spec(CONFIG_7B, devices=6, chip=chip, device_memory_gib=64)
+    spec = load_spec(CONFIG_7B, devices=4, nodes=3, chip=chip, device_memory_gib=64)  # 4 x n servers is allowed
+    assert spec.world_size == 12
 
 
 def test_missing_config_file_is_an_error_not_a_traceback(tmp_path):

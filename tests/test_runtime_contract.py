@@ -1,5 +1,5 @@
-"""Every torch.npu call the plugin makes, run against the strict fake of torch_npu 2.13.0 (real names and
-signatures only; documented semantics)."""
+"""Every torch.npu call the plugin makes, run against the strict fake of each recorded torch_npu release
+(2.6.0, 2.13.0, 2.14.0: real names and signatures only; documented semantics)."""
 
 import pytest
 import torch
@@ -8,13 +8,13 @@ from lightning.pytorch import Trainer
 
 from lightning_npu import NPUAccelerator, NPUDDPStrategy, NPUSingleStrategy, runtime
 from lightning_npu.runtime.npu import NPURuntime
-from tests.npu_fake import install_fake_torch_npu
+from tests.npu_fake import RELEASES, install_fake_torch_npu
 
 
-@pytest.fixture
-def npu(monkeypatch):
+@pytest.fixture(params=RELEASES)
+def npu(monkeypatch, request):
     def install(**kwargs):
-        fake = install_fake_torch_npu(monkeypatch, **kwargs)
+        fake = install_fake_torch_npu(monkeypatch, release=request.param, **kwargs)
         runtime.reset()
         return fake
 
@@ -120,3 +120,47 @@ def test_offloaded_parameters_are_initialised_on_the_npu_then_moved_to_the_host(
     monkeypatch.setattr(fsdp, "_offload_parameters", lambda model: steps.append("offload"))
     strategy._shard(nn.Linear(2, 2), precision_plugin=None)
     assert steps == ["shard", ("initialise", torch.device("npu", 0)), "offload"]
+
+
+@pytest.mark.parametrize(
+    ("chip", "bf16", "series", "peak"),
+    [
+        ("Ascend910B", False, "training", None),  # SocVersion 104: first generation, despite the A2-looking prefix
+        ("Ascend310P3", False, None, None),
+        ("Ascend910B4-1", True, "A2", 245.8e12),
+        ("Ascend910_9362", True, "A3", 353.9e12),
+    ],
+)
+def test_chip_facts_come_from_exact_names_and_the_runtime_bf16_answer(npu, chip, bf16, series, peak):
+    """Catches prefix matching: "Ascend910B" and "Ascend310P3" were taken for bf16 chips, and bf16 must be what
+    torch.npu.is_bf16_supported() says (the fake answers from the chip's SocVersion, as torch_npu does)."""
+    fake = npu(device_count=1, device_name=chip)
+    facts = runtime.get_runtime().chip()
+    assert (facts.name, facts.supports_bf16, facts.series) == (chip, bf16, series)
+    assert facts.peak_bf16_flops == (pytest.approx(peak) if peak else None)
+    assert len(fake.calls_to("npu.is_bf16_supported")) == 1
+
+
+@pytest.mark.parametrize("chip", ["Ascend910B", "Ascend310P3"])
+def test_bf16_is_refused_on_first_generation_and_inference_chips(npu, chip):
+    """Catches a bf16 run accepted on a chip without bf16 units because its name starts like an A2 part's."""
+    npu(device_count=1, device_name=chip)
+    with pytest.raises(ValueError, match=f"precision='bf16-mixed' is not supported on {chip} \\(no bf16 units\\)"):
+        Trainer(accelerator="npu", devices=1, precision="bf16-mixed", logger=False)
+
+
+def test_an_unknown_chip_that_supports_bf16_may_train_in_bf16(npu):
+    """Catches a name table standing in for the runtime: a chip newer than the table trains in bf16 when
+    torch_npu says it can, and simply has no MFU peak."""
+    npu(device_count=1, device_name="Ascend950", bf16_supported=True)
+    trainer = Trainer(accelerator="npu", devices=1, precision="bf16-mixed", logger=False)
+    assert trainer.precision_plugin.device == "npu"
+    assert runtime.get_runtime().chip().peak_bf16_flops is None
+
+
+def test_non_bf16_precision_does_not_initialise_the_device_in_the_launcher(npu):
+    """Catches the precision check initialising the NPU (is_bf16_supported does) in the process that launches
+    the workers when the answer does not matter."""
+    fake = npu(device_count=2)
+    Trainer(accelerator="npu", devices=2, precision="32-true", logger=False)
+    assert not fake.initialized and fake.calls_to("npu.is_bf16_supported") == []

@@ -15,8 +15,12 @@ by parsing the wheel's Python sources with ``ast`` and its op schemas as text:
 
 Usage::
 
-    pip download --no-deps torch-npu==2.13.0 -d /tmp/npuwheel
-    python tools/extract_torch_npu_api.py /tmp/npuwheel/torch_npu-2.13.0-*.whl   # or an unzipped wheel folder
+    pip download --no-deps torch-npu==2.14.0 -d /tmp/npuwheel
+    python tools/extract_torch_npu_api.py /tmp/npuwheel/torch_npu-2.14.0-*.whl   # or an unzipped wheel folder
+
+The record goes to ``tests/npu_fake/torch_npu_<version>_api.json`` (``--out`` to change it); the contract tests
+run against every release recorded there. Recorded: 2.6.0 (the oldest pip can download for CPython 3.11:
+``--platform manylinux2014_x86_64``), 2.13.0 and 2.14.0.
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ SCHEMA_YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 OP_DOCS = "torch_npu/_op_plugin_docs.py"
 CUSTOM_OPS = "torch_npu/utils/custom_ops.py"
 PROFILER = "torch_npu.profiler"
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "tests" / "npu_fake" / "torch_npu_2_13_0_api.json"
+FAKE_DIR = Path(__file__).resolve().parent.parent / "tests" / "npu_fake"
+
+
+def default_out(version: str) -> Path:
+    """Where the fake looks for a release's record: tests/npu_fake/torch_npu_<2_13_0>_api.json."""
+    return FAKE_DIR / f"torch_npu_{version.replace('.', '_')}_api.json"
 
 
 class WheelSource:
@@ -463,16 +472,17 @@ def extract(source: WheelSource) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("wheel", type=Path, help="torch_npu-*.whl, or the folder it unzips to")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON to write (default {DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, help=f"JSON to write (default {FAKE_DIR}/torch_npu_<version>_api.json)")
     args = parser.parse_args(argv)
     api = extract(WheelSource(args.wheel))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(api, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+    out = args.out or default_out(api["torch_npu_version"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(api, indent=1, sort_keys=False) + "\n", encoding="utf-8")
     unresolved = sorted(n for n, e in api["npu"].items() if e["kind"] == "unresolved")
     print(
         f"torch_npu {api['torch_npu_version']}: {len(api['npu'])} torch.npu names "
         f"({len(unresolved)} defined in C: {', '.join(unresolved)}), {len(api['npu_amp'])} amp names, "
-        f"{len(api['ops'])} ops, {len(api['profiler'])} torch_npu.profiler names -> {args.out}"
+        f"{len(api['ops'])} ops, {len(api['profiler'])} torch_npu.profiler names -> {out}"
     )
     return 0
 

@@ -72,8 +72,14 @@ DEFAULT_FRAGMENTATION = 0.05
 #: ``--kernels``: torch_npu fused kernels (the NPU default); the PyTorch reference paths of lightning_npu.kernels
 #: (SDPA without an S x S matrix; what CPUs and fallbacks run); or attention that materialises S x S probabilities.
 KERNELS = ("fused", "reference", "eager")
-#: Collective world sizes HCCL's all_gather_into_tensor / reduce_scatter_tensor (which FSDP2 uses) reject.
-HCCL_UNSUPPORTED_GROUP_SIZES = (3, 5, 6, 7)
+#: Devices per server HCCL accepts for collectives on the Atlas training series (first-generation 910, whose 8
+#: chips form two 4-chip rings). CANN's distributed-training notes name that series alone: "针对Atlas 训练系列产品，
+#: 如果使用1台训练服务器(Server)，要求实际参与集合通信的昇腾AI处理器数目只能为1/2/4/8，且0-3卡和4-7卡各为一个组网"
+#: (and 1*n/2*n/4*n/8*n across n servers), while Atlas A2 takes "(1~8)*n" (HCCL create_group: no limit in
+#: one A2 server). torch_npu's API support list (Ascend/pytorch docs/zh/native_apis/pytorch_2-10-0/
+#: torch-distributed.md, all_gather_into_tensor / reduce_scatter_tensor: "world size不支持3，5，6，7") names no
+#: chip; it is that first-generation rule, so it is applied to those chips only.
+ATLAS_TRAINING_DEVICES_PER_SERVER = (1, 2, 4, 8)
 MAX_MICRO_BATCH = 1 << 16
 
 
@@ -201,18 +207,13 @@ class PlanSpec:
                 f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}; lower data.seq_len"
                 f" (or --seq-len) or set model.config.max_seq_len >= {self.seq_len}"
             )
-        group = self.shard_group
-        if group in HCCL_UNSUPPORTED_GROUP_SIZES:
+        from lightning_npu.runtime.chips import chip_series  # pure Python: planning needs no torch
+
+        if chip_series(self.chip) == "training" and self.devices not in ATLAS_TRAINING_DEVICES_PER_SERVER:
             raise PlanError(
-                f"a shard group of {group} devices cannot run on HCCL: its all_gather_into_tensor and"
-                f" reduce_scatter_tensor reject world sizes {', '.join(map(str, HCCL_UNSUPPORTED_GROUP_SIZES))};"
-                " use 1, 2, 4 or 8 devices per node"
-            )
-        if self.world_size in HCCL_UNSUPPORTED_GROUP_SIZES:
-            raise PlanError(
-                f"devices x nodes = {self.world_size} cannot run on HCCL (world sizes"
-                f" {', '.join(map(str, HCCL_UNSUPPORTED_GROUP_SIZES))} are rejected by its all-gather/reduce-scatter);"
-                " use 1, 2, 4 or 8 devices per node"
+                f"devices={self.devices} per node cannot run HCCL collectives on {self.chip}: the Atlas training series"
+                f" (first-generation 910) takes {', '.join(map(str, ATLAS_TRAINING_DEVICES_PER_SERVER))} devices per"
+                " server (two or four from the same half, 0-3 or 4-7); use 1, 2, 4 or 8 devices per node"
             )
 
     @property
@@ -893,7 +894,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ac-ratio", type=float, help="share of blocks that recompute activations (0..1)")
     parser.add_argument("--device-memory", type=float, help="GiB per device (default: the chip's)")
     parser.add_argument("--chip", default=DEFAULT_CHIP,
-                        help=f"chip name for the default memory (default {DEFAULT_CHIP})")
+                        help=f"chip name for the default memory and, on first-generation 910 chips, HCCL's"
+                        f" 1/2/4/8 devices-per-node rule (default {DEFAULT_CHIP})")
     parser.add_argument("--kernels", choices=KERNELS, default="fused",
                         help="fused: torch_npu kernels (default); reference: PyTorch paths; eager: S x S attention")
     parser.add_argument("--hccl-buffsize", type=float, help="HCCL_BUFFSIZE in MB (default: the environment's, or 200)")

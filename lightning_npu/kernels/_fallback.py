@@ -5,11 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-log = logging.getLogger("lightning_npu.kernels")
+from lightning_npu.runtime.chips import runs_a2_a3_kernels
 
-# npu_fusion_attention, npu_rotary_mul and npu_swiglu are documented for the Atlas A2 (Ascend910B*) and
-# A3 (Ascend910_93*) training series only; on Ascend910A-class chips they must not be called.
-_A2_A3_NAME_PREFIXES = ("Ascend910B", "Ascend910_93")
+log = logging.getLogger("lightning_npu.kernels")
 
 _announced: set[str] = set()
 _device_name: dict[str, str] = {}
@@ -31,13 +29,16 @@ def log_fallback_once(op: str, reason: str) -> None:
 def chip_unsupported_reason(op: str) -> Optional[str]:
     """Why the current NPU cannot run fused op ``op`` (an A2/A3-only kernel), or None if it can.
 
-    The device name is read once per process; all NPUs of a node are the same chip.
+    npu_fusion_attention, npu_rotary_mul and npu_swiglu are documented for the Atlas A2 and A3 training series
+    only. The chip is matched by its exact name (runtime/chips.py): "Ascend910B" itself is a first-generation
+    part, and a chip torch_npu added later (Ascend950, Ascend310P*) is not assumed to run them. The device name
+    is read once per process; all NPUs of a node are the same chip.
     """
     if "name" not in _device_name:
         import torch_npu
 
         _device_name["name"] = torch_npu.npu.get_device_name()
     name = _device_name["name"]
-    if name.startswith(_A2_A3_NAME_PREFIXES):
+    if runs_a2_a3_kernels(name):
         return None
-    return f"{op} is documented for Atlas A2/A3 chips (Ascend910B*, Ascend910_93*) only, not {name}"
+    return f"{op} is documented for Atlas A2/A3 chips (Ascend910B1..B4, Ascend910_93xx) only, not {name}"

@@ -9,14 +9,9 @@ from torch import Tensor
 
 from lightning_npu.kernels._fallback import log_fallback_once
 
-# (x dtype, weight dtype) pairs npu_rms_norm accepts on Atlas A2.
-_FUSED_DTYPE_PAIRS = {
-    (torch.bfloat16, torch.bfloat16),
-    (torch.bfloat16, torch.float32),
-    (torch.float16, torch.float16),
-    (torch.float16, torch.float32),
-    (torch.float32, torch.float32),
-}
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# npu_rms_norm's documented input ranks.
+_FUSED_MIN_DIMS, _FUSED_MAX_DIMS = 2, 8
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
@@ -24,6 +19,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
 
     ``weight`` has shape [x.shape[-1]]. The statistics are computed in fp32 whatever x's dtype, as in
     LLaMA, so bf16 activations do not lose the mean of squares to rounding.
+
+    npu_rms_norm requires gamma's dtype to equal x's, so on the fused path the weight is cast to x's dtype
+    first, as autocast casts an fp32 master weight for a matmul: the gradient still reaches the weight in
+    its own dtype (the cast's backward upcasts it), and differs from the fp32 reference's by one rounding
+    to x's dtype, the precision every other bf16 layer's weight gradient has.
     """
     if weight.shape != x.shape[-1:]:
         raise ValueError(
@@ -35,7 +35,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
         if reason is None:
             import torch_npu
 
-            return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+            return torch_npu.npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)[0]
         log_fallback_once("rms_norm", reason)
     return _reference_rms_norm(x, weight, eps)
 
@@ -45,8 +45,10 @@ def _on_npu(x: Tensor) -> bool:
 
 
 def _fused_unsupported_reason(x: Tensor, weight: Tensor) -> Optional[str]:
-    if (x.dtype, weight.dtype) not in _FUSED_DTYPE_PAIRS:
-        return f"(x, weight) dtypes ({x.dtype}, {weight.dtype}) are not a pair npu_rms_norm supports"
+    if x.dtype not in _FUSED_DTYPES or weight.dtype not in _FUSED_DTYPES:
+        return f"(x, weight) dtypes ({x.dtype}, {weight.dtype}) are not fp16/bf16/fp32"
+    if not _FUSED_MIN_DIMS <= x.dim() <= _FUSED_MAX_DIMS:
+        return f"x has {x.dim()} dimensions; npu_rms_norm takes {_FUSED_MIN_DIMS} to {_FUSED_MAX_DIMS}"
     return None
 
 

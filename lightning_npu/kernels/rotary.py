@@ -15,9 +15,12 @@ from torch import Tensor
 
 from lightning_npu.kernels._fallback import chip_unsupported_reason, log_fallback_once
 
-# npu_rotary_mul's documented limits: head_dim < 896, batch and heads < 1000 (half mode).
+# npu_rotary_mul's documented limits (half mode, torch_npu 2.6.0 .. 2.14.0 _op_plugin_docs.py): head_dim < 896,
+# batch and heads < 1000 each, and "when the cos/sin gradients are computed, B*N <= 1024". Its backward
+# (npu_rotary_mul_backward) always returns the cos/sin gradients, so the last limit holds for every backward.
 _FUSED_MAX_HEAD_DIM = 895
 _FUSED_MAX_BATCH_OR_HEADS = 999
+_FUSED_MAX_BACKWARD_BATCH_X_HEADS = 1024
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -66,7 +69,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     cos = cos.to(x.dtype)[None, :, None, :]
     sin = sin.to(x.dtype)[None, :, None, :]
     if _on_npu(x):
-        reason = _fused_unsupported_reason(x)
+        reason = _fused_unsupported_reason(x, cos, sin)
         if reason is None:
             import torch_npu
 
@@ -79,13 +82,20 @@ def _on_npu(x: Tensor) -> bool:
     return x.device.type == "npu"
 
 
-def _fused_unsupported_reason(x: Tensor) -> Optional[str]:
+def _fused_unsupported_reason(x: Tensor, cos: Tensor, sin: Tensor) -> Optional[str]:
     if x.dtype not in _FUSED_DTYPES:
         return f"dtype {x.dtype} is not one of fp16/bf16/fp32"
     if x.shape[-1] > _FUSED_MAX_HEAD_DIM:
         return f"head_dim={x.shape[-1]} exceeds npu_rotary_mul's limit (< 896)"
-    if x.shape[0] > _FUSED_MAX_BATCH_OR_HEADS or x.shape[2] > _FUSED_MAX_BATCH_OR_HEADS:
-        return f"batch={x.shape[0]} or heads={x.shape[2]} exceeds npu_rotary_mul's limit (< 1000)"
+    batch, heads = x.shape[0], x.shape[2]
+    if batch > _FUSED_MAX_BATCH_OR_HEADS or heads > _FUSED_MAX_BATCH_OR_HEADS:
+        return f"batch={batch} or heads={heads} exceeds npu_rotary_mul's limit (< 1000)"
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (x, cos, sin))
+    if backward and batch * heads > _FUSED_MAX_BACKWARD_BATCH_X_HEADS:
+        return (
+            f"batch x heads = {batch} x {heads} = {batch * heads} exceeds npu_rotary_mul's backward limit"
+            f" ({_FUSED_MAX_BACKWARD_BATCH_X_HEADS}); a smaller micro-batch keeps the fused kernel"
+        )
     return chip_unsupported_reason("npu_rotary_mul")
 
 

@@ -2,17 +2,21 @@
 
 ``get_runtime()`` returns the simulated runtime when ``LIGHTNING_NPU_SIMULATE`` asks for it, the real NPU
 runtime when the probe finds usable NPUs, and otherwise raises ``NPUUnavailableError`` carrying the reason.
+
+Importing this package imports no torch: the chip table (``runtime.chips``) is pure Python, so torch-free
+tools (``lightning-npu plan``) can read it; the other names load their modules on first use.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
+from typing import TYPE_CHECKING, Any
 
-from lightning_npu.runtime.base import Runtime
-from lightning_npu.runtime.chips import ChipFacts, chip_facts
-from lightning_npu.runtime.probe import ProbeResult, probe_npu
-from lightning_npu.runtime.simulated import SIMULATE_ENV, SimulatedRuntime, SimulationWarning, simulated_count
+if TYPE_CHECKING:
+    from lightning_npu.runtime.base import Runtime
+    from lightning_npu.runtime.probe import ProbeResult
 
 __all__ = [
     "ChipFacts",
@@ -28,6 +32,25 @@ __all__ = [
     "probe_npu",
 ]
 
+# Names re-exported from the submodules, imported when first asked for (PEP 562).
+_LAZY = {
+    "ChipFacts": "chips",
+    "chip_facts": "chips",
+    "Runtime": "base",
+    "ProbeResult": "probe",
+    "probe_npu": "probe",
+    "SIMULATE_ENV": "simulated",
+    "SimulatedRuntime": "simulated",
+    "SimulationWarning": "simulated",
+    "simulated_count": "simulated",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 class NPUUnavailableError(RuntimeError):
     """No usable NPU; the message names the cause and the fix."""
@@ -35,12 +58,16 @@ class NPUUnavailableError(RuntimeError):
 
 @functools.lru_cache(maxsize=1)
 def _probe() -> ProbeResult:
+    from lightning_npu.runtime.probe import probe_npu
+
     return probe_npu()
 
 
 @functools.lru_cache(maxsize=1)
 def get_runtime() -> Runtime:
     """The runtime of this process (cached; ``get_runtime.cache_clear()`` re-reads the environment)."""
+    from lightning_npu.runtime.simulated import SIMULATE_ENV, SimulatedRuntime, simulated_count
+
     count = simulated_count(os.environ.get(SIMULATE_ENV))
     if count:
         return SimulatedRuntime(count)

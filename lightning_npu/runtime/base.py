@@ -18,6 +18,10 @@ class Runtime(ABC):
     #: torch.distributed backend for those devices.
     backend: str
     simulated: bool
+    #: Whether optimizers should use torch's fused implementation (``torch.optim.AdamW(fused=True)``): one kernel
+    #: per step on NPUs, where torch_npu implements ``_fused_adamw_``; off on the CPU simulation, which keeps
+    #: torch's default (foreach) path.
+    fused_optimizer: bool
 
     @abstractmethod
     def device_count(self) -> int:
@@ -65,7 +69,11 @@ class Runtime(ABC):
 
     @abstractmethod
     def chip(self, index: int = 0) -> ChipFacts:
-        """bf16 support and peak throughput of the chip at ``index``."""
+        """Series, bf16 support and peak throughput of the chip at ``index``.
+
+        On NPUs this initialises the device (``torch.npu.is_bf16_supported()`` does), so call it only where the
+        answer is needed, and not in a process that forks workers afterwards.
+        """
 
     @abstractmethod
     def grad_scaler(self, sharded: bool) -> torch.amp.GradScaler:

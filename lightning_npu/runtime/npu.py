@@ -16,6 +16,7 @@ class NPURuntime(Runtime):
     device_type = "npu"
     backend = "hccl"
     simulated = False
+    fused_optimizer = True
 
     def device_count(self) -> int:
         return torch.npu.device_count()
@@ -52,7 +53,8 @@ class NPURuntime(Runtime):
         return torch.npu.get_device_name(index)
 
     def chip(self, index: int = 0) -> ChipFacts:
-        return chip_facts(self.device_name(index))
+        # bf16 comes from the runtime, which knows every SocVersion (Ascend910B exactly, SocVersion 104, has none).
+        return chip_facts(self.device_name(index), torch.npu.is_bf16_supported())
 
     def grad_scaler(self, sharded: bool) -> torch.amp.GradScaler:
         if sharded:

@@ -27,6 +27,7 @@ class SimulatedRuntime(Runtime):
     device_type = "cpu"
     backend = "gloo"
     simulated = True
+    fused_optimizer = False
 
     def __init__(self, count: int) -> None:
         self.count = count

@@ -101,9 +101,19 @@ class LLaMA2(LightningModule):
         for param in self.model.parameters():
             # Matrices (linear and embedding weights) decay; norm gains and biases (vectors) do not.
             (decay if param.ndim >= 2 else no_decay).append(param)
+        # One fused kernel per step where the runtime backs it (NPUs: torch_npu's _fused_adamw_, which also runs on
+        # FSDP2's DTensor shards); torch's default (foreach) elsewhere, the CPU simulation included. fp16 with
+        # clipping stays unfused: a fused step unscales internally, too late for the clip to see true gradients.
+        from lightning_npu.accelerator import NPUAccelerator
+
+        accelerator = self.trainer.accelerator
+        fused = isinstance(accelerator, NPUAccelerator) and accelerator.runtime.fused_optimizer
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None and self.trainer.gradient_clip_val:
+            fused = False
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas), eps=self.hparams.eps,
+            fused=True if fused else None,
         )
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         schedule = warmup_cosine(self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)

@@ -1,4 +1,4 @@
-"""Strict fake of torch_npu 2.13.0 for contract tests (see fake.py).
+"""Strict fake of torch_npu for contract tests (see fake.py), one recorded API per release in ``RELEASES``.
 
 Use it per test::
 
@@ -14,9 +14,9 @@ or import the ready-made ``fake_npu`` fixture into a test module (``from tests.n
 
 import pytest
 
-from tests.npu_fake.fake import FakeTorchNPU, ensure_npu_device_type, install_fake_torch_npu, load_api
+from tests.npu_fake.fake import RELEASES, FakeTorchNPU, ensure_npu_device_type, install_fake_torch_npu, load_api
 
-__all__ = ["FakeTorchNPU", "ensure_npu_device_type", "fake_npu", "install_fake_torch_npu", "load_api"]
+__all__ = ["RELEASES", "FakeTorchNPU", "ensure_npu_device_type", "fake_npu", "install_fake_torch_npu", "load_api"]
 
 
 @pytest.fixture

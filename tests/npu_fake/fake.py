@@ -1,18 +1,19 @@
-"""A strict, CPU-only stand-in for torch_npu 2.13.0, checked against the API recorded from the real wheel.
+"""A strict, CPU-only stand-in for torch_npu, checked against the API recorded from the real wheels.
 
-``install_fake_torch_npu(monkeypatch)`` puts a ``torch_npu`` module (with ``torch_npu.npu``,
-``torch_npu.npu.amp`` and ``torch_npu.profiler``, the latter built in profiler.py) into ``sys.modules`` and
-sets ``torch.npu`` to the fake ``npu`` module; monkeypatch undoes both. Strictness is the point: code under
-test may only touch names recorded in ``torch_npu_2_13_0_api.json`` (written by
-``tools/extract_torch_npu_api.py``), else ``AttributeError``;
-every call is bound against the recorded signature, else ``TypeError``; every call is recorded in
-``FakeTorchNPU.calls`` as ``(name, explicitly_passed_arguments)``. Recorded names whose behaviour the fake
-does not model raise ``NotImplementedError`` when called, so a test can never pass on an invented result.
+``install_fake_torch_npu(monkeypatch, release="2.13.0")`` puts a ``torch_npu`` module (with ``torch_npu.npu``,
+``torch_npu.npu.amp`` and ``torch_npu.profiler``, the latter built in profiler.py) into ``sys.modules`` and sets ``torch.npu`` to the fake ``npu`` module; monkeypatch
+undoes both. Strictness is the point: code under test may only touch names recorded for that release in
+``torch_npu_<release>_api.json`` (written by ``tools/extract_torch_npu_api.py``; ``RELEASES`` lists them), else
+``AttributeError``; every call is bound against the recorded signature, else ``TypeError``; every call is
+recorded in ``FakeTorchNPU.calls`` as ``(name, explicitly_passed_arguments)``. Recorded names whose behaviour
+the fake does not model raise ``NotImplementedError`` when called, so a test can never pass on an invented result.
 
-The runtime functions follow the 2.13.0 Python sources (``torch_npu/npu/{__init__,utils,memory,random}.py``):
-``device_count`` honours ``ASCEND_RT_VISIBLE_DEVICES``, ``memory_stats`` is empty until the device is
-initialised, ``set_per_process_memory_fraction`` rejects non-floats, and so on. Device memory cannot be
-observed on CPU, so tests drive it with ``FakeTorchNPU.simulate_alloc`` / ``simulate_free``.
+The runtime functions follow the Python sources (``torch_npu/npu/{__init__,utils,memory,random}.py``, the same
+in 2.6.0 .. 2.14.0 for what is modelled): ``device_count`` honours ``ASCEND_RT_VISIBLE_DEVICES``, ``memory_stats``
+is empty until the device is initialised, ``set_per_process_memory_fraction`` rejects non-floats, and
+``is_bf16_supported`` initialises the device and answers from the chip's SocVersion (settable per test, with the
+chip name). Device memory cannot be observed on CPU, so tests drive it with ``FakeTorchNPU.simulate_alloc`` /
+``simulate_free``.
 """
 
 from __future__ import annotations
@@ -32,16 +33,58 @@ import torch
 from tests.npu_fake import ops
 from tests.npu_fake.profiler import build_profiler_module
 
-API_PATH = Path(__file__).with_name("torch_npu_2_13_0_api.json")
+API_DIR = Path(__file__).parent
+#: The torch_npu releases whose API is recorded here (tools/extract_torch_npu_api.py), oldest first.
+RELEASES = tuple(
+    sorted(
+        (p.name[len("torch_npu_"):-len("_api.json")].replace("_", ".") for p in API_DIR.glob("torch_npu_*_api.json")),
+        key=lambda v: tuple(int(x) for x in v.split(".")),
+    )
+)
+DEFAULT_RELEASE = "2.13.0"
 GiB = 1024**3
+#: torch_npu's chip names and their ``c10_npu::SocVersion`` numbers (NpuVariables.h / NpuVariables.cpp's name map,
+#: 2.13.0 wheel). ``IsBF16Supported()`` is ``GetSocVersion() >= SocVersion::Ascend910B1`` (220).
+SOC_VERSIONS = {
+    "Ascend910PremiumA": 100, "Ascend910ProA": 101, "Ascend910A": 102, "Ascend910ProB": 103, "Ascend910B": 104,
+    "Ascend310P1": 200, "Ascend310P2": 201, "Ascend310P3": 202, "Ascend310P4": 203, "Ascend310P5": 204,
+    "Ascend310P7": 205,
+    "Ascend910B1": 220, "Ascend910B2": 221, "Ascend910B2C": 222, "Ascend910B3": 223, "Ascend910B4": 224,
+    "Ascend910B4-1": 225,
+    "Ascend310B1": 240, "Ascend310B2": 241, "Ascend310B3": 242, "Ascend310B4": 243,
+    "Ascend910_9391": 250, "Ascend910_9392": 251, "Ascend910_9381": 252, "Ascend910_9382": 253,
+    "Ascend910_9372": 254, "Ascend910_9362": 255, "Ascend910_9363": 256,
+    "Ascend950": 260,
+}
+_BF16_FIRST_SOC = SOC_VERSIONS["Ascend910B1"]
 # Reservations are rounded up to whole 2 MiB blocks, like the caching allocator's large pool.
 _BLOCK = 2 * 1024**2
 
 
+def api_path(release: str = DEFAULT_RELEASE) -> Path:
+    return API_DIR / f"torch_npu_{release.replace('.', '_')}_api.json"
+
+
 @functools.lru_cache(maxsize=None)
-def load_api() -> dict[str, Any]:
-    """The recorded torch_npu 2.13.0 API (see tools/extract_torch_npu_api.py)."""
-    return json.loads(API_PATH.read_text(encoding="utf-8"))
+def load_api(release: str = DEFAULT_RELEASE) -> dict[str, Any]:
+    """The recorded API of torch_npu ``release`` (see tools/extract_torch_npu_api.py)."""
+    path = api_path(release)
+    if not path.is_file():
+        raise ValueError(f"no recorded API for torch_npu {release}; recorded releases: {', '.join(RELEASES)}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def soc_bf16_supported(device_name: str) -> bool:
+    """``torch.npu.is_bf16_supported()`` on the chip ``device_name``: SocVersion >= Ascend910B1.
+
+    torch_npu refuses to initialise on a name outside its map ("Unsupported soc version"); the fake needs a
+    test to say what such a chip supports.
+    """
+    if device_name not in SOC_VERSIONS:
+        raise ValueError(
+            f"{device_name!r} is not one of torch_npu's SocVersion names; pass bf16_supported= for it explicitly"
+        )
+    return SOC_VERSIONS[device_name] >= _BF16_FIRST_SOC
 
 
 class _SourceDefault:
@@ -86,12 +129,16 @@ def ensure_npu_device_type() -> None:
 class _StrictModule(types.ModuleType):
     """A module whose unknown attributes raise AttributeError naming the recorded API."""
 
+    def __init__(self, name: str, release: str) -> None:
+        super().__init__(name)
+        self._release = release
+
     def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__") and attr.endswith("__"):
+        if attr.startswith("__") and attr.endswith("__") or attr == "_release":
             raise AttributeError(attr)
         raise AttributeError(
-            f"module {self.__name__!r} has no attribute {attr!r} in torch_npu {load_api()['torch_npu_version']} "
-            f"(recorded API: {API_PATH.name})"
+            f"module {self.__name__!r} has no attribute {attr!r} in torch_npu {self._release} "
+            f"(recorded API: {api_path(self._release).name})"
         )
 
 
@@ -111,7 +158,7 @@ class _StrictSettings:
     def __setattr__(self, attr: str, value: Any) -> None:
         if attr not in self._settable:
             raise AttributeError(
-                f"torch.npu.{self._name}.{attr} cannot be set in torch_npu 2.13.0; settable: {sorted(self._settable)}"
+                f"torch.npu.{self._name}.{attr} cannot be set in torch_npu {self._fake.release}; settable: {sorted(self._settable)}"
             )
         if attr == "allow_hf32" and not isinstance(value, bool):
             raise TypeError(f"allow_hf32 must be a bool, but got {type(value).__name__}")
@@ -121,7 +168,7 @@ class _StrictSettings:
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("__") or attr not in self._gettable:
             raise AttributeError(
-                f"torch.npu.{self._name}.{attr} cannot be read in torch_npu 2.13.0; readable: {sorted(self._gettable)}"
+                f"torch.npu.{self._name}.{attr} cannot be read in torch_npu {self._fake.release}; readable: {sorted(self._gettable)}"
             )
         return self._fake.settings.get(f"{self._name}.{attr}")
 
@@ -134,13 +181,16 @@ class FakeTorchNPU:
         *,
         device_count: int = 8,
         device_name: str = "Ascend910B2",
-        bf16_supported: bool = True,
+        bf16_supported: Optional[bool] = None,
         total_memory: int = 64 * GiB,
+        release: str = DEFAULT_RELEASE,
     ) -> None:
-        self.api = load_api()
+        self.release = release
+        self.api = load_api(release)
         self.raw_device_count = device_count
         self.device_name = device_name
-        self.bf16_supported = bf16_supported
+        # By default the chip's SocVersion decides, as in torch_npu; a test may override it (e.g. an unknown chip).
+        self.bf16_supported = soc_bf16_supported(device_name) if bf16_supported is None else bf16_supported
         self.total_memory = total_memory
         self.calls: list[tuple[str, dict[str, Any]]] = []
         #: One entry per trace torch_npu.profiler's tensorboard_trace_handler would write (see profiler.py).
@@ -200,17 +250,17 @@ class FakeTorchNPU:
     # ---------------------------------------------------------------- module construction
 
     def _build_npu_module(self) -> _StrictModule:
-        npu = _StrictModule("torch_npu.npu")
+        npu = _StrictModule("torch_npu.npu", self.release)
         for name, entry in self.api["npu"].items():
             setattr(npu, name, self._member("npu", name, entry))
-        amp = _StrictModule("torch_npu.npu.amp")
+        amp = _StrictModule("torch_npu.npu.amp", self.release)
         for name, entry in self.api["npu_amp"].items():
             setattr(amp, name, self._member("npu.amp", name, entry))
         npu.amp = amp
         return npu
 
     def _build_torch_npu_module(self) -> _StrictModule:
-        mod = _StrictModule("torch_npu")
+        mod = _StrictModule("torch_npu", self.release)
         mod.__version__ = self.api["torch_npu_version"]
         mod.npu = self.npu
         mod.profiler = build_profiler_module(self, _StrictModule)
@@ -591,8 +641,9 @@ def install_fake_torch_npu(
     *,
     device_count: int = 8,
     device_name: str = "Ascend910B2",
-    bf16_supported: bool = True,
+    bf16_supported: Optional[bool] = None,
     total_memory: int = 64 * GiB,
+    release: str = DEFAULT_RELEASE,
 ) -> FakeTorchNPU:
     """Install the fake as ``torch_npu`` / ``torch.npu`` for one test; monkeypatch undoes it afterwards.
 
@@ -601,7 +652,11 @@ def install_fake_torch_npu(
     """
     ensure_npu_device_type()
     fake = FakeTorchNPU(
-        device_count=device_count, device_name=device_name, bf16_supported=bf16_supported, total_memory=total_memory
+        device_count=device_count,
+        device_name=device_name,
+        bf16_supported=bf16_supported,
+        total_memory=total_memory,
+        release=release,
     )
     monkeypatch.setitem(sys.modules, "torch_npu", fake.torch_npu)
     monkeypatch.setitem(sys.modules, "torch_npu.npu", fake.npu)

@@ -10,6 +10,8 @@ features these fakes do not model raise ``NotImplementedError`` instead of compu
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Optional
 
 import torch
@@ -180,20 +182,19 @@ def _from_bnsd(out: Tensor, layout: str) -> Tensor:
 
 # ---------------------------------------------------------------- npu_rms_norm
 
-# (x, gamma) dtype pairs documented for Atlas A2.
-_RMS_NORM_PAIRS = {
-    (torch.bfloat16, torch.bfloat16),
-    (torch.bfloat16, torch.float32),
-    (torch.float16, torch.float16),
-    (torch.float16, torch.float32),
-    (torch.float32, torch.float32),
-}
-
-
 def npu_rms_norm(input: Tensor, gamma: Tensor, epsilon: float = 1e-06):
-    """(y, rstd): y = x * rstd * gamma over gamma's trailing dims, rstd = 1/sqrt(mean(x^2) + eps) in fp32."""
-    if (input.dtype, gamma.dtype) not in _RMS_NORM_PAIRS:
-        raise TypeError(f"npu_rms_norm does not support (x, gamma) dtypes ({input.dtype}, {gamma.dtype})")
+    """(y, rstd): y = x * rstd * gamma over gamma's trailing dims, rstd = 1/sqrt(mean(x^2) + eps) in fp32.
+
+    Documented: x is float16/bfloat16/float32 with 2-8 dims, and gamma's dtype must equal x's
+    ("数据类型需要和self保持一致", 2.6.0 .. 2.14.0 wheels). An older op-plugin page listed (bf16, fp32) pairs;
+    the wheel's own documentation does not, so the fake refuses them.
+    """
+    if input.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"npu_rms_norm supports float16/bfloat16/float32 input, got {input.dtype}")
+    if gamma.dtype != input.dtype:
+        raise TypeError(f"npu_rms_norm needs gamma's dtype to equal x's; got x {input.dtype}, gamma {gamma.dtype}")
+    if not 2 <= input.dim() <= 8:
+        raise ValueError(f"npu_rms_norm supports 2-8 dimensional input, got shape {tuple(input.shape)}")
     if gamma.dim() == 0 or tuple(input.shape[-gamma.dim():]) != tuple(gamma.shape):
         raise ValueError(f"gamma shape {tuple(gamma.shape)} must equal the trailing dims of x {tuple(input.shape)}")
     dims = tuple(range(input.dim() - gamma.dim(), input.dim()))
@@ -235,6 +236,7 @@ def npu_rotary_mul(input: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str = "ha
         )
     if bool((r1.detach().abs() > 1).any()) or bool((r2.detach().abs() > 1).any()):
         raise ValueError("r1/r2 values must lie in [-1, 1] (documented data range: they are cos/sin tables)")
+    _check_rotary_batch_and_heads(tuple(input.shape), tuple(r1.shape), rotary_mode)
     x = input.float()
     if rotate is not None:
         if tuple(rotate.shape) != (d, d):
@@ -245,7 +247,48 @@ def npu_rotary_mul(input: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str = "ha
         rotated = torch.cat((-x2, x1), dim=-1)
     else:
         rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-    return (r1.float() * x + r2.float() * rotated).to(input.dtype)
+    out = (r1.float() * x + r2.float() * rotated).to(input.dtype)
+    if out.requires_grad:
+        broadcast = math.prod(n for n, m in zip(input.shape, r1.shape) if n != m)
+        out.register_hook(functools.partial(_rotary_backward_check, broadcast))
+    return out
+
+
+# Documented limits (jit_compile=False): half mode B, N < 1000; interleave B * N < 1000; and "当需要计算cos/sin的反向
+# 梯度时，B*N <= 1024". npu_rotary_mul_backward returns (dx, dr1, dr2) whatever needs a gradient, so every backward
+# computes the cos/sin gradients: the product of the axes r1 broadcasts over must be <= 1024.
+_ROTARY_MAX_BATCH_OR_HEADS = 999
+_ROTARY_MAX_INTERLEAVE_BN = 999
+_ROTARY_MAX_BACKWARD_BROADCAST = 1024
+
+
+def _rotary_layouts(x_shape: tuple, r_shape: tuple) -> list[tuple[int, int]]:
+    """(B, N) under every layout (BNSD, BSND, SBND) whose documented r1 shapes include ``r_shape``."""
+    a, b, c, d = x_shape
+    layouts = {
+        (a, b): {(1, 1, c, d), (a, 1, c, d), (a, b, c, d)},  # BNSD: 11SD, B1SD, BNSD
+        (a, c): {(1, b, 1, d), (a, b, 1, d), (a, b, c, d)},  # BSND: 1S1D, BS1D, BSND
+        (b, c): {(a, 1, 1, d), (a, b, 1, d), (a, b, c, d)},  # SBND: S11D, SB1D, SBND
+    }
+    return [bn for bn, shapes in layouts.items() if r_shape in shapes]
+
+
+def _check_rotary_batch_and_heads(x_shape: tuple, r_shape: tuple, mode: str) -> None:
+    # Where the shapes fit several layouts, every reading must satisfy the limits (the fake is strict).
+    for batch, heads in _rotary_layouts(x_shape, r_shape):
+        if mode == "half" and max(batch, heads) > _ROTARY_MAX_BATCH_OR_HEADS:
+            raise ValueError(f"npu_rotary_mul (half) needs B, N < 1000; input {x_shape} has B={batch}, N={heads}")
+        if mode == "interleave" and batch * heads > _ROTARY_MAX_INTERLEAVE_BN:
+            raise ValueError(f"npu_rotary_mul (interleave) needs B * N < 1000; input {x_shape} has B * N = {batch * heads}")
+
+
+def _rotary_backward_check(broadcast: int, grad: Tensor) -> Tensor:
+    if broadcast > _ROTARY_MAX_BACKWARD_BROADCAST:
+        raise RuntimeError(
+            f"npu_rotary_mul_backward: the cos/sin gradients need B * N <= {_ROTARY_MAX_BACKWARD_BROADCAST}"
+            f" (the broadcast axes), got {broadcast}"
+        )
+    return grad
 
 
 # ---------------------------------------------------------------- npu_swiglu

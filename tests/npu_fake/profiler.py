@@ -21,7 +21,7 @@ def build_profiler_module(fake: "FakeTorchNPU", module_cls: type["_StrictModule"
     from tests.npu_fake.fake import _unmodelled_class, signature_from_params
 
     api = fake.api["profiler"]
-    mod = module_cls("torch_npu.profiler")
+    mod = module_cls("torch_npu.profiler", fake.release)
     activity = enum.Enum("ProfilerActivity", api["ProfilerActivity"]["members"], module="torch_npu._C._profiler")
     action = enum.Enum("ProfilerAction", api["ProfilerAction"]["members"], module="torch_npu.profiler.scheduler")
     mod.ProfilerActivity = activity
