@@ -253,7 +253,7 @@ def _state_bytes(module: Any, optimizer: Any) -> dict[str, int]:
 # ----------------------------------------------------------------------------------------------------- the driver
 
 
-def measure(name: str, case: dict[str, Any], workdir: Path) -> dict[str, Any]:
+def measure(name: str, case: dict[str, Any], workdir: Path, timeout: float = 900) -> dict[str, Any]:
     out = workdir / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_NPU_SIMULATE"}
     env.update(LIGHTNING_NPU_SIMULATE=str(case["devices"]), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
@@ -264,7 +264,7 @@ def measure(name: str, case: dict[str, Any], workdir: Path) -> dict[str, Any]:
         ranks = 1
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(case), "--result", str(out)]
     started = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"case {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     results = [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(ranks)]
@@ -285,12 +285,12 @@ def check_calibration(name: str, ranks: list[dict[str, Any]]) -> dict[str, int]:
     return ranks[0]["calibration"]
 
 
-def compare(name: str, case: dict[str, Any], workdir: Path) -> dict[str, Any]:
+def compare(name: str, case: dict[str, Any], workdir: Path, timeout: float = 900) -> dict[str, Any]:
     """The planner's estimate of ``case`` next to its measured steady-state peak (one row of the table)."""
     from lightning_npu.cli.plan import estimate
 
     predicted = estimate(case_spec(case))
-    run = measure(name, case, workdir)
+    run = measure(name, case, workdir, timeout)
     calibrated = check_calibration(name, run["ranks"])
     measured = max(rank["steady_peak"] for rank in run["ranks"])
     rank0 = run["ranks"][0]
