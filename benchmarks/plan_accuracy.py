@@ -16,9 +16,10 @@ those made inside C++ (autograd, FSDP2's buffers, DTensor, the optimizer), with 
 sum of those events from before ``fit`` starts is the live tensor memory of the process at every instant, and its
 maximum is the peak (benchmarks/_memory.py). RSS would also count the Python heap, libraries and freed-but-cached
 pages; tracemalloc does not see torch's allocator. Two checks are recorded for every case: a calibration in the
-same process (tensors of known sizes must give the exact peak), and after every optimizer step the running sum
-minus the bytes of the parameter shards, gradients and AdamW states found by walking the objects must stay
-constant (it is the batches and rotary tables; a drift would mean frees the profiler missed).
+same process (tensors of known sizes must give the exact peak; a case whose calibration is off fails), and after
+every optimizer step the running sum minus the bytes of the parameter shards, gradients and AdamW states found by
+walking the objects must stay constant (it is the batches and rotary tables; a drift would mean frees the profiler
+missed).
 
 The profiler follows only the threads it was started on. With N real gloo processes, gloo's worker threads drop
 the last reference to some collective buffers, so those frees go unseen and the running sum drifts upward by
@@ -77,7 +78,7 @@ CASES: dict[str, dict[str, Any]] = {
                           devices=2, zero=3, ac=1.0, kernels="eager", holdout=True),
     "deep_zero2": dict(model=dict(n_layers=12), seq=256, batch=2, devices=2, zero=2, ac=0.25, holdout=True),
 }
-STEPS = 4  # optimizer steps per run; the first is excluded (no optimizer states yet)
+STEPS = 4  # optimizer steps per run (a case's "steps" overrides it); the first is excluded (no optimizer states yet)
 
 
 def case_spec(case: dict[str, Any]):
@@ -133,14 +134,15 @@ def worker(case: dict[str, Any], out: Path) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    check = calibration()
+    calibrated = calibration()  # in this process, before the run: the profiler must report known sizes exactly
     module = LLaMA2(preset="tiny", config=case["model"], warmup_steps=1)
     vocab, seq, batch = module.config.vocab_size, case["seq"], case["batch"]
     accumulate = case.get("accumulate", 1)
+    steps = case.get("steps", STEPS)
 
     class Tokens(Dataset):
         def __len__(self) -> int:
-            return STEPS * accumulate * batch * case["devices"] * case.get("nodes", 1)
+            return steps * accumulate * batch * case["devices"] * case.get("nodes", 1)
 
         def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
             g = torch.Generator().manual_seed(index)
@@ -186,7 +188,7 @@ def worker(case: dict[str, Any], out: Path) -> None:
     trainer = Trainer(
         accelerator="npu", devices=case["devices"], num_nodes=case.get("nodes", 1), strategy=strategy,
         precision=case.get("precision", "32-true"),
-        max_steps=STEPS, accumulate_grad_batches=accumulate, gradient_clip_val=1.0, limit_val_batches=0,
+        max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=1.0, limit_val_batches=0,
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[marks],
     )
@@ -201,7 +203,7 @@ def worker(case: dict[str, Any], out: Path) -> None:
     seconds = time.perf_counter() - started
     times, live = memory_curve(prof)
     batches = _windows(prof, "batch ")
-    check = _windows(prof, "state check")
+    state_checks = _windows(prof, "state check")
     steady_from = accumulate  # batches before this one ran without optimizer states
     peaks = []
     for _, start, end in batches:
@@ -211,7 +213,7 @@ def worker(case: dict[str, Any], out: Path) -> None:
     # objects: what else the loop holds (batches, rotary tables, retained collective buffers). Constant if every
     # free is seen.
     extra = [[v for t, v in zip(times, live, strict=True) if t <= start][-1] - state
-             for (_, start, _), state in zip(check, marks.state_bytes, strict=True)]
+             for (_, start, _), state in zip(state_checks, marks.state_bytes, strict=True)]
     result = {
         "rank": trainer.global_rank,
         "batch_peaks": peaks,
@@ -220,7 +222,7 @@ def worker(case: dict[str, Any], out: Path) -> None:
         "overall_peak": max(live),
         "state_bytes_by_objects": marks.state_bytes,
         "live_minus_state_after_each_step": extra,
-        "calibration": check,
+        "calibration": calibrated,
         "fit_seconds": seconds,
     }
     out.with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps(result))
@@ -251,7 +253,7 @@ def _state_bytes(module: Any, optimizer: Any) -> dict[str, int]:
 # ----------------------------------------------------------------------------------------------------- the driver
 
 
-def measure(name: str, case: dict[str, Any], workdir: Path) -> dict[str, Any]:
+def measure(name: str, case: dict[str, Any], workdir: Path, timeout: float = 900) -> dict[str, Any]:
     out = workdir / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_NPU_SIMULATE"}
     env.update(LIGHTNING_NPU_SIMULATE=str(case["devices"]), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
@@ -262,11 +264,50 @@ def measure(name: str, case: dict[str, Any], workdir: Path) -> dict[str, Any]:
         ranks = 1
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(case), "--result", str(out)]
     started = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"case {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     results = [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(ranks)]
     return {"ranks": results, "wall_seconds": time.perf_counter() - started}
+
+
+def check_calibration(name: str, ranks: list[dict[str, Any]]) -> dict[str, int]:
+    """Rank 0's calibration; raises unless every rank's profiler reported the known allocations exactly (a run
+    whose profiler misses or misreports allocations measures nothing)."""
+    for rank in ranks:
+        found = rank["calibration"]
+        if found["measured_peak"] != found["expected_peak"]:
+            raise RuntimeError(
+                f"case {name}: rank {rank['rank']}'s profiler reported a peak of {found['measured_peak']} bytes for"
+                f" allocations whose peak is {found['expected_peak']} bytes, so its memory curve cannot be trusted"
+                " (is profile_memory supported by this torch build?)"
+            )
+    return ranks[0]["calibration"]
+
+
+def compare(name: str, case: dict[str, Any], workdir: Path, timeout: float = 900) -> dict[str, Any]:
+    """The planner's estimate of ``case`` next to its measured steady-state peak (one row of the table)."""
+    from lightning_npu.cli.plan import estimate
+
+    predicted = estimate(case_spec(case))
+    run = measure(name, case, workdir, timeout)
+    calibrated = check_calibration(name, run["ranks"])
+    measured = max(rank["steady_peak"] for rank in run["ranks"])
+    rank0 = run["ranks"][0]
+    return {
+        "case": name,
+        "config": case,
+        "predicted_mib": predicted.total / MIB,
+        "measured_mib": measured / MIB,
+        "error_pct": 100.0 * (predicted.total - measured) / measured,
+        "predicted_items_mib": {k: v / MIB for k, v in predicted.items.items()},
+        "predicted_peak_phase": predicted.peak_phase,
+        "first_step_peak_mib": max(r["first_step_peak"] for r in run["ranks"]) / MIB,
+        "check_state_by_objects_mib": rank0["state_bytes_by_objects"][-1] / MIB,
+        "check_live_minus_state_mib": [x / MIB for x in rank0["live_minus_state_after_each_step"]],
+        "check_calibration": calibrated,
+        "wall_seconds": run["wall_seconds"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,8 +325,6 @@ def main(argv: list[str] | None = None) -> int:
         worker(json.loads(args.worker), Path(args.result))
         return 0
 
-    from lightning_npu.cli.plan import estimate
-
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES]
     if unknown:
@@ -293,26 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for name in names:
-            case = dict(CASES[name], backend=args.backend)
-            spec = case_spec(case)
-            predicted = estimate(spec)
-            run = measure(name, case, Path(workdir))
-            measured = max(rank["steady_peak"] for rank in run["ranks"])
-            rank0 = run["ranks"][0]
-            row = {
-                "case": name,
-                "config": case,
-                "predicted_mib": predicted.total / MIB,
-                "measured_mib": measured / MIB,
-                "error_pct": 100.0 * (predicted.total - measured) / measured,
-                "predicted_items_mib": {k: v / MIB for k, v in predicted.items.items()},
-                "predicted_peak_phase": predicted.peak_phase,
-                "first_step_peak_mib": max(r["first_step_peak"] for r in run["ranks"]) / MIB,
-                "check_state_by_objects_mib": rank0["state_bytes_by_objects"][-1] / MIB,
-                "check_live_minus_state_mib": [x / MIB for x in rank0["live_minus_state_after_each_step"]],
-                "check_calibration": rank0["calibration"],
-                "wall_seconds": run["wall_seconds"],
-            }
+            row = compare(name, dict(CASES[name], backend=args.backend), Path(workdir))
             rows.append(row)
             print(f"{name:<16} predicted {row['predicted_mib']:8.1f} MiB  measured {row['measured_mib']:8.1f} MiB"
                   f"  error {row['error_pct']:+6.1f}%   ({row['wall_seconds']:.0f} s)", flush=True)

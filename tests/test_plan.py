@@ -233,3 +233,81 @@ def test_first_generation_chips_need_1_2_4_or_8_devices_per_node(chip):
 def test_missing_config_file_is_an_error_not_a_traceback(tmp_path):
     with pytest.raises(PlanError, match="does not exist"):
         load_spec(tmp_path / "nope.yaml")
+
+
+BACKWARD_SCHEMAS = REPO / "tests" / "npu_fake" / "torch_npu_2_13_0_backward_schemas.json"
+#: Tensor arguments of the fused backwards that are not saved activations: the incoming gradient, parameters,
+#: the rotary tables (counted once per step, under "inputs") and the inputs lightning_npu.kernels never passes or
+#: shares across calls (the cached compressed causal mask).
+_NOT_ACTIVATIONS = {
+    "npu_rms_norm_backward": {"dy", "gamma"},
+    "npu_rotary_mul_backward": {"grad", "r1", "r2"},
+    "npu_fusion_attention_grad": {"dy", "pse", "padding_mask", "atten_mask", "sink"},
+    "npu_swiglu_backward": {"grad_output"},
+}
+#: Backward arguments that are forward outputs: (position in the forward's result).
+_FORWARD_OUTPUTS = {
+    "npu_rms_norm_backward": {"rstd": 1},
+    "npu_fusion_attention_grad": {"attention_in": 0, "softmax_max": 1, "softmax_sum": 2, "softmax_in": 3},
+}
+
+
+def _backward_tensor_args(schema: str) -> list[str]:
+    import re
+
+    arguments = schema[schema.index("(") + 1:schema.index(") ->")]
+    return re.findall(r"Tensor\??\s+(\w+)", arguments)
+
+
+def _saved_by_fused_op(op: str, inputs: dict, outputs, tokens: int) -> int:
+    """Bytes per token the fused op's forward keeps for backward: the tensors its backward schema takes (from the
+    recorded torch_npu 2.13.0 schemas), sized by running the strict fake's forward."""
+    record = json.loads(BACKWARD_SCHEMAS.read_text())
+    backward = record["forward_to_backward"][op]
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    total = 0
+    for name in _backward_tensor_args(record["schemas"][backward]):
+        if name in _NOT_ACTIVATIONS[backward]:
+            continue
+        position = _FORWARD_OUTPUTS.get(backward, {}).get(name)
+        tensor = outputs[position] if position is not None else inputs.get(name)
+        assert tensor is not None, f"{backward} takes {name!r}, which the test cannot size: classify it"
+        total += tensor.numel() * tensor.element_size()
+    assert total % tokens == 0
+    return total // tokens
+
+
+def test_fused_activation_counts_match_what_torch_npu_backward_signatures_take():
+    """The planner's ``fused`` counts (the NPU default) must equal, per fused op, the bytes of the tensors the op's
+    torch_npu 2.13.0 backward takes (recorded schemas; shapes and dtypes from the strict fake's forwards, called as
+    lightning_npu.kernels calls them: BSND, kv heads unexpanded, bf16). Catches a wrong count, e.g. a planner that
+    forgets npu_rms_norm's fp32 rstd, counts softmax_max/sum with 1 instead of 8 values per row, or keeps the
+    expanded-to-all-heads k/v of the reference path; and a torch_npu backward that starts taking a tensor the test
+    does not know of."""
+    from tests.npu_fake import ops
+
+    config = LLaMAConfig.from_preset("tiny")  # grouped-query attention: 4 query heads share 2 kv heads
+    model = ModelShape.of(config)
+    batch, seq, dtype = 2, 16, torch.bfloat16
+    tokens, n, kv, hd = batch * seq, model.n_heads, model.n_kv_heads, model.head_dim
+    x = torch.randn(batch, seq, model.dim, dtype=dtype)
+    q, k, v = (torch.randn(batch, seq, heads, hd, dtype=dtype) for heads in (n, kv, kv))
+    cos, sin = torch.rand(1, seq, 1, hd, dtype=dtype), torch.rand(1, seq, 1, hd, dtype=dtype)
+    gate_up = torch.randn(batch, seq, 2 * model.ffn_hidden_dim, dtype=dtype)
+    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+
+    norm = _saved_by_fused_op("npu_rms_norm", {"input": x}, ops.npu_rms_norm(x, torch.ones(model.dim)), tokens)
+    rotary = sum(_saved_by_fused_op("npu_rotary_mul", {"input": t}, ops.npu_rotary_mul(t, cos, sin), tokens)
+                 for t in (q, k))
+    attention = _saved_by_fused_op(
+        "npu_fusion_attention", {"query": q, "key": k, "value": v},
+        ops.npu_fusion_attention(q, k, v, n, "BSND", atten_mask=mask, scale=hd**-0.5, sparse_mode=3), tokens)
+    swiglu = _saved_by_fused_op("npu_swiglu", {"input": gate_up}, ops.npu_swiglu(gate_up), tokens)
+
+    planned = block_activations(model, "fused", 2, seq)
+    assert planned["attention_norm input + rstd"] == planned["ffn_norm input + rstd"] == norm
+    assert planned["rotary inputs (q, k)"] == rotary
+    # The attention output is also wo's input: the planner counts that one tensor once, under its wo entry.
+    assert (planned["attention q, k, v"] + planned["attention softmax max + sum"]
+            + planned["attention output (wo input)"]) == attention
+    assert planned["swiglu input (gate, up)"] == swiglu

@@ -17,8 +17,8 @@ it up at that moment:
   parameter dtype (bf16 under ``bf16-mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``); ZeRO-3 frees a
   block's copy after its forward and gathers it again for backward, one unit ahead (prefetch), and the flat
   all-gather buffer of the previous unit lives until the next copy-out; ZeRO-2 keeps every unit gathered from its
-  forward to the end of its backward; the root unit (embeddings, final norm, output) is gathered for forward and
-  again for backward under ZeRO-3 (npu_fsdp sets reshard_after_forward explicitly), and throughout under ZeRO-2;
+  forward to the end of its backward; the root unit (embeddings, final norm, output) stays gathered from its forward
+  to the end of its backward under both stages (npu_fsdp shards it with reshard_after_forward=False);
 - unsharded gradients of a unit live until its reduce-scatter, whose fp32 input buffer is kept until the next
   unit's reduce-scatter starts; the root's are reduced last;
 - activations are the tensors autograd saves, counted tensor by tensor from the LLaMA block (see
@@ -29,9 +29,10 @@ it up at that moment:
   peak is set aside for operator workspaces and allocator fragmentation.
 
 ``benchmarks/plan_accuracy.py`` checks the replay against the measured peak of real training steps on the CPU (PyTorch
-reference kernels, 1 to 8 simulated devices, ZeRO-2/3, checkpointing, fp32/bf16): within 5%. The ``fused`` activation
-counts (the NPU default) follow from which tensors each torch_npu backward takes (``npu_*_backward`` signatures) and
-have not been measured on an NPU.
+reference kernels, 1 to 8 simulated devices, ZeRO-2/3, checkpointing, fp32/bf16): within 5%, except gradient
+accumulation (6.7% low; probably the unsharded gradients npu_fsdp keeps between non-stepping micro-batches).
+The ``fused`` activation counts (the NPU default) follow from which tensors each torch_npu backward takes
+(``npu_*_backward`` signatures, checked in tests/test_plan.py) and have not been measured on an NPU.
 
 Exit status: 0 when the configured zero_stage fits, 1 when it does not, 2 for a configuration it cannot plan.
 """
@@ -478,10 +479,7 @@ def estimate(spec: PlanSpec, zero_stage: Optional[int] = None, micro_batch: Opti
             t.free("gathered", blocks[i].padded * pb)
     t.free("gathered", retained_ag)  # the root's post-forward frees the last flat buffer
     retained_ag = 0.0
-    if stage == 3:
-        # npu_fsdp passes reshard_after_forward explicitly, so FSDP2 reshards the root too; its backward gathers
-        # the root again once the loss gradient reaches the logits.
-        t.free("gathered", root.padded * pb)
+    # npu_fsdp shards the root unit with reshard_after_forward=False: it stays gathered until its backward ends.
     final = _final_norm_activations(model, spec.kernels, a) * tokens
     t.alloc("activations", final, "forward: final norm")
     t.free("temporaries", a * d * tokens)  # the last residual is now saved by the final norm, or dead
@@ -503,10 +501,8 @@ def estimate(spec: PlanSpec, zero_stage: Optional[int] = None, micro_batch: Opti
     if a != 4:
         t.alloc("logits", a * v * tokens, "backward: logits to bf16")
         t.free("logits", 4 * v * tokens)
-    if stage == 3:
-        gather(root, "backward: root")
-        if blocks and gathered_world:  # the root's pre-backward prefetches the last block
-            t.alloc("gathered", blocks[-1].padded * pb, "backward: root prefetch")
+    if stage == 3 and blocks and gathered_world:  # the root's pre-backward prefetches the last block
+        t.alloc("gathered", blocks[-1].padded * pb, "backward: root prefetch")
     t.alloc("temporaries", a * d * tokens, "backward: output projection")  # the residual stream's gradient
     t.alloc("unsharded_grads", (v * d + d) * pb, "backward: output projection")  # root gradients are reduced last
     t.free("logits", a * v * tokens)
