@@ -357,6 +357,7 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         self._checkpoints.recover_path(self, path)
+        _reshard(self.model)
         state = {"state_dict": self.model, **{f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers)}}
         return load_into(path, state, strict=self.lightning_module.strict_loading, optimizer_states_from_list=True,
                          weights_only=weights_only)
@@ -408,6 +409,9 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
     ) -> dict[str, Any]:
         path = Path(self.broadcast(path))
         self._checkpoints.recover_path(self, path)
+        for item in (state.values() if isinstance(state, Mapping) else [state]):
+            if isinstance(item, nn.Module):
+                _reshard(item)
         if isinstance(state, nn.Module) and is_sharded_checkpoint(path):
             raise directory_error(path, "loading into a bare module (fabric.load_raw)")
         if not state and is_sharded_checkpoint(path):
@@ -415,6 +419,16 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
         if not isinstance(state, dict) or not state:
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         return load_into(path, state, strict=strict, weights_only=weights_only)
+
+
+def _reshard(model: nn.Module) -> None:
+    """Register every FSDP unit's sharded parameters again: the root unit keeps its parameters gathered after an
+    evaluation forward (no backward reshards them), and a checkpoint must load into the shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def _offload_parameters(model: nn.Module) -> None:
