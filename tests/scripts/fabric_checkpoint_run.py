@@ -13,24 +13,10 @@ from pathlib import Path
 
 import torch
 from lightning.fabric import Fabric, seed_everything
-from torch import nn
 
 import lightning_npu
-from tests.scripts.fabric_run import batch
+from tests.scripts.fabric_run import train
 from tests.scripts.trainer_run import Block, Net
-
-
-def train(fabric, model, optimizer, state, steps):
-    losses = []
-    for step in range(state["step"], steps):
-        x, y = batch(step, fabric.global_rank)
-        loss = nn.functional.mse_loss(model(x.to(fabric.device)).float(), y.to(fabric.device))
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
-        state["step"] = step + 1
-        yield losses
 
 
 def round_trip(fabric, make_optimizer, path):

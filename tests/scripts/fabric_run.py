@@ -23,6 +23,20 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
+def train(fabric, model, optimizer, state, steps):
+    """AdamW steps from ``state["step"]`` to ``steps``; yields the rank-averaged losses so far after each."""
+    losses = []
+    for step in range(state["step"], steps):
+        x, y = batch(step, fabric.global_rank)
+        loss = nn.functional.mse_loss(model(x.to(fabric.device)).float(), y.to(fabric.device))
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+        state["step"] = step + 1
+        yield losses
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -48,14 +62,7 @@ def main() -> None:
     if args.resume:
         fabric.load(args.resume, state)
     losses = []
-    for step in range(state["step"], args.steps):
-        x, y = batch(step, fabric.global_rank)
-        loss = nn.functional.mse_loss(model(x.to(fabric.device)).float(), y.to(fabric.device))
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
-        state["step"] = step + 1
+    for losses in train(fabric, model, optimizer, state, args.steps):
         if args.save and state["step"] == args.save_at:
             fabric.save(args.save, state)
 
