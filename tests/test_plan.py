@@ -296,7 +296,8 @@ def test_fused_activation_counts_match_what_torch_npu_backward_signatures_take()
     gate_up = torch.randn(batch, seq, 2 * model.ffn_hidden_dim, dtype=dtype)
     mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
 
-    norm = _saved_by_fused_op("npu_rms_norm", {"input": x}, ops.npu_rms_norm(x, torch.ones(model.dim)), tokens)
+    gamma = torch.ones(model.dim, dtype=x.dtype)  # the kernel casts the weight to the input dtype (torch_npu requires it)
+    norm = _saved_by_fused_op("npu_rms_norm", {"input": x}, ops.npu_rms_norm(x, gamma), tokens)
     rotary = sum(_saved_by_fused_op("npu_rotary_mul", {"input": t}, ops.npu_rotary_mul(t, cos, sin), tokens)
                  for t in (q, k))
     attention = _saved_by_fused_op(
