@@ -55,8 +55,8 @@ def capture(model: nn.Module) -> InitialState:
     _check_materializable(model, meta_names)
     values = {}
     if rank0:
-        # Parameters that are DTensors already (sharded by the user, or by an earlier stage of this Trainer:
-        # validate after fit) hold their values on every rank.
+        # Parameters that are DTensors already (sharded by the user in configure_model) hold their values on
+        # every rank.
         values = {name: param for name, param in model.named_parameters(remove_duplicate=False)
                   if name not in meta_names and not isinstance(param, DTensor)}
     return InitialState(meta_names, values)
