@@ -130,14 +130,16 @@ def test_sharded_checkpoint_loads_without_the_strategy(tmp_path, uninterrupted):
     optimizer.load_state_dict(checkpoint["optimizer_states"][0])
     assert len(optimizer.state) == len(list(plain.parameters()))
     # ... and a Trainer on another strategy resumes from the directory itself (one CPU process: 6 steps an epoch).
-    from lightning.pytorch import Trainer
-
-    from tests.scripts.trainer_run import data
-
-    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(Regression(), train_dataloaders=data(), ckpt_path=ckpt)
-    assert trainer.global_step == 3 + 6
+    # In a fresh process: the strict fake renames PrivateUse1 to "npu" in this one for good, which trips torch.optim's
+    # accelerator check once the fake is gone.
+    resume = (
+        "import sys; import lightning_npu; from lightning.pytorch import Trainer;"
+        " from tests.scripts.trainer_run import Regression, data;"
+        " trainer = Trainer(accelerator='cpu', devices=1, max_epochs=2, logger=False, enable_checkpointing=False,"
+        " enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0);"
+        " trainer.fit(Regression(), train_dataloaders=data(), ckpt_path=sys.argv[1]); print('global_step', trainer.global_step)"
+    )
+    assert "global_step 9" in run_python(["-c", resume, str(ckpt)], simulate=None).stdout  # 3 + 6
 
 
 def test_consolidate_explains_a_path_that_is_not_a_sharded_checkpoint(tmp_path, capsys):
