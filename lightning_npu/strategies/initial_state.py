@@ -70,7 +70,7 @@ def apply(model: nn.Module, state: InitialState, device: torch.device) -> None:
         if any(t.is_meta for t in chain(module.parameters(recurse=False), module.buffers(recurse=False))):
             module.to_empty(device=device, recurse=False)
     with torch.no_grad():
-        for module in _modules_owning(model, state.meta_names):
+        for _, module in _named_owners(model, state.meta_names):
             module.reset_parameters()
     if not _distributed():
         return
@@ -96,10 +96,6 @@ def _check_materializable(model: nn.Module, meta_names: frozenset[str]) -> None:
             " reset_parameters() method, or create it for real (outside torch.device('meta') / empty_init=True):"
             " rank 0's values are then sent to every rank."
         )
-
-
-def _modules_owning(model: nn.Module, names: frozenset[str]) -> list[nn.Module]:
-    return [module for _, module in _named_owners(model, names)]
 
 
 def _named_owners(model: nn.Module, names: frozenset[str]) -> list[tuple[str, nn.Module]]:

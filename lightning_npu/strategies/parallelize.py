@@ -123,9 +123,9 @@ def apply_fsdp(
     Every parameter thus belongs to exactly one unit, except scalar (0-d) parameters, which FSDP2 cannot shard:
     they stay whole on every rank and their gradients are averaged over ranks as DDP would. A block holding a
     parameter that is also reachable from outside it (a tied embedding and head) is left to the root, so tied
-    parameters stay one parameter. The
-    root's parameters are gathered by its ``forward`` and by each of ``step_methods`` (a ``training_step`` need
-    not call ``forward``), and stay gathered until backward (they are needed again at once).
+    parameters stay one parameter. The root's parameters are gathered by its ``forward`` and by each of
+    ``step_methods`` (a ``training_step`` need not call ``forward``), and stay gathered until backward (they are
+    needed again at once).
     Modules that are already FSDP units, or lie inside one, are left as the user sharded them.
     Returns the names of the modules sharded here (``""`` for the root).
     """
