@@ -21,7 +21,8 @@ def test_recipe_training_steps_make_no_host_sync_outside_logging_steps(tmp_path)
     assert len(steps) == 8  # steps 1..8 of 0..9
     for counts in steps:
         assert counts.get("scalar_reads_ours", 0) == 0 and counts.get("synchronize_ours", 0) == 0, counts
-        # Lightning 2.6 itself reads one value per step: its SIGTERM flag, broadcast from rank 0; the preemption
-        # check reads its agreed flag right after (check_every_n_steps=1), when the device queue is drained already.
-        assert counts.get("scalar_reads_lightning", 0) == 1, counts
+        # Lightning 2.6 reads its SIGTERM flag (broadcast from rank 0) before every batch; under npu strategies
+        # that flag never changes (preemption.py's handlers), so the broadcast is skipped. The preemption check
+        # reads its agreed flag once per step (check_every_n_steps=1): the one host read of a step.
+        assert counts.get("scalar_reads_lightning", 0) == 0, counts
         assert counts.get("scalar_reads_preemption_check", 0) == 1, counts
