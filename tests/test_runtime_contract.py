@@ -44,6 +44,18 @@ def test_runtime_calls_match_torch_npu(npu):
     assert fake.calls_to("npu.set_device") == [{"device": device}]
 
 
+def test_sharded_loss_scaler_is_torch_npus_own_built_as_every_release_accepts(npu):
+    """Breakage caught: FSDP's ShardedGradScaler bound before torch_npu swaps in its own (torch's, whose
+    default device is CUDA), or built with ``device=``, which torch_npu 2.6.0's constructor does not take."""
+    from torch.distributed.fsdp import sharded_grad_scaler
+
+    fake = npu(device_count=2)
+    scaler = runtime.get_runtime().grad_scaler(sharded=True)
+    assert type(scaler) is sharded_grad_scaler.ShardedGradScaler
+    assert type(scaler).__module__ == "torch_npu.npu.amp.sharded_grad_scaler"
+    assert fake.calls_to("_ShardedGradScaler") == [{}]
+
+
 def test_visible_devices_mask_limits_the_count(npu, monkeypatch):
     npu(device_count=8)
     monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "2,3")

@@ -11,7 +11,9 @@ by parsing the wheel's Python sources with ``ast`` and its op schemas as text:
 - the names of ``torch_npu.npu.amp``;
 - the fused ops lightning-npu calls, from ``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml``;
 - every name in ``torch_npu/profiler/__init__.py``'s ``__all__``, classes with their public methods, and the
-  members of the C enum ``ProfilerActivity`` as the wheel's Python code uses them (``ProfilerActivity.NPU``).
+  members of the C enum ``ProfilerActivity`` as the wheel's Python code uses them (``ProfilerActivity.NPU``);
+- torch_npu's own FSDP loss scaler (``_ShardedGradScaler``, its constructor) and the torch name it is assigned to
+  on import (``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``), found in the wheel's sources.
 
 Usage::
 
@@ -35,6 +37,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 FUSED_OPS = ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu")
+SHARDED_SCALER_MODULE = "torch_npu.npu.amp.sharded_grad_scaler"
+SHARDED_SCALER = "_ShardedGradScaler"
+#: The assignment by which torch_npu swaps its scaler into FSDP (torch_npu/__init__.py in 2.6,
+#: torch_npu/_init/patches/distributed_patches.py in 2.13 / 2.14).
+SHARDED_SCALER_PATCH = re.compile(r"^\s*(?:torch\.distributed\.fsdp\.)?sharded_grad_scaler\.ShardedGradScaler = _ShardedGradScaler\s*$", re.M)
 SCHEMA_YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 OP_DOCS = "torch_npu/_op_plugin_docs.py"
 CUSTOM_OPS = "torch_npu/utils/custom_ops.py"
@@ -64,6 +71,12 @@ class WheelSource:
             except KeyError:
                 return False
         return (self.path / rel).is_file()
+
+    def names(self) -> list[str]:
+        """Every file's path in the wheel, relative to its root, sorted."""
+        if self._zip is not None:
+            return sorted(self._zip.namelist())
+        return sorted(str(p.relative_to(self.path)) for p in self.path.rglob("*") if p.is_file())
 
     def read(self, rel: str) -> str:
         if self._zip is not None:
@@ -458,6 +471,11 @@ def extract(source: WheelSource) -> dict[str, Any]:
         entry["bound_to"] = bound.group(1).strip() if bound else None
         ops[op] = entry
 
+    scaler = resolver.resolve(SHARDED_SCALER_MODULE, SHARDED_SCALER)
+    patched_in = [name for name in source.names() if name.endswith(".py") and SHARDED_SCALER_PATCH.search(source.read(name))]
+    scaler["replaces"] = "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler" if patched_in else None
+    scaler["replaced_in"] = patched_in
+
     return {
         "torch_npu_version": version,
         "generated_by": "tools/extract_torch_npu_api.py",
@@ -466,6 +484,7 @@ def extract(source: WheelSource) -> dict[str, Any]:
         "npu_amp": amp,
         "ops": ops,
         "profiler": profiler_api(resolver, source),
+        "sharded_grad_scaler": scaler,
     }
 
 

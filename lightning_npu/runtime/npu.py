@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lightning_npu.runtime.base import Runtime, torch_grad_scaler
+from lightning_npu.runtime.base import Runtime
 from lightning_npu.runtime.chips import ChipFacts, chip_facts
 
 
@@ -58,8 +58,12 @@ class NPURuntime(Runtime):
 
     def grad_scaler(self, sharded: bool) -> torch.amp.GradScaler:
         if sharded:
-            # torch_npu replaces FSDP's ShardedGradScaler with its NPU-aware one on import.
-            return torch_grad_scaler(self.device_type, sharded)
+            # torch_npu assigns its own scaler to FSDP's ShardedGradScaler name on import. Its default device is the
+            # NPU, and 2.6.0's takes no `device` argument at all, so it is built with none (and looked up now,
+            # after the swap, not bound at import).
+            from torch.distributed.fsdp import sharded_grad_scaler
+
+            return sharded_grad_scaler.ShardedGradScaler()
         return torch.npu.amp.GradScaler()
 
     def profiler(self, trace_dir: str, *, wait: int, warmup: int, active: int, repeat: int, record_shapes: bool,

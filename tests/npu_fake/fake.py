@@ -594,6 +594,28 @@ def _grad_scaler_class(fake: FakeTorchNPU, sig: inspect.Signature) -> type:
     return GradScaler
 
 
+def _sharded_grad_scaler_class(fake: FakeTorchNPU, sig: inspect.Signature) -> type:
+    """torch_npu's ``_ShardedGradScaler`` with the recorded release's constructor (2.6.0's has no ``device``):
+    torch's ShardedGradScaler on CPU tensors behind it."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchShardedGradScaler
+
+    class _ShardedGradScaler(TorchShardedGradScaler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError as err:
+                raise TypeError(f"torch_npu._ShardedGradScaler{sig}: {err}") from None
+            fake.calls.append(("_ShardedGradScaler", dict(bound.arguments)))
+            device = bound.arguments.pop("device", "npu")
+            if device != "npu":
+                raise ValueError(f"torch_npu._ShardedGradScaler(device={device!r}): the fake models the NPU device only")
+            super().__init__("cpu", **bound.arguments)
+
+    _ShardedGradScaler.__module__ = "torch_npu.npu.amp.sharded_grad_scaler"
+    _ShardedGradScaler.__signature__ = sig
+    return _ShardedGradScaler
+
+
 def _unmodelled_class(fake: FakeTorchNPU, qualname: str, sig: Optional[inspect.Signature]) -> type:
     """A real class (so isinstance checks work) that binds its arguments, records, then refuses to run."""
 
@@ -663,5 +685,12 @@ def install_fake_torch_npu(
     monkeypatch.setitem(sys.modules, "torch_npu.npu.amp", fake.npu.amp)
     monkeypatch.setitem(sys.modules, "torch_npu.profiler", fake.torch_npu.profiler)
     monkeypatch.setattr(torch, "npu", fake.npu, raising=False)
+    scaler = fake.api.get("sharded_grad_scaler") or {}
+    if scaler.get("replaces"):
+        # What importing torch_npu does (its distributed patches): FSDP's scaler name becomes torch_npu's class.
+        from torch.distributed.fsdp import sharded_grad_scaler
+
+        sharded = _sharded_grad_scaler_class(fake, signature_from_params(scaler["init_params"]))
+        monkeypatch.setattr(sharded_grad_scaler, "ShardedGradScaler", sharded)
     return fake
 
