@@ -188,16 +188,27 @@ def test_cache_rejects_overflow_and_wrong_batch():
         model.new_cache(1, capacity=33)
 
 
-def test_bf16_autocast_forward_and_cached_decoding_run():
+def test_bf16_cached_decoding_matches_the_full_forward_to_bf16_rounding():
+    """Breakage caught: a cache written or read at the wrong positions, or bf16 activations meeting the fp32
+    cache wrongly. The logits here are O(0.5); bf16 rounding moves them by ~2e-3, a token decoded one position
+    off by ~9e-2, so the tolerances below separate the two by more than 10x."""
     config = small_config()
     model = random_model(config)
-    tokens = torch.randint(0, config.vocab_size, (1, 6))
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        full = model(tokens)
+    tokens = torch.randint(0, config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+
+    def decode(start_of_last: int) -> torch.Tensor:
         cache = model.new_cache(1)  # fp32 cache, bf16 activations
         first = model(tokens[:, :5], cache=cache)
-        last = model(tokens[:, 5:], cache=cache, start_pos=5)
-    torch.testing.assert_close(torch.cat([first, last], 1), full, atol=0.05, rtol=0.05)
+        return torch.cat([first, model(tokens[:, 5:], cache=cache, start_pos=start_of_last)], 1).float()
+
+    with torch.no_grad():
+        reference = model(tokens)  # fp32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            full, decoded, one_off = model(tokens).float(), decode(5), decode(4)
+    scale = reference.abs().max()
+    torch.testing.assert_close(decoded, full, atol=1e-3 * scale, rtol=0)
+    torch.testing.assert_close(full, reference, atol=1e-2 * scale, rtol=0)
+    assert (one_off - reference).abs().max() > 0.1 * scale
 
 
 def test_backward_reaches_every_parameter():
