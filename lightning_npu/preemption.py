@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+from lightning_npu import compat
+from lightning_npu.compat import SignalConnector
 
 _PATCHED = "_lightning_npu_patched"
 
@@ -157,7 +159,7 @@ class GracefulPreemption(Callback):
     def _save(self, trainer: Trainer) -> str:
         environment = _environment(trainer)
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
-            path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+            path = compat.hpc_save_path(trainer)
         else:
             checkpoint = trainer.checkpoint_callback
             folder = getattr(checkpoint, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
@@ -206,22 +208,22 @@ def _preemption_callback(trainer: Trainer) -> GracefulPreemption:
 
 def install() -> None:
     """Replace Lightning's signal handlers by :class:`GracefulPreemption`'s for NPU strategies (idempotent)."""
-    if getattr(_SignalConnector, _PATCHED, False):
+    if getattr(SignalConnector, _PATCHED, False):
         return
     from lightning_npu.strategies import NPU_STRATEGY_TYPES
 
-    original = _SignalConnector.register_signal_handlers
+    original = SignalConnector.register_signal_handlers
 
     @functools.wraps(original)
-    def register_signal_handlers(self: _SignalConnector) -> None:
+    def register_signal_handlers(self: SignalConnector) -> None:
         if not isinstance(self.trainer.strategy, NPU_STRATEGY_TYPES):
             return original(self)
         self.received_sigterm = False  # stays False: Lightning's own per-step broadcast then never stops a rank alone
-        self._original_handlers = self._get_current_signal_handlers()  # restored by Lightning's teardown()
+        compat.keep_signal_handlers(self)  # restored by Lightning's teardown()
         _preemption_callback(self.trainer).arm(self.trainer)
 
-    _SignalConnector.register_signal_handlers = register_signal_handlers
-    setattr(_SignalConnector, _PATCHED, True)
+    SignalConnector.register_signal_handlers = register_signal_handlers
+    setattr(SignalConnector, _PATCHED, True)
 
 
 __all__ = ["GracefulPreemption", "Preempted", "install"]
