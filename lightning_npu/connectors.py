@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from lightning_npu import compat
 from lightning_npu.accelerator import NPUAccelerator
 from lightning_npu.precision import build_precision, check_precision, needs_rebuild, precision_name
 from lightning_npu.runtime import get_runtime
@@ -34,14 +35,16 @@ def is_npu(accelerator: Any) -> bool:
 
 
 def choose_strategy(connector: Any) -> str:
-    several = connector._num_nodes_flag > 1 or len(connector._parallel_devices) > 1
+    state = compat.connector_state(connector)
+    several = state.num_nodes > 1 or len(state.parallel_devices) > 1
     return "npu_ddp" if several else "npu_single"
 
 
-def validate(connector: Any, precision: str) -> None:
-    if not is_npu(connector._accelerator_flag):
+def validate(connector: Any) -> None:
+    state = compat.connector_state(connector)
+    if not is_npu(state.accelerator):
         return
-    flag = connector._strategy_flag
+    flag, precision = state.strategy, state.precision
     if not (flag in STRATEGIES if isinstance(flag, str) else isinstance(flag, NPU_STRATEGY_TYPES)):
         shown = flag if isinstance(flag, str) else type(flag).__name__
         raise ValueError(
@@ -60,24 +63,27 @@ def validate(connector: Any, precision: str) -> None:
 def device_type(connector: Any) -> str:
     if isinstance(connector.accelerator, NPUAccelerator):
         return connector.accelerator.runtime.device_type
-    return torch.device(connector._parallel_devices[0]).type if connector._parallel_devices else "cpu"
+    devices = compat.connector_state(connector).parallel_devices
+    return torch.device(devices[0]).type if devices else "cpu"
 
 
-def npu_precision(connector: Any, precision: str, explicit: Any, plugins_namespace: ModuleType) -> Any:
+def npu_precision(connector: Any, plugins_namespace: ModuleType) -> Any:
     """The precision plugin for a run on an NPU accelerator or with an NPU strategy."""
+    state = compat.connector_state(connector)
+    explicit = state.precision_plugin
     kind = device_type(connector)
     if explicit is not None and not needs_rebuild(explicit, kind):
         return explicit
-    name = precision_name(explicit) if explicit is not None else precision
+    name = precision_name(explicit) if explicit is not None else state.precision
     sharded = isinstance(connector.strategy, SHARDED_STRATEGY_TYPES)
     scaler = None
     if name == "16-mixed":
-        npu = is_npu(connector._accelerator_flag)
+        npu = is_npu(state.accelerator)
         scaler = get_runtime().grad_scaler(sharded) if npu else torch_grad_scaler(kind, sharded)
     return build_precision(name, device_type=kind, scaler=scaler, plugins_namespace=plugins_namespace)
 
 
-def install(connector_cls: type, precision_attr: str, plugin_attr: str, plugins_namespace: ModuleType) -> None:
+def install(connector_cls: type, plugins_namespace: ModuleType) -> None:
     """Wrap one connector class (idempotent)."""
     if getattr(connector_cls, _PATCHED, False):
         return
@@ -91,28 +97,29 @@ def install(connector_cls: type, precision_attr: str, plugin_attr: str, plugins_
 
         setattr(connector_cls, name, wrapped)
 
-    wrap("_choose_strategy", lambda self, original: choose_strategy(self) if is_npu(self._accelerator_flag) else original())
+    def choose(self: Any, original: Callable[[], Any]) -> Any:
+        return choose_strategy(self) if is_npu(compat.connector_state(self).accelerator) else original()
+
+    wrap(compat.CHOOSE_STRATEGY, choose)
 
     def check_strategy(self: Any, original: Callable[[], None]) -> None:
-        validate(self, getattr(self, precision_attr))
+        validate(self)
         original()
 
-    wrap("_check_strategy_and_fallback", check_strategy)
+    wrap(compat.CHECK_STRATEGY_AND_FALLBACK, check_strategy)
 
     def init_precision(self: Any, original: Callable[[], Any]) -> Any:
-        if not (is_npu(self._accelerator_flag) or isinstance(self.strategy, NPU_STRATEGY_TYPES)):
+        if not (is_npu(compat.connector_state(self).accelerator) or isinstance(self.strategy, NPU_STRATEGY_TYPES)):
             return original()
-        return npu_precision(self, getattr(self, precision_attr), getattr(self, plugin_attr), plugins_namespace)
+        return npu_precision(self, plugins_namespace)
 
-    wrap("_check_and_init_precision", init_precision)
+    wrap(compat.CHECK_AND_INIT_PRECISION, init_precision)
     setattr(connector_cls, _PATCHED, True)
 
 
 def install_all() -> None:
     import lightning.fabric.plugins.precision as fabric_precision
     import lightning.pytorch.plugins.precision as trainer_precision
-    from lightning.fabric.connector import _Connector
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
-    install(_AcceleratorConnector, "_precision_flag", "_precision_plugin_flag", trainer_precision)
-    install(_Connector, "_precision_input", "_precision_instance", fabric_precision)
+    install(compat.TrainerConnector, trainer_precision)
+    install(compat.FabricConnector, fabric_precision)

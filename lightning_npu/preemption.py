@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+from lightning_npu import compat
+from lightning_npu.compat import SignalConnector, TrainingEpochLoop
 
 _PATCHED = "_lightning_npu_patched"
 
@@ -158,7 +159,7 @@ class GracefulPreemption(Callback):
     def _save(self, trainer: Trainer) -> str:
         environment = _environment(trainer)
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
-            path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+            path = compat.hpc_save_path(trainer)
         else:
             checkpoint = trainer.checkpoint_callback
             folder = getattr(checkpoint, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
@@ -207,32 +208,32 @@ def _preemption_callback(trainer: Trainer) -> GracefulPreemption:
 
 def install() -> None:
     """Replace Lightning's signal handlers by :class:`GracefulPreemption`'s for NPU strategies (idempotent)."""
-    if getattr(_SignalConnector, _PATCHED, False):
+    if getattr(SignalConnector, _PATCHED, False):
         return
     from lightning_npu.strategies import NPU_STRATEGY_TYPES
 
-    original = _SignalConnector.register_signal_handlers
+    original = SignalConnector.register_signal_handlers
 
     @functools.wraps(original)
-    def register_signal_handlers(self: _SignalConnector) -> None:
+    def register_signal_handlers(self: SignalConnector) -> None:
         if not isinstance(self.trainer.strategy, NPU_STRATEGY_TYPES):
             return original(self)
         self.received_sigterm = False  # stays False: Lightning's own per-step broadcast then never stops a rank alone
-        self._original_handlers = self._get_current_signal_handlers()  # restored by Lightning's teardown()
+        compat.keep_signal_handlers(self)  # restored by Lightning's teardown()
         _preemption_callback(self.trainer).arm(self.trainer)
 
-    original_broadcast = _TrainingEpochLoop._broadcast_sigterm_tensor
+    original_broadcast = getattr(TrainingEpochLoop, compat.BROADCAST_SIGTERM)
 
     @functools.wraps(original_broadcast)
-    def broadcast_sigterm_tensor(self: _TrainingEpochLoop) -> None:
+    def broadcast_sigterm_tensor(self: Any) -> None:
         # Lightning's flag stays False under the handlers above: broadcasting it would only cost a collective
         # and a host read before every batch. GracefulPreemption's check agrees on the signal instead.
         if not isinstance(self.trainer.strategy, NPU_STRATEGY_TYPES):
             original_broadcast(self)
 
-    _SignalConnector.register_signal_handlers = register_signal_handlers
-    _TrainingEpochLoop._broadcast_sigterm_tensor = broadcast_sigterm_tensor
-    setattr(_SignalConnector, _PATCHED, True)
+    SignalConnector.register_signal_handlers = register_signal_handlers
+    setattr(TrainingEpochLoop, compat.BROADCAST_SIGTERM, broadcast_sigterm_tensor)
+    setattr(SignalConnector, _PATCHED, True)
 
 
 __all__ = ["GracefulPreemption", "Preempted", "install"]

@@ -67,6 +67,7 @@ class NPUProfiler(Profiler):
         super().__init__(dirpath=dirpath)
         self._session: Any = None
         self._ranges: dict[str, record_function] = {}
+        self._step_action: Optional[str] = STEP_ACTIONS["fit"]  # the stage's step action, set by setup()
         for name, value, least in (("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1), ("repeat", repeat, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(
@@ -83,6 +84,7 @@ class NPUProfiler(Profiler):
     def setup(self, stage: str, local_rank: Optional[int] = None, log_dir: Optional[str] = None) -> None:
         """Start profiling a stage (the Trainer calls this once per ``fit`` / ``validate`` / ... run)."""
         super().setup(stage, local_rank, log_dir=os.path.join(log_dir, TRACE_FOLDER) if log_dir else None)
+        self._step_action = STEP_ACTIONS.get(stage or "fit")
         self._stop_session()  # a run that ended in an exception never tore down
         # Built here, not at the first action: Lightning profiles actions before setup, when log_dir is unknown.
         self._session = get_runtime().profiler(self.trace_dir, **self._schedule, **self._options)
@@ -97,7 +99,7 @@ class NPUProfiler(Profiler):
         scope = self._ranges.pop(action_name, None)
         if scope is not None:
             scope.__exit__(None, None, None)
-        step = STEP_ACTIONS.get(self._stage or "fit")
+        step = self._step_action
         if self._session is not None and step is not None and action_name.endswith(step):
             self._session.step()
 

@@ -10,12 +10,13 @@ records every unit's flags, turns reduction off, and puts the recorded flags bac
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
+
+from lightning_npu import compat
 
 
 @contextmanager
@@ -26,7 +27,7 @@ def gradients_unsynced(module: nn.Module) -> Iterator[None]:
     what they were on entry, so contexts nest and a backward after the outermost one reduces what accumulated.
     """
     saved = [(unit, flags) for unit in module.modules() if isinstance(unit, FSDPModule)
-             if (flags := _sync_flags(unit)) is not None]
+             if (flags := compat.fsdp_gradient_sync_flags(unit)) is not None]
     for unit, _ in saved:
         unit.set_requires_gradient_sync(False, recurse=False)
     try:
@@ -37,7 +38,7 @@ def gradients_unsynced(module: nn.Module) -> Iterator[None]:
             unit.set_requires_all_reduce(all_reduce, recurse=False)
 
 
-class RestoringBackwardSyncControl(_BackwardSyncControl):
+class RestoringBackwardSyncControl(compat.BackwardSyncControl):
     """Fabric's hook behind ``fabric.no_backward_sync(model, enabled)`` for FSDP2-sharded models."""
 
     @override
@@ -54,30 +55,7 @@ class RestoresBackwardSync:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._backward_sync_control = RestoringBackwardSyncControl()
-
-
-def _sync_flags(unit: FSDPModule) -> Optional[tuple[bool, bool]]:
-    """``(reduce_grads, all_reduce_grads)`` of one FSDP2 unit; None for a unit that holds no parameters.
-
-    FSDP2 has setters for these flags but no getters, so they are read from its parameter group(s):
-    ``_fsdp_param_groups`` (a list, in recent torch) or ``_fsdp_param_group`` (one or None, in older torch).
-    """
-    state = unit._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [] if group is None else [group]
-    if not groups:
-        return None
-    group = groups[0]
-    try:
-        return bool(group.reduce_grads), bool(group.all_reduce_grads)
-    except AttributeError as error:  # pragma: no cover - only on a torch whose FSDP2 internals moved
-        raise RuntimeError(
-            f"cannot read FSDP2's gradient-sync flags ({error}); lightning-npu supports torch 2.6 - 2.13."
-            " Install a supported torch or report the version you use."
-        ) from error
+        compat.set_backward_sync_control(self, RestoringBackwardSyncControl())
 
 
 __all__ = ["RestoresBackwardSync", "RestoringBackwardSyncControl", "gradients_unsynced"]

@@ -34,17 +34,22 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-# Lightning's private helpers for the parts of its checkpoint format we keep (one place, so a Lightning upgrade
-# that moves them fails here, loudly).
-from lightning.fabric.strategies.model_parallel import _has_dtensor_modules, _load_raw_module_state
-from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
-from lightning.fabric.utilities.load import _METADATA_FILENAME, _move_state_into
-from lightning.fabric.utilities.types import _Stateful
+# Lightning's private helpers for the parts of its checkpoint format we keep (fenced in compat).
+from lightning_npu import compat
+from lightning_npu.compat import (
+    LIGHTNING_METADATA_FILENAME,
+    Stateful,
+    apply_filter,
+    has_dtensor_modules,
+    load_raw_module_state,
+    move_state_into,
+    validate_keys_for_strict_loading,
+)
 
 #: DCP's index file inside a sharded checkpoint directory.
 DCP_METADATA_FILENAME = ".metadata"
 #: ``meta.pt``: the non-tensor part of a sharded checkpoint.
-META_FILENAME = _METADATA_FILENAME
+META_FILENAME = LIGHTNING_METADATA_FILENAME
 CONSOLIDATE_HINT = "lightning-npu consolidate {path} consolidated.ckpt"
 _TMP, _OLD = ".tmp-", ".old-"
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)(?P<kind>\.tmp-|\.old-)(?P<token>[0-9a-f]{12})$")
@@ -304,7 +309,7 @@ def split_fabric_state(
     """Fabric's ``state``: (modules' and optimizers' state dicts, everything else), as Fabric's strategy splits it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    modules = [obj for obj in state.values() if _has_dtensor_modules(obj)]
+    modules = [obj for obj in state.values() if has_dtensor_modules(obj)]
     if len(modules) != 1:
         raise ValueError(
             f"npu_fsdp saves exactly one sharded model per checkpoint, but the state holds {len(modules)}: pass the"
@@ -316,11 +321,11 @@ def split_fabric_state(
     metadata: dict[str, Any] = {}
     for key, obj in state.items():
         if isinstance(obj, nn.Module):
-            _apply_filter(key, filter or {}, get_model_state_dict(obj, options=options), tensors)
+            apply_filter(key, filter or {}, get_model_state_dict(obj, options=options), tensors)
         elif isinstance(obj, Optimizer):
-            _apply_filter(key, filter or {}, get_optimizer_state_dict(modules[0], obj, options=options), tensors)
+            apply_filter(key, filter or {}, get_optimizer_state_dict(modules[0], obj, options=options), tensors)
         else:
-            _apply_filter(key, filter or {}, obj.state_dict() if isinstance(obj, _Stateful) else obj, metadata)
+            apply_filter(key, filter or {}, obj.state_dict() if isinstance(obj, Stateful) else obj, metadata)
     return tensors, metadata
 
 
@@ -335,7 +340,7 @@ def load_into(
 ) -> dict[str, Any]:
     """Restore the sharded model and optimizers in ``state`` from ``path`` (sharded directory or full file);
     fill the other requested keys of ``state`` from the checkpoint and return what was not requested."""
-    modules = {key: obj for key, obj in state.items() if _has_dtensor_modules(obj)}
+    modules = {key: obj for key, obj in state.items() if has_dtensor_modules(obj)}
     if len(modules) != 1:
         raise ValueError(
             f"npu_fsdp loads exactly one sharded model per checkpoint, but the state holds {len(modules)}: pass the"
@@ -353,8 +358,8 @@ def load_into(
             f" {META_FILENAME}) or a checkpoint file"
         )
     requested = state.keys() - modules.keys() - optimizers.keys()
-    _validate_keys_for_strict_loading(requested, remainder.keys(), strict=strict)
-    _move_state_into(source=remainder, destination=state, keys=requested)
+    validate_keys_for_strict_loading(requested, remainder.keys(), strict=strict)
+    move_state_into(source=remainder, destination=state, keys=requested)
     return remainder
 
 
@@ -418,7 +423,7 @@ def _load_full(path: Path, module_key: str, module: nn.Module, optimizers: dict[
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-    _load_raw_module_state(checkpoint.pop(module_key), module, strict=strict)
+    load_raw_module_state(checkpoint.pop(module_key), module, strict=strict)
     for index, (key, optimizer) in enumerate(optimizers.items()):
         saved = keyed_by_name(checkpoint["optimizer_states"][index] if from_list else checkpoint.pop(key), module,
                               optimizer)
@@ -478,13 +483,11 @@ def read_sharded(path: Union[str, Path]) -> dict[str, Any]:
     ``optimizer_states`` keyed like ``optimizer.state_dict()``, counters, hyper-parameters); a Fabric checkpoint with
     the keys it was saved with.
     """
-    from lightning.fabric.utilities.load import _load_distributed_checkpoint
-
     path = Path(path)
     if not is_sharded_checkpoint(path):
         missing = "does not exist" if not path.exists() else f"holds no {DCP_METADATA_FILENAME}"
         raise FileNotFoundError(f"{path} is not a sharded checkpoint directory: it {missing}")
-    checkpoint = _load_distributed_checkpoint(path)
+    checkpoint = compat.load_distributed_checkpoint(path)
     if _TRAINER_VERSION_KEY in checkpoint and "state_dict" in checkpoint:
         numbered = sorted((int(k.split("_")[1]), k) for k in checkpoint if re.fullmatch(r"optimizer_\d+", k))
         if numbered:
@@ -516,12 +519,11 @@ def install_loader() -> None:
     """Let Lightning's checkpoint file loader (``load_from_checkpoint``, ``TorchCheckpointIO``) read a sharded
     checkpoint directory as if it were one file; anything else loads as before. Idempotent."""
     import lightning.fabric.plugins.io.torch_io as torch_io
-    import lightning.fabric.utilities.cloud_io as cloud_io
     import lightning.pytorch.core.saving as saving
 
-    if getattr(cloud_io._load, _PATCHED, False):
+    original = compat.lightning_file_loader()
+    if getattr(original, _PATCHED, False):
         return
-    original = cloud_io._load
 
     def load(path_or_url: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:
         directory = _local_directory(path_or_url)
@@ -532,7 +534,7 @@ def install_loader() -> None:
     load.__doc__ = original.__doc__
     setattr(load, _PATCHED, True)
     # Each module bound the name at import (`from ... import _load as pl_load`): rebind every binding.
-    cloud_io._load = load
+    compat.set_lightning_file_loader(load)
     for module in (saving, torch_io):
         if getattr(module, "pl_load", None) is original:
             module.pl_load = load

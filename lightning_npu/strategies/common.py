@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_npu import compat
 from lightning_npu.timeouts import default_timeout_s, timeout_problem
 
 TIMEOUT = Union[float, timedelta]
@@ -47,27 +48,26 @@ class BackendFromRuntime:
     """Mixin for distributed strategies: the process-group backend comes from the NPU runtime (hccl, or gloo
     when simulated) rather than from the device-type map torch_npu may or may not have filled in."""
 
-    _process_group_backend: Optional[str]
     accelerator: Any
     root_device: torch.device
 
     def _get_process_group_backend(self) -> str:
         backend = self._resolve_process_group_backend()
         # Lightning asks for the backend right before init_process_group: the moment to compare the timeouts.
-        if not getattr(self, "_timeouts_checked", False) and getattr(self, "_timeout", None) is not None:
+        timeout = compat.process_group_timeout(self)
+        if not getattr(self, "_timeouts_checked", False) and timeout is not None:
             self._timeouts_checked = True
-            check_timeouts(self._timeout, backend)
+            check_timeouts(timeout, backend)
         return backend
 
     def _resolve_process_group_backend(self) -> str:
-        if self._process_group_backend:
-            return self._process_group_backend
+        given = compat.process_group_backend_given(self)
+        if given:
+            return given
         runtime = getattr(self.accelerator, "runtime", None)
         if runtime is not None:
             return runtime.backend
-        from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
-
-        return _get_default_process_group_backend_for_device(self.root_device)
+        return compat.default_process_group_backend_for_device(self.root_device)
 
 
 def with_host_backend(backend: str, device_type: str) -> str:
@@ -86,16 +86,16 @@ class SingleDeviceFromConnector:
     ``Trainer(accelerator="npu", devices=[3], strategy="npu_single")`` runs on npu:3.
     """
 
-    _root_device: torch.device
+    root_device: torch.device
 
     def _init_device(self, device: Optional[Union[int, str, torch.device]]) -> None:
         self._device_given = device is not None
         if device is not None:
-            self._root_device = _as_device(device)
+            compat.set_root_device(self, _as_device(device))
 
     @property
     def parallel_devices(self) -> list[torch.device]:
-        return [self._root_device] if self._device_given else []
+        return [self.root_device] if self._device_given else []
 
     @parallel_devices.setter
     def parallel_devices(self, devices: list[torch.device]) -> None:
@@ -103,7 +103,7 @@ class SingleDeviceFromConnector:
             raise ValueError(
                 f"the single-device strategy got {len(devices)} devices; use strategy='npu_ddp' or 'npu_fsdp' for several"
             )
-        self._root_device = devices[0]
+        compat.set_root_device(self, devices[0])
         self._device_given = True
 
 

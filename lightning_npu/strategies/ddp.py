@@ -10,10 +10,11 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_npu import compat
 from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta, wrap_ddp
 
 
-def _ddp_kwargs(find_unused_parameters: bool, gradient_as_bucket_view: bool, static_graph: bool) -> dict[str, Any]:
+def ddp_options(find_unused_parameters: bool, gradient_as_bucket_view: bool, static_graph: bool) -> dict[str, Any]:
     return {
         "find_unused_parameters": find_unused_parameters,
         "gradient_as_bucket_view": gradient_as_bucket_view,
@@ -25,7 +26,6 @@ class NPUDDPStrategy(BackendFromRuntime, DDPStrategy):
     """Trainer DDP on NPUs. The process-group backend follows the device (hccl for npu, gloo for cpu)."""
 
     strategy_name = "npu_ddp"
-    _registered_strategies: list[str] = []
 
     def __init__(self, timeout: Optional[TIMEOUT] = None, process_group_backend: Optional[str] = None,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
@@ -35,12 +35,12 @@ class NPUDDPStrategy(BackendFromRuntime, DDPStrategy):
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
             timeout=as_timedelta(timeout),
-            **_ddp_kwargs(find_unused_parameters, gradient_as_bucket_view, static_graph),
+            **ddp_options(find_unused_parameters, gradient_as_bucket_view, static_graph),
         )
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
-        return wrap_ddp(model, self.root_device, self._ddp_kwargs)
+        return wrap_ddp(model, self.root_device, compat.ddp_kwargs(self))
 
 
 class NPUFabricDDPStrategy(BackendFromRuntime, FabricDDPStrategy):
@@ -54,9 +54,9 @@ class NPUFabricDDPStrategy(BackendFromRuntime, FabricDDPStrategy):
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,
             timeout=as_timedelta(timeout),
-            **_ddp_kwargs(find_unused_parameters, gradient_as_bucket_view, static_graph),
+            **ddp_options(find_unused_parameters, gradient_as_bucket_view, static_graph),
         )
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
-        return wrap_ddp(module, self.root_device, self._ddp_kwargs)
+        return wrap_ddp(module, self.root_device, compat.ddp_kwargs(self))

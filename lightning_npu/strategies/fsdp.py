@@ -16,6 +16,7 @@ from typing import Any, Callable, Generator, Iterable, Literal, Mapping, Optiona
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
@@ -23,6 +24,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_npu import compat
 from lightning_npu.precision import mixed_precision_policy, precision_name
 from lightning_npu.strategies import initial_state
 from lightning_npu.strategies.backward_sync import RestoresBackwardSync, gradients_unsynced
@@ -196,7 +198,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
     """
 
     options: FSDPOptions
-    _device_mesh: Any
+    device_mesh: Any
 
     def __init__(
         self,
@@ -218,17 +220,18 @@ class _FSDPStrategyBase(BackendFromRuntime):
                 " blocks training anyway; use state_dict_type='sharded' (consolidate later with"
                 " `lightning-npu consolidate`) or async_save=False"
             )
+        timeout = as_timedelta(timeout)
         super().__init__(
             save_distributed_checkpoint=_is_sharded(state_dict_type),
             process_group_backend=process_group_backend,
-            timeout=as_timedelta(timeout),
+            timeout=timeout,
             **self._base_kwargs(),
         )
         self.options = FSDPOptions(
             auto_wrap_policy, zero_stage, sharding, activation_checkpointing_policy,
             activation_checkpointing_ratio, cpu_offload, memory_fraction,
         )
-        self._checkpoints = CheckpointWriter(bool(async_save), self._timeout)
+        self._checkpoints = CheckpointWriter(bool(async_save), timeout)
 
     def _base_kwargs(self) -> dict[str, Any]:
         return {}
@@ -245,8 +248,9 @@ class _FSDPStrategyBase(BackendFromRuntime):
     def _setup_sharded_environment(self) -> None:
         self.accelerator.setup_device(self.root_device)
         self.options.set_memory_fraction(self.accelerator, self.root_device)
-        self._setup_distributed()
-        self._device_mesh = build_mesh(self.root_device.type, self.world_size, self.num_nodes, self.options.sharding)
+        compat.setup_distributed(self)
+        compat.set_device_mesh(self, build_mesh(self.root_device.type, self.world_size, self.num_nodes,
+                                                self.options.sharding))
 
     def _shard(self, model: nn.Module, precision_plugin: Any, step_methods: Iterable[str] = ()) -> None:
         """Shard ``model`` and give it the first values the user's code made (see ``initial_state``), once: a
@@ -254,7 +258,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
         if getattr(model, _SHARDED_HERE, False):
             return
         state = initial_state.capture(model)
-        self.options.parallelize(model, self._device_mesh, precision_name(precision_plugin), step_methods)
+        self.options.parallelize(model, self.device_mesh, precision_name(precision_plugin), step_methods)
         # Initialised on the mesh's device, whose generator DTensor offsets per rank, then offloaded.
         initial_state.apply(model, state, self.root_device)
         if self.options.cpu_offload:
@@ -267,8 +271,8 @@ class _FSDPStrategyBase(BackendFromRuntime):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         # An async save copies the shards to host memory itself: offloading here first would copy them twice.
-        offload = not (self._checkpoints.async_save and self._save_distributed_checkpoint)
-        return StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=offload)
+        offload = not (self._checkpoints.async_save and compat.saves_distributed_checkpoint(self))
+        return StateDictOptions(full_state_dict=not compat.saves_distributed_checkpoint(self), cpu_offload=offload)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Delete a checkpoint (global rank 0), never before a save in flight has completed."""
@@ -292,7 +296,7 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._setup_sharded_environment()
-        self.lightning_module._device_mesh = self._device_mesh
+        compat.set_device_mesh(self.lightning_module, self.device_mesh)
 
     @contextmanager
     @override
@@ -340,7 +344,7 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         # Keyed by parameter name (Lightning's base rekeys through FSDP1 APIs that NPUs lack).
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         return get_optimizer_state_dict(self.model, optimizer, options=self._state_dict_options())
 
     @override
@@ -348,7 +352,7 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (it uses no CheckpointIO)")
         path = Path(self.broadcast(filepath))
-        if self._save_distributed_checkpoint:
+        if compat.saves_distributed_checkpoint(self):
             self._checkpoints.save_sharded(self, path, trainer_tensors(checkpoint), checkpoint)
         else:
             self._checkpoints.save_full(self, path, checkpoint)
@@ -392,12 +396,12 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (it uses no CheckpointIO)")
-        if filter is not None and self._save_distributed_checkpoint:
+        if filter is not None and compat.saves_distributed_checkpoint(self):
             raise NotImplementedError("a filtered checkpoint cannot be sharded; use state_dict_type='full' with filter=")
         path = Path(self.broadcast(path))
         options = self._state_dict_options()
         tensors, metadata = split_fabric_state(state, options.full_state_dict, filter, options.cpu_offload)
-        if self._save_distributed_checkpoint:
+        if compat.saves_distributed_checkpoint(self):
             self._checkpoints.save_sharded(self, path, tensors, metadata)
         else:
             self._checkpoints.save_full(self, path, {**tensors, **metadata})
@@ -434,10 +438,10 @@ def _reshard(model: nn.Module) -> None:
 def _offload_parameters(model: nn.Module) -> None:
     """Move the sharded parameters to the host (CPU offload); buffers stay on the device, where forward runs."""
     buffers = [(module, name, buffer.device) for module in model.modules()
-               for name, buffer in module._buffers.items() if buffer is not None]
+               for name, buffer in module.named_buffers(recurse=False)]
     model.to("cpu")
     for module, name, device in buffers:
-        module._buffers[name] = module._buffers[name].to(device)
+        setattr(module, name, getattr(module, name).to(device))  # assigning a registered buffer keeps it one
 
 
 def _is_sharded(state_dict_type: str) -> bool:

@@ -66,12 +66,12 @@ def apply_activation_checkpointing(model: nn.Module, classes: tuple[type, ...], 
     Uses the composable ``checkpoint``, which keeps parameter names (and so checkpoints) unchanged.
     Returns the names of the checkpointed modules.
     """
-    from torch.distributed._composable import checkpoint
+    from lightning_npu.compat import composable_checkpoint
 
     matching = [(name, module) for name, module in model.named_modules() if isinstance(module, classes)]
     chosen = [matching[i] for i in evenly_spaced(len(matching), ratio)]
     for _, module in chosen:
-        checkpoint(module)
+        composable_checkpoint(module)
     return [name for name, _ in chosen]
 
 

@@ -1,0 +1,348 @@
+"""The one module that touches Lightning's and torch's private names.
+
+Lightning 2.6 gives a third-party accelerator its registries and nothing more, so the plugin reads and wraps
+a few private connector methods and strategy attributes, and reuses some private checkpoint helpers; torch's
+FSDP2 has setters but no getters for its gradient-sync flags. Every such name is listed in ``FENCED`` and
+resolved when this module is imported: a Lightning or torch release that renamed one makes ``import`` fail
+here with an ImportError naming each missing name, the supported versions and the installed ones, instead of
+a bare AttributeError deep inside a run. The rest of the package uses only the names and small accessors
+below (``tests/test_compat.py`` checks that no other module spells a Lightning or torch private name).
+
+The supported versions are the ``torch`` / ``lightning`` ranges of ``pyproject.toml`` (read from the source
+checkout, else from the installed package metadata, which is built from it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from types import CodeType
+from typing import Any, Callable, Iterable, Optional
+
+DISTRIBUTION = "lightning-npu"
+#: The distributions whose private names are fenced here, as named in pyproject.toml's dependencies.
+FRAMEWORKS = ("torch", "lightning")
+
+
+@dataclass(frozen=True)
+class Fenced:
+    """One private name: ``name`` on ``owner`` (a module path, or ``module:Class`` for a class).
+
+    ``instance``: an attribute Lightning's code sets on instances (``self._timeout = ...``), so it is checked
+    by looking for it in the class's own code, not on the class. Several ``name`` alternatives (``a|b``) mean
+    that torch versions differ and the first one present is used.
+    """
+
+    owner: str
+    name: str
+    instance: bool = False
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.owner.replace(':', '.')}.{self.name}"
+
+    def resolve(self, import_module: Callable[[str], Any] = importlib.import_module) -> Any:
+        """The object (or, for an instance attribute, the name present); raises LookupError if it is missing."""
+        module_name, _, class_name = self.owner.partition(":")
+        try:
+            owner = import_module(module_name)
+            if class_name:
+                owner = getattr(owner, class_name)
+        except (ImportError, AttributeError) as error:
+            raise LookupError(f"{self.owner.replace(':', '.')} ({error})") from None
+        for name in self.name.split("|"):
+            if self.instance and name in code_names(owner):
+                return name
+            if not self.instance and hasattr(owner, name):
+                return getattr(owner, name)
+        raise LookupError(self.qualified)
+
+
+def code_names(cls: type) -> set[str]:
+    """Every attribute name the code of ``cls`` and its bases reads or assigns (``co_names``, nested code too)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        names.update(vars(klass))
+        for value in vars(klass).values():
+            for function in (value, getattr(value, "__func__", None), getattr(value, "fget", None),
+                             getattr(value, "fset", None)):
+                stack = [getattr(function, "__code__", None)]
+                while stack:
+                    code = stack.pop()
+                    if isinstance(code, CodeType):
+                        names.update(code.co_names)
+                        stack.extend(const for const in code.co_consts if isinstance(const, CodeType))
+    return names
+
+
+_TRAINER_CONNECTOR = "lightning.pytorch.trainer.connectors.accelerator_connector:_AcceleratorConnector"
+_FABRIC_CONNECTOR = "lightning.fabric.connector:_Connector"
+_TRAINER_DDP = "lightning.pytorch.strategies:DDPStrategy"
+_FABRIC_DDP = "lightning.fabric.strategies:DDPStrategy"
+_TRAINER_FSDP2 = "lightning.pytorch.strategies:ModelParallelStrategy"
+_FABRIC_FSDP2 = "lightning.fabric.strategies:ModelParallelStrategy"
+_FSDP2_MODULE = "torch.distributed.fsdp:FSDPModule"
+_FSDP2_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState"
+_FSDP2_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup"
+
+#: Private names whose values the package uses, by the name it uses them under.
+IMPORTED = {
+    "TrainerConnector": Fenced("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector"),
+    "FabricConnector": Fenced("lightning.fabric.connector", "_Connector"),
+    "SignalConnector": Fenced("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector"),
+    "TrainingEpochLoop": Fenced("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop"),
+    "BackwardSyncControl": Fenced("lightning.fabric.strategies.strategy", "_BackwardSyncControl"),
+    "has_dtensor_modules": Fenced("lightning.fabric.strategies.model_parallel", "_has_dtensor_modules"),
+    "load_raw_module_state": Fenced("lightning.fabric.strategies.model_parallel", "_load_raw_module_state"),
+    "apply_filter": Fenced("lightning.fabric.strategies.strategy", "_apply_filter"),
+    "validate_keys_for_strict_loading": Fenced("lightning.fabric.strategies.strategy", "_validate_keys_for_strict_loading"),
+    "LIGHTNING_METADATA_FILENAME": Fenced("lightning.fabric.utilities.load", "_METADATA_FILENAME"),
+    "move_state_into": Fenced("lightning.fabric.utilities.load", "_move_state_into"),
+    "load_distributed_checkpoint": Fenced("lightning.fabric.utilities.load", "_load_distributed_checkpoint"),
+    "Stateful": Fenced("lightning.fabric.utilities.types", "_Stateful"),
+    "default_process_group_backend_for_device": Fenced(
+        "lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device"),
+    # Recomputes a module's activations in backward while keeping its parameter names (checkpoints unchanged).
+    "composable_checkpoint": Fenced("torch.distributed._composable", "checkpoint"),
+    # Loads a DCP checkpoint without knowing its keys up front (the recipe's checkpoint reader).
+    "EmptyStateDictLoadPlanner": Fenced("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
+}
+
+#: Connector methods ``connectors.py`` wraps (same name on the Trainer's and Fabric's connector).
+CHOOSE_STRATEGY = "_choose_strategy"
+CHECK_STRATEGY_AND_FALLBACK = "_check_strategy_and_fallback"
+CHECK_AND_INIT_PRECISION = "_check_and_init_precision"
+
+#: The training loop's per-batch broadcast of Lightning's SIGTERM flag, which ``preemption.py`` skips for NPU strategies.
+BROADCAST_SIGTERM = "_broadcast_sigterm_tensor"
+
+#: The connector state the wraps read: (field, Trainer connector attribute, Fabric connector attribute).
+_CONNECTOR_FIELDS = (
+    ("accelerator", "_accelerator_flag", "_accelerator_flag"),
+    ("strategy", "_strategy_flag", "_strategy_flag"),
+    ("num_nodes", "_num_nodes_flag", "_num_nodes_flag"),
+    ("parallel_devices", "_parallel_devices", "_parallel_devices"),
+    ("precision", "_precision_flag", "_precision_input"),
+    ("precision_plugin", "_precision_plugin_flag", "_precision_instance"),
+)
+
+#: Private methods of Lightning's strategies that NPU strategies override: a rename upstream would silently
+#: stop the override from being called (e.g. DDP back on a CUDA stream), so their presence is checked too.
+OVERRIDDEN = (
+    Fenced(_TRAINER_DDP, "_setup_model"),
+    Fenced(_TRAINER_DDP, "_get_process_group_backend"),
+    Fenced(_FABRIC_DDP, "_get_process_group_backend"),
+    Fenced(_TRAINER_FSDP2, "_get_process_group_backend"),
+    Fenced(_FABRIC_FSDP2, "_get_process_group_backend"),
+)
+
+#: Everything else, read or written through the accessors below.
+ACCESSED = (
+    *(Fenced(owner, method) for owner in (_TRAINER_CONNECTOR, _FABRIC_CONNECTOR)
+      for method in (CHOOSE_STRATEGY, CHECK_STRATEGY_AND_FALLBACK, CHECK_AND_INIT_PRECISION)),
+    *(Fenced(_TRAINER_CONNECTOR, trainer, instance=True) for _, trainer, _ in _CONNECTOR_FIELDS),
+    *(Fenced(_FABRIC_CONNECTOR, fabric, instance=True) for _, _, fabric in _CONNECTOR_FIELDS),
+    *(Fenced(owner, "_ddp_kwargs", instance=True) for owner in (_TRAINER_DDP, _FABRIC_DDP)),
+    *(Fenced(owner, name, instance=True) for owner in (_TRAINER_DDP, _FABRIC_DDP, _TRAINER_FSDP2, _FABRIC_FSDP2)
+      for name in ("_timeout", "_process_group_backend")),
+    *(Fenced(owner, name, instance=True) for owner in (_TRAINER_FSDP2, _FABRIC_FSDP2)
+      for name in ("_device_mesh", "_save_distributed_checkpoint")),
+    *(Fenced(owner, "_setup_distributed") for owner in (_TRAINER_FSDP2, _FABRIC_FSDP2)),
+    Fenced(_FABRIC_FSDP2, "_backward_sync_control", instance=True),
+    Fenced("lightning.pytorch:LightningModule", "_device_mesh", instance=True),
+    *(Fenced(owner, "_root_device", instance=True)
+      for owner in ("lightning.pytorch.strategies:SingleDeviceStrategy", "lightning.fabric.strategies:SingleDeviceStrategy")),
+    Fenced("lightning.pytorch:Trainer", "_checkpoint_connector", instance=True),
+    Fenced("lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector", "_original_handlers", instance=True),
+    Fenced("lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector", "_get_current_signal_handlers"),
+    Fenced("lightning.fabric.utilities.cloud_io", "_load"),
+    Fenced("lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop", BROADCAST_SIGTERM),
+    Fenced(_FSDP2_MODULE, "_get_fsdp_state"),
+    Fenced(_FSDP2_STATE, "_fsdp_param_groups|_fsdp_param_group", instance=True),
+    Fenced(_FSDP2_GROUP, "reduce_grads", instance=True),
+    Fenced(_FSDP2_GROUP, "all_reduce_grads", instance=True),
+)
+
+FENCED: tuple[Fenced, ...] = (*IMPORTED.values(), *OVERRIDDEN, *ACCESSED)
+
+
+# ---- versions -------------------------------------------------------------------------------------------------
+
+
+def supported_versions() -> str:
+    """``torch>=2.6,<2.15, lightning>=2.6,<2.7``: the ranges pyproject.toml declares."""
+    from packaging.requirements import Requirement
+
+    requirements = [Requirement(text) for text in _declared_dependencies()]
+    ranges = {req.name: f"{req.name}{req.specifier}" for req in requirements if req.marker is None}
+    if not ranges:
+        return f"(unknown: {DISTRIBUTION}'s pyproject.toml and package metadata are both missing)"
+    return ", ".join(ranges.get(name, f"{name} (undeclared)") for name in FRAMEWORKS)
+
+
+def _declared_dependencies() -> list[str]:
+    # A source checkout (or editable install) has pyproject.toml next to the package, and it is current even
+    # when the installed metadata is older; a wheel install has only the metadata, which was built from it.
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    if pyproject.is_file() and sys.version_info >= (3, 11):
+        import tomllib
+
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+        if project.get("name") == DISTRIBUTION:
+            return list(project.get("dependencies", []))
+    try:
+        return list(importlib.metadata.requires(DISTRIBUTION) or [])
+    except importlib.metadata.PackageNotFoundError:
+        return []
+
+
+def installed_versions() -> str:
+    """``torch 2.13.0, lightning 2.6.6``: what is installed."""
+    found = []
+    for name in FRAMEWORKS:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} (not installed)")
+    return ", ".join(found)
+
+
+def check(entries: Iterable[Fenced], import_module: Callable[[str], Any] = importlib.import_module) -> list[Any]:
+    """Resolve ``entries``; if any is missing, one ImportError names them all with the supported versions."""
+    resolved, missing = [], []
+    for entry in entries:
+        try:
+            resolved.append(entry.resolve(import_module))
+        except LookupError as error:
+            missing.append(str(error))
+    if missing:
+        raise ImportError(
+            f"lightning-npu cannot work with the installed Lightning/torch: it relies on private names they no"
+            f" longer have: {', '.join(missing)}. Supported: {supported_versions()}; found: {installed_versions()}."
+            " Install a supported version (e.g. `pip install 'lightning>=2.6,<2.7'`) or report the versions you"
+            " use at lightning-npu's issue tracker."
+        )
+    return resolved
+
+
+_RESOLVED = dict(zip(FENCED, check(FENCED)))
+
+TrainerConnector: type = _RESOLVED[IMPORTED["TrainerConnector"]]
+FabricConnector: type = _RESOLVED[IMPORTED["FabricConnector"]]
+SignalConnector: type = _RESOLVED[IMPORTED["SignalConnector"]]
+TrainingEpochLoop: type = _RESOLVED[IMPORTED["TrainingEpochLoop"]]
+BackwardSyncControl: type = _RESOLVED[IMPORTED["BackwardSyncControl"]]
+has_dtensor_modules: Callable[..., bool] = _RESOLVED[IMPORTED["has_dtensor_modules"]]
+load_raw_module_state: Callable[..., None] = _RESOLVED[IMPORTED["load_raw_module_state"]]
+apply_filter: Callable[..., None] = _RESOLVED[IMPORTED["apply_filter"]]
+validate_keys_for_strict_loading: Callable[..., None] = _RESOLVED[IMPORTED["validate_keys_for_strict_loading"]]
+LIGHTNING_METADATA_FILENAME: str = _RESOLVED[IMPORTED["LIGHTNING_METADATA_FILENAME"]]
+move_state_into: Callable[..., None] = _RESOLVED[IMPORTED["move_state_into"]]
+load_distributed_checkpoint: Callable[..., dict] = _RESOLVED[IMPORTED["load_distributed_checkpoint"]]
+Stateful: type = _RESOLVED[IMPORTED["Stateful"]]
+default_process_group_backend_for_device: Callable[..., str] = _RESOLVED[
+    IMPORTED["default_process_group_backend_for_device"]]
+composable_checkpoint: Callable[..., Any] = _RESOLVED[IMPORTED["composable_checkpoint"]]
+EmptyStateDictLoadPlanner: type = _RESOLVED[IMPORTED["EmptyStateDictLoadPlanner"]]
+
+_FSDP_PARAM_GROUPS = _RESOLVED[Fenced(_FSDP2_STATE, "_fsdp_param_groups|_fsdp_param_group", instance=True)]
+
+
+# ---- accessors --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConnectorState:
+    """What the NPU wraps read from a Trainer or Fabric connector, at the moment they read it."""
+
+    accelerator: Any  # the accelerator= flag: a string or an Accelerator instance
+    strategy: Any  # the strategy= flag: a string or a Strategy instance
+    num_nodes: int
+    parallel_devices: list
+    precision: Any  # the precision= flag (a string)
+    precision_plugin: Any  # a precision plugin given through plugins= (or the strategy), else None
+
+
+def connector_state(connector: Any) -> ConnectorState:
+    column = 1 if isinstance(connector, TrainerConnector) else 2
+    return ConnectorState(**{field[0]: getattr(connector, field[column]) for field in _CONNECTOR_FIELDS})
+
+
+def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """The keyword arguments Lightning's DDP strategies pass to ``DistributedDataParallel``."""
+    return strategy._ddp_kwargs
+
+
+def process_group_timeout(strategy: Any) -> Optional[timedelta]:
+    return getattr(strategy, "_timeout", None)
+
+
+def process_group_backend_given(strategy: Any) -> Optional[str]:
+    """The ``process_group_backend=`` the user gave the strategy (None: choose one)."""
+    return strategy._process_group_backend
+
+
+def saves_distributed_checkpoint(strategy: Any) -> bool:
+    """Whether an FSDP2 strategy writes sharded (DCP directory) checkpoints rather than one full file."""
+    return strategy._save_distributed_checkpoint
+
+
+def setup_distributed(strategy: Any) -> None:
+    """Lightning's FSDP2 process-group setup (cluster environment, ``init_process_group``) without its mesh."""
+    strategy._setup_distributed()
+
+
+def set_device_mesh(owner: Any, mesh: Any) -> None:
+    """Give a strategy or LightningModule the mesh its public ``device_mesh`` property returns."""
+    owner._device_mesh = mesh
+
+
+def set_root_device(strategy: Any, device: Any) -> None:
+    """The device a single-device strategy's public ``root_device`` returns."""
+    strategy._root_device = device
+
+
+def set_backward_sync_control(strategy: Any, control: Any) -> None:
+    """What Fabric's ``no_backward_sync`` uses for this strategy."""
+    strategy._backward_sync_control = control
+
+
+def hpc_save_path(trainer: Any) -> str:
+    """Where Lightning saves (and, under SLURM auto-requeue, resumes) its ``hpc_ckpt_N.ckpt``."""
+    return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+
+
+def keep_signal_handlers(signal_connector: Any) -> None:
+    """Record the current handlers where Lightning's ``teardown()`` restores them from."""
+    signal_connector._original_handlers = signal_connector._get_current_signal_handlers()
+
+
+def lightning_file_loader() -> Callable[..., Any]:
+    """Lightning's checkpoint file loader (``lightning.fabric.utilities.cloud_io._load``)."""
+    import lightning.fabric.utilities.cloud_io as cloud_io
+
+    return cloud_io._load
+
+
+def set_lightning_file_loader(load: Callable[..., Any]) -> None:
+    import lightning.fabric.utilities.cloud_io as cloud_io
+
+    cloud_io._load = load
+
+
+def fsdp_gradient_sync_flags(unit: Any) -> Optional[tuple[bool, bool]]:
+    """``(reduce_grads, all_reduce_grads)`` of one FSDP2 unit; None for a unit that holds no parameters.
+
+    FSDP2 has setters for these flags but no getters, so they are read from its parameter group(s):
+    ``_fsdp_param_groups`` (a list, in recent torch) or ``_fsdp_param_group`` (one or None, in older torch).
+    """
+    groups = getattr(unit._get_fsdp_state(), _FSDP_PARAM_GROUPS)
+    if not isinstance(groups, list):
+        groups = [] if groups is None else [groups]
+    if not groups:
+        return None
+    return bool(groups[0].reduce_grads), bool(groups[0].all_reduce_grads)
