@@ -21,7 +21,6 @@ NOT_YET_ON_FACTS_ENV = {
     "cli/doctor.py": "the doctor split",
     "cli/plan.py": "the planner split",
     "cli/run.py": "the launcher",
-    "timeouts.py": "test_doctor's stdlib-only rule for timeouts.py, which must first allow lightning_npu.facts",
 }
 
 
