@@ -6,7 +6,7 @@ import torch
 from lightning.fabric import Fabric
 from lightning.pytorch import Trainer
 
-from lightning_npu import NPUAccelerator, NPUDDPStrategy, NPUSingleStrategy, runtime
+from lightning_npu import NPUAccelerator, NPUDDPStrategy, NPUSingleStrategy, compat, runtime
 from lightning_npu.runtime.npu import NPURuntime
 from tests.npu_fake import RELEASES, install_fake_torch_npu
 
@@ -124,7 +124,7 @@ def test_offloaded_parameters_are_initialised_on_the_npu_then_moved_to_the_host(
     npu(device_count=2, device_name="Ascend910B3")
     trainer = Trainer(accelerator="npu", devices=2, strategy=NPUFSDPStrategy(cpu_offload=True), logger=False)
     strategy = trainer.strategy
-    strategy._device_mesh = None
+    compat.set_device_mesh(strategy, "mesh")  # parallelize is replaced below: no mesh is built
     steps = []
     monkeypatch.setattr(initial_state, "capture", lambda model: "state")
     monkeypatch.setattr(fsdp.FSDPOptions, "parallelize", lambda self, *args: steps.append("shard"))
