@@ -30,7 +30,8 @@ import json
 import sys
 
 from lightning_npu.plan import ModelShape, PlanError, load_spec, render, report
-from lightning_npu.plan.spec import DEFAULT_CHIP, KERNELS
+from lightning_npu.facts.chips import DEFAULT_PLAN_CHIP
+from lightning_npu.plan.spec import KERNELS
 
 PROG = "lightning-npu plan"
 
@@ -54,9 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero-stage", type=int, choices=(2, 3), help="the stage to judge (the table shows both)")
     parser.add_argument("--ac-ratio", type=float, help="share of blocks that recompute activations (0..1)")
     parser.add_argument("--device-memory", type=float, help="GiB per device (default: the chip's)")
-    parser.add_argument("--chip", default=DEFAULT_CHIP,
+    parser.add_argument("--chip", default=DEFAULT_PLAN_CHIP,
                         help=f"chip name for the default memory and, on first-generation 910 chips, HCCL's"
-                        f" 1/2/4/8 devices-per-node rule (default {DEFAULT_CHIP})")
+                        f" 1/2/4/8 devices-per-node rule (default {DEFAULT_PLAN_CHIP})")
     parser.add_argument("--kernels", choices=KERNELS, default="fused",
                         help="fused: torch_npu kernels (default); reference: PyTorch paths; eager: S x S attention")
     parser.add_argument("--hccl-buffsize", type=float, help="HCCL_BUFFSIZE in MB (default: the environment's, or 200)")

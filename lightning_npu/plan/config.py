@@ -3,14 +3,17 @@ explicit decoder shapes, or both (the shapes then replace the config's model), w
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from lightning_npu.facts import env
+from lightning_npu.facts.chips import DEFAULT_PLAN_CHIP
+from lightning_npu.facts.options import FSDPChoices
 from lightning_npu.plan.decoder import DecoderProfile
 from lightning_npu.plan.profile import class_paths, find_profile, load_profile
 from lightning_npu.plan.spec import (
-    DEFAULT_CHIP,
     DEFAULT_HCCL_BUFFSIZE_MB,
     ModelShape,
     PlanError,
@@ -19,13 +22,12 @@ from lightning_npu.plan.spec import (
     chip_memory_gib,
 )
 
-#: What a config that does not say trains with. Lightning's Trainer defaults, and npu_fsdp's (FSDPOptions).
+#: What the planner assumes where a config does not say: one device per node (the count Lightning's "auto" would
+#: find is the machine's, so ``--devices`` overrides), Lightning's default precision, no accumulation.
 TRAINER_DEFAULTS = {"devices": 1, "num_nodes": 1, "precision": "32-true", "accumulate_grad_batches": 1}
-STRATEGY_DEFAULTS = {"zero_stage": 3, "sharding": "full", "activation_checkpointing_ratio": 1.0, "cpu_offload": False}
 #: Without data.batch_size or --micro-batch the plan is for one sample per device (the table says the largest
 #: that fits); without data.seq_len or --seq-len, for the model's longest sequence.
 DEFAULT_MICRO_BATCH = 1
-HCCL_BUFFSIZE_ENV = "HCCL_BUFFSIZE"
 
 
 def load_spec(
@@ -59,7 +61,7 @@ def load_spec(
         where, function = find_profile(Path(path), class_paths(document), profile)
         decoder = load_profile(function, where, model_section)
     strategy = _strategy(trainer) if path is not None else {}
-    options = {**STRATEGY_DEFAULTS, **strategy}
+    options = {**dataclasses.asdict(FSDPChoices()), **strategy}  # npu_fsdp's defaults where the YAML is silent
     ac_policy = _class_names(strategy.get("activation_checkpointing_policy"), "activation_checkpointing_policy",
                              decoder)
     wrap = _class_names(strategy.get("auto_wrap_policy"), "auto_wrap_policy", decoder)
@@ -70,10 +72,10 @@ def load_spec(
         if ratio > 0 and not ac_policy and path is not None:
             notes.append(f"--ac-ratio applies activation checkpointing to {_block_name(decoder)}, which the YAML does"
                          " not")
-    memory = device_memory_gib if device_memory_gib is not None else chip_memory_gib(chip or DEFAULT_CHIP)
+    memory = device_memory_gib if device_memory_gib is not None else chip_memory_gib(chip or DEFAULT_PLAN_CHIP)
     buffsize = hccl_buffsize_mb
     if buffsize is None:
-        buffsize = float(os.environ.get(HCCL_BUFFSIZE_ENV, DEFAULT_HCCL_BUFFSIZE_MB))
+        buffsize = float(os.environ.get(env.HCCL_BUFFSIZE, DEFAULT_HCCL_BUFFSIZE_MB))
     settings = {**TRAINER_DEFAULTS, **trainer}
     try:
         return PlanSpec(
@@ -93,7 +95,7 @@ def load_spec(
             kernels=kernels,
             hccl_buffsize_mb=buffsize,
             device_memory_gib=float(memory),
-            chip=chip or DEFAULT_CHIP,
+            chip=chip or DEFAULT_PLAN_CHIP,
             notes=tuple(notes),
         )
     except (TypeError, ValueError) as error:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
+from lightning_npu.facts.precisions import PRECISION_DTYPES
 from lightning_npu.plan.replay import estimate, max_micro_batch
 from lightning_npu.plan.spec import GIB, ITEMS, PlanError, PlanSpec, chip_memory_gib
 
 KIB = 1024
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 STAGES = ("2", "3")
 COLUMN_WIDTH = 12
 
@@ -46,16 +48,10 @@ def report(spec: PlanSpec) -> dict[str, Any]:
     }
 
 
-def _dtype_name(nbytes: int, precision: str) -> str:
-    if nbytes == 4:
-        return "fp32"
-    return "fp16" if precision.startswith("16") else "bf16"
-
-
 def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
     """The plan as a table for people."""
-    sizes = spec.bytes
-    names = {"m": _dtype_name(sizes.master, spec.precision), "p": _dtype_name(sizes.param, spec.precision)}
+    dtypes = PRECISION_DTYPES[spec.precision]
+    names = {"m": DTYPE_NAMES[dtypes.master], "p": DTYPE_NAMES[dtypes.compute]}
     model = spec.model
     layout = f"{spec.nodes} node x {spec.devices}" if spec.nodes == 1 else f"{spec.nodes} nodes x {spec.devices}"
     per_token = plan["activation_bytes_per_token_per_layer"]

@@ -10,24 +10,22 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from lightning_npu.facts import options, precisions
+from lightning_npu.facts.chips import (
+    ATLAS_TRAINING_DEVICES_PER_SERVER,
+    CHIP_MEMORY_GIB,
+    DEFAULT_PLAN_CHIP,
+    chip_series,
+    device_memory_gib,
+)
+from lightning_npu.facts.precisions import PRECISION_DTYPES, PrecisionDtypes
+
 if TYPE_CHECKING:
     from lightning_npu.plan.decoder import DecoderProfile
 
 GIB = 1024**3
 MIB = 1024**2
 
-#: Device memory in GiB of each chip (HBM per device as the runtime sees it). A name matches by prefix.
-CHIP_MEMORY_GIB = {
-    "Ascend910B1": 64.0,
-    "Ascend910B2": 64.0,
-    "Ascend910B3": 64.0,
-    "Ascend910B4": 32.0,
-    "Ascend910_93": 64.0,
-    "Ascend910A": 32.0,
-    "Ascend910ProA": 32.0,
-    "Ascend910ProB": 32.0,
-}
-DEFAULT_CHIP = "Ascend910B2"
 #: HCCL's default per-communicator buffer (HCCL_BUFFSIZE, in MB, taken as MiB); each communicator holds two.
 DEFAULT_HCCL_BUFFSIZE_MB = 200.0
 #: What the NPU runtime, operator workspaces and the caching allocator's fragmentation take on top of tensors.
@@ -36,14 +34,6 @@ DEFAULT_FRAGMENTATION = 0.05
 #: ``--kernels``: torch_npu fused kernels (the NPU default); the PyTorch reference paths of lightning_npu.kernels
 #: (SDPA without an S x S matrix; what CPUs and fallbacks run); or attention that materialises S x S probabilities.
 KERNELS = ("fused", "reference", "eager")
-#: Devices per server HCCL accepts for collectives on the Atlas training series (first-generation 910, whose 8
-#: chips form two 4-chip rings). CANN's distributed-training notes name that series alone: "针对Atlas 训练系列产品，
-#: 如果使用1台训练服务器(Server)，要求实际参与集合通信的昇腾AI处理器数目只能为1/2/4/8，且0-3卡和4-7卡各为一个组网"
-#: (and 1*n/2*n/4*n/8*n across n servers), while Atlas A2 takes "(1~8)*n" (HCCL create_group: no limit in
-#: one A2 server). torch_npu's API support list (Ascend/pytorch docs/zh/native_apis/pytorch_2-10-0/
-#: torch-distributed.md, all_gather_into_tensor / reduce_scatter_tensor: "world size不支持3，5，6，7") names no
-#: chip; it is that first-generation rule, so it is applied to those chips only.
-ATLAS_TRAINING_DEVICES_PER_SERVER = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -57,14 +47,17 @@ class PrecisionBytes:
     reduce: int
 
 
-PRECISIONS = {
-    "32-true": PrecisionBytes(master=4, param=4, activation=4, reduce=4),
-    "bf16-mixed": PrecisionBytes(master=4, param=2, activation=2, reduce=4),
-    "16-mixed": PrecisionBytes(master=4, param=2, activation=2, reduce=4),
-    "bf16-true": PrecisionBytes(master=2, param=2, activation=2, reduce=2),
-    "16-true": PrecisionBytes(master=2, param=2, activation=2, reduce=2),
-}
-_PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
+#: Bytes per element of the dtypes the precisions use (``lightning_npu.facts.precisions``).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _precision_bytes(dtypes: PrecisionDtypes) -> PrecisionBytes:
+    compute = DTYPE_BYTES[dtypes.compute]
+    return PrecisionBytes(DTYPE_BYTES[dtypes.master], compute, compute, DTYPE_BYTES[dtypes.reduce])
+
+
+#: Every precision an NPU run accepts, with the bytes the planner counts for it.
+PRECISIONS = {name: _precision_bytes(dtypes) for name, dtypes in PRECISION_DTYPES.items()}
 
 #: What an estimate itemises, in the table's row order, with the labels; ``{m}``/``{p}`` become the master /
 #: working dtype names.
@@ -112,10 +105,7 @@ class ModelShape:
     max_seq_len: int
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanError(f"model {field.name}={value!r} is invalid: it must be a positive integer")
+        _check_positive_ints(self, [f.name for f in dataclasses.fields(self)], "model ")
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
             raise PlanError(
                 f"model dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads} do not divide: heads"
@@ -166,8 +156,8 @@ class PlanSpec:
     nodes: int = 1
     precision: str = "bf16-mixed"
     accumulate_grad_batches: int = 1
-    zero_stage: int = 3
-    sharding: str = "full"
+    zero_stage: int = options.DEFAULT_ZERO_STAGE
+    sharding: str = options.DEFAULT_SHARDING
     wrap_blocks: bool = True
     ac_ratio: float = 0.0
     cpu_offload: bool = False
@@ -177,8 +167,8 @@ class PlanSpec:
     hccl_buffsize_mb: float = DEFAULT_HCCL_BUFFSIZE_MB
     workspace_gib: float = DEFAULT_WORKSPACE_GIB
     fragmentation: float = DEFAULT_FRAGMENTATION
-    device_memory_gib: float = CHIP_MEMORY_GIB[DEFAULT_CHIP]
-    chip: str = DEFAULT_CHIP
+    device_memory_gib: float = CHIP_MEMORY_GIB[DEFAULT_PLAN_CHIP]
+    chip: str = DEFAULT_PLAN_CHIP
     profile: Optional["DecoderProfile"] = None
     notes: tuple[str, ...] = ()
 
@@ -189,17 +179,11 @@ class PlanSpec:
             object.__setattr__(self, "profile", DecoderProfile(self.model))
         elif self.profile.shape != self.model:
             raise PlanError(f"profile {self.profile.name!r} has the shape {self.profile.shape}, not {self.model}")
-        for name in ("seq_len", "micro_batch", "devices", "nodes", "accumulate_grad_batches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanError(f"{name}={value!r} is invalid: it must be a positive integer")
-        if self.precision not in PRECISIONS:
-            raise PlanError(f"precision={self.precision!r} cannot be planned; use one of {', '.join(PRECISIONS)}")
+        _check_positive_ints(self, ["seq_len", "micro_batch", "devices", "nodes", "accumulate_grad_batches"])
+        object.__setattr__(self, "precision", canonical_precision(self.precision))
         check_zero_stage(self.zero_stage)
-        if self.sharding not in ("full", "hybrid"):
-            raise PlanError(f"sharding={self.sharding!r} is not supported by npu_fsdp; use 'full' or 'hybrid'")
-        if not 0.0 <= self.ac_ratio <= 1.0:
-            raise PlanError(f"activation_checkpointing_ratio={self.ac_ratio!r} must lie in [0, 1]")
+        _checked(options.check_sharding, self.sharding)
+        _checked(options.check_activation_checkpointing_ratio, self.ac_ratio)
         if self.kernels not in KERNELS:
             raise PlanError(f"kernels={self.kernels!r} is not one of {', '.join(KERNELS)}")
         if self.device_memory_gib <= 0:
@@ -209,8 +193,6 @@ class PlanSpec:
                 f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}; lower data.seq_len"
                 f" (or --seq-len) or set model.config.max_seq_len >= {self.seq_len}"
             )
-        from lightning_npu.facts.chips import chip_series  # pure Python: planning needs no torch
-
         if chip_series(self.chip) == "training" and self.devices not in ATLAS_TRAINING_DEVICES_PER_SERVER:
             raise PlanError(
                 f"devices={self.devices} per node cannot run HCCL collectives on {self.chip}: the Atlas training series"
@@ -230,36 +212,46 @@ class PlanSpec:
     @property
     def checkpointed_layers(self) -> list[int]:
         """Which blocks recompute their activations: the strategy's evenly spaced choice for the ratio."""
-        n, r = self.model.n_layers, self.ac_ratio
-        return [i for i in range(n) if int((i + 1) * r) > int(i * r)]
+        return options.evenly_spaced(self.model.n_layers, self.ac_ratio)
 
     @property
     def bytes(self) -> PrecisionBytes:
         return PRECISIONS[self.precision]
 
 
+def _check_positive_ints(owner: Any, names: list[str], prefix: str = "") -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{prefix}{name}={value!r} is invalid: it must be a positive integer")
+
+
+def _checked(check: Any, value: Any) -> Any:
+    """``check(value)`` (an npu_fsdp option check of lightning_npu.facts), its ValueError as a PlanError."""
+    try:
+        return check(value)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
+
+
 def check_zero_stage(stage: Any) -> None:
-    if stage not in (2, 3):
-        raise PlanError(f"zero_stage={stage!r} is not supported by npu_fsdp; use 2 or 3")
+    _checked(options.check_zero_stage, stage)
 
 
 def canonical_precision(value: Any) -> str:
     """``value`` as one of PRECISIONS (``bf16`` -> ``bf16-mixed``, ...)."""
-    text = str(value)
-    text = _PRECISION_ALIASES.get(text, text)
-    if text not in PRECISIONS:
-        raise PlanError(f"trainer.precision={value!r} cannot be planned for NPUs; use one of {', '.join(PRECISIONS)}")
-    return text
+    return _checked(precisions.canonical_precision, value)
 
 
 def chip_memory_gib(chip: str) -> float:
-    """Device memory of ``chip`` in GiB (longest matching name prefix)."""
-    matches = [name for name in CHIP_MEMORY_GIB if chip.startswith(name)]
-    if not matches:
+    """Device memory of the chip named ``chip`` exactly, in GiB."""
+    memory = device_memory_gib(chip)
+    if memory is None:
         raise PlanError(
-            f"chip {chip!r} is unknown; use one of {', '.join(CHIP_MEMORY_GIB)} or pass --device-memory GiB"
+            f"chip {chip!r} has no known device memory; use one of {', '.join(CHIP_MEMORY_GIB)} or pass"
+            " --device-memory GiB"
         )
-    return CHIP_MEMORY_GIB[max(matches, key=len)]
+    return memory
 
 
 @dataclass
