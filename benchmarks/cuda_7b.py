@@ -45,7 +45,7 @@ def _model_fields(args: argparse.Namespace) -> tuple[str, dict[str, int]]:
 
 
 def _planned_peak(args: argparse.Namespace, config: Any, ac_ratio: float) -> float:
-    from lightning_npu.cli.plan import ModelShape, PlanSpec, estimate
+    from lightning_npu.plan import ModelShape, PlanSpec, estimate
 
     spec = PlanSpec(
         model=ModelShape.of(config), seq_len=args.seq, micro_batch=args.micro_batch, devices=1,

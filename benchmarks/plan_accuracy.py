@@ -83,7 +83,7 @@ STEPS = 4  # optimizer steps per run (a case's "steps" overrides it); the first 
 
 def case_spec(case: dict[str, Any]):
     """The planner's PlanSpec for a case, with the CPU's settings."""
-    from lightning_npu.cli.plan import ModelShape, PlanSpec
+    from lightning_npu.plan import ModelShape, PlanSpec
     from recipes.llama2.config import LLaMAConfig
 
     return PlanSpec(
@@ -287,7 +287,7 @@ def check_calibration(name: str, ranks: list[dict[str, Any]]) -> dict[str, int]:
 
 def compare(name: str, case: dict[str, Any], workdir: Path, timeout: float = 900) -> dict[str, Any]:
     """The planner's estimate of ``case`` next to its measured steady-state peak (one row of the table)."""
-    from lightning_npu.cli.plan import estimate
+    from lightning_npu.plan import estimate
 
     predicted = estimate(case_spec(case))
     run = measure(name, case, workdir, timeout)

@@ -11,18 +11,9 @@ import pytest
 import torch
 
 from lightning_npu.cli import main
-from lightning_npu.cli.plan import (
-    GIB,
-    ModelShape,
-    PlanError,
-    PlanSpec,
-    block_activations,
-    estimate,
-    load_spec,
-    max_micro_batch,
-    state_bytes,
-)
+from lightning_npu.plan import GIB, ModelShape, PlanError, PlanSpec, estimate, load_spec, max_micro_batch, state_bytes
 from recipes.llama2.config import LLaMAConfig
+from recipes.llama2.memory_profile import lightning_npu_memory_profile
 from tests.helpers import REPO
 
 CONFIG_7B = REPO / "recipes" / "llama2" / "configs" / "llama2_7b.yaml"
@@ -112,7 +103,7 @@ def test_block_activation_count_matches_the_tensors_autograd_saves(precision, ke
     seq = 32
     measured = _saved_bytes_per_token(block, dtype, context, (2, 4), seq)
     act_bytes = 4 if precision == "32-true" else 2
-    predicted = sum(block_activations(ModelShape.of(config), kernels, act_bytes, seq).values())
+    predicted = sum(lightning_npu_memory_profile({"preset": "tiny"}).block_activations(kernels, act_bytes, seq).values())
     assert measured == predicted
 
 
@@ -207,7 +198,7 @@ def test_json_output_and_exit_status_follow_the_verdict(capsys):
 def test_bad_configs_fail_with_the_value_and_the_fix(tmp_path, capsys, yaml_text, flags, message):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml_text)
-    assert main(["plan", "--config", str(config), *flags]) == 2
+    assert main(["plan", "--config", str(config), "--profile", "recipes.llama2.memory_profile", *flags]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -305,7 +296,7 @@ def test_fused_activation_counts_match_what_torch_npu_backward_signatures_take()
         ops.npu_fusion_attention(q, k, v, n, "BSND", atten_mask=mask, scale=hd**-0.5, sparse_mode=3), tokens)
     swiglu = _saved_by_fused_op("npu_swiglu", {"input": gate_up}, ops.npu_swiglu(gate_up), tokens)
 
-    planned = block_activations(model, "fused", 2, seq)
+    planned = lightning_npu_memory_profile({"preset": "tiny"}).block_activations("fused", 2, seq)
     assert planned["attention_norm input + rstd"] == planned["ffn_norm input + rstd"] == norm
     assert planned["rotary inputs (q, k)"] == rotary
     # The attention output is also wo's input: the planner counts that one tensor once, under its wo entry.

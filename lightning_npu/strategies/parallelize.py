@@ -13,7 +13,7 @@ from typing import Literal, Optional, Union
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_npu.facts.options import evenly_spaced
+from lightning_npu.facts.options import evenly_spaced  # torch-free: lightning-npu plan picks the same blocks
 
 #: Module classes given as classes (Python) or as names: a dotted import path or a bare class name (YAML).
 MODULE_CLASSES = Union[Iterable[Union[str, type]], None]

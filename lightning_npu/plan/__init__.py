@@ -1,0 +1,37 @@
+"""The memory planner behind ``lightning-npu plan``: will a model fit in NPU memory under npu_fsdp (FSDP2)?
+
+Torch-free. Modules: ``spec`` (the model's shape, the run's settings with their validation, the estimate),
+``decoder`` (how a pre-norm decoder on lightning_npu.kernels spends memory: ``DecoderProfile``), ``profile``
+(the protocol by which a model's package supplies its profile, and finding it from a config), ``replay`` (one
+FSDP2 training step replayed as allocations and frees: ``estimate``, ``max_micro_batch``), ``config`` (a
+PlanSpec from a recipe YAML and/or shapes: ``load_spec``), ``render`` (``report`` as data, ``render`` as a table).
+"""
+
+from lightning_npu.plan.config import load_spec
+from lightning_npu.plan.decoder import BlockActivations, BlockParameters, DecoderProfile, RootParameters
+from lightning_npu.plan.profile import PROFILE_FUNCTION, PROFILE_MODULE, find_profile
+from lightning_npu.plan.render import render, report
+from lightning_npu.plan.replay import estimate, max_micro_batch, state_bytes
+from lightning_npu.plan.spec import GIB, MIB, Estimate, ModelShape, PlanError, PlanSpec
+
+__all__ = [
+    "BlockActivations",
+    "BlockParameters",
+    "DecoderProfile",
+    "Estimate",
+    "GIB",
+    "MIB",
+    "ModelShape",
+    "PROFILE_FUNCTION",
+    "PROFILE_MODULE",
+    "PlanError",
+    "PlanSpec",
+    "RootParameters",
+    "estimate",
+    "find_profile",
+    "load_spec",
+    "max_micro_batch",
+    "render",
+    "report",
+    "state_bytes",
+]

@@ -1,0 +1,121 @@
+"""A plan as plain data (``report``, what ``--json`` prints) and as a table for people (``render``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional
+
+from lightning_npu.facts.precisions import PRECISION_DTYPES
+from lightning_npu.plan.replay import estimate, max_micro_batch
+from lightning_npu.plan.spec import GIB, ITEMS, PlanError, PlanSpec, chip_memory_gib
+
+KIB = 1024
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+STAGES = ("2", "3")
+COLUMN_WIDTH = 12
+
+
+def report(spec: PlanSpec) -> dict[str, Any]:
+    """The plan as plain data: ZeRO-2 and ZeRO-3 estimates (GiB), verdicts and largest micro-batches."""
+    stages = {}
+    for stage in STAGES:
+        result = estimate(spec, int(stage))
+        stages[stage] = {
+            "items_gib": {key: value / GIB for key, value in result.items.items()},
+            "total_gib": result.total / GIB,
+            "headroom_gib": result.headroom / GIB,
+            "fits": result.fits,
+            "peak_phase": result.peak_phase,
+            "max_micro_batch": max_micro_batch(spec, int(stage)),
+            "host_gib": result.host_bytes / GIB,
+        }
+    per_layer = spec.profile.block_activations(spec.kernels, spec.bytes.activation, spec.seq_len)
+    return {
+        "model": {"name": spec.profile.name, "params": spec.profile.num_params(), **dataclasses.asdict(spec.model)},
+        "seq_len": spec.seq_len,
+        "micro_batch": spec.micro_batch,
+        "devices": spec.devices,
+        "nodes": spec.nodes,
+        "shard_group": spec.shard_group,
+        "precision": spec.precision,
+        "configured_zero_stage": spec.zero_stage,
+        "checkpointed_layers": len(spec.checkpointed_layers),
+        "kernels": spec.kernels,
+        "device_memory_gib": spec.device_memory_gib,
+        "activation_bytes_per_token_per_layer": sum(per_layer.values()),
+        "stages": stages,
+        "notes": list(spec.notes),
+    }
+
+
+def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
+    """The plan as a table for people."""
+    dtypes = PRECISION_DTYPES[spec.precision]
+    names = {"m": DTYPE_NAMES[dtypes.master], "p": DTYPE_NAMES[dtypes.compute]}
+    model = spec.model
+    layout = f"{spec.nodes} node x {spec.devices}" if spec.nodes == 1 else f"{spec.nodes} nodes x {spec.devices}"
+    per_token = plan["activation_bytes_per_token_per_layer"]
+    params = spec.profile.num_params()
+    size = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
+    lines = [
+        f"{spec.profile.name}: {size} parameters, {model.n_layers} layers, dim {model.dim}, vocab {model.vocab_size}",
+        f"{spec.world_size} devices ({layout}), shard group {spec.shard_group} ({spec.sharding}), {spec.precision},"
+        f" seq {spec.seq_len} x micro-batch {spec.micro_batch}, accumulate {spec.accumulate_grad_batches},"
+        f" activation checkpointing {len(spec.checkpointed_layers)}/{model.n_layers} blocks, {spec.kernels} kernels",
+        f"activations: {per_token / KIB:.1f} KiB per token per layer"
+        f" ({per_token * spec.seq_len * spec.micro_batch / GIB:.2f} GiB per layer at this micro-batch),"
+        f" {spec.bytes.activation * model.dim / KIB:.1f} KiB per token per checkpointed layer",
+        "",
+    ]
+    label_width = max(len(label.format(**names)) for label in ITEMS.values()) + 2
+    header = f"{'per-device peak (GiB)':<{label_width}}" + "".join(
+        f"{'ZeRO-' + s + ('*' if int(s) == spec.zero_stage else ''):>{COLUMN_WIDTH}}" for s in STAGES)
+    lines += [header, "-" * len(header)]
+    stages = plan["stages"]
+    for key, label in ITEMS.items():
+        lines.append(f"{label.format(**names):<{label_width}}" + "".join(
+            f"{stages[s]['items_gib'][key]:>{COLUMN_WIDTH}.2f}" for s in STAGES))
+    lines.append("-" * len(header))
+    rows: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
+        ("total", lambda r: f"{r['total_gib']:.2f}"),
+        (f"device memory ({spec.chip if spec.device_memory_gib == _default_memory(spec) else 'given'})",
+         lambda r: f"{spec.device_memory_gib:.2f}"),
+        ("headroom", lambda r: f"{r['headroom_gib']:+.2f}"),
+        ("verdict", lambda r: "fits" if r["fits"] else "NO FIT"),
+        ("largest micro-batch that fits", lambda r: str(r["max_micro_batch"])),
+    ]
+    for label, cell in rows:
+        lines.append(f"{label:<{label_width}}" + "".join(f"{cell(stages[s]):>{COLUMN_WIDTH}}" for s in STAGES))
+    lines.append("")
+    lines.append(f"* configured zero_stage. The peak falls in: ZeRO-2 {stages['2']['peak_phase']};"
+                 f" ZeRO-3 {stages['3']['peak_phase']}.")
+    if spec.cpu_offload:
+        lines.append(f"cpu_offload: parameters, gradients and optimizer states ({stages['3']['host_gib']:.2f} GiB per"
+                     " device) live in host memory.")
+    configured = stages[str(spec.zero_stage)]
+    if not configured["fits"]:
+        lines.append(_advice(spec, plan))
+    lines += [f"note: {note}" for note in spec.notes]
+    return "\n".join(lines)
+
+
+def _default_memory(spec: PlanSpec) -> Optional[float]:
+    try:
+        return chip_memory_gib(spec.chip)
+    except PlanError:
+        return None
+
+
+def _advice(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
+    configured = plan["stages"][str(spec.zero_stage)]
+    tips = []
+    if configured["max_micro_batch"] > 0:
+        tips.append(f"lower data.batch_size to {configured['max_micro_batch']} (raise accumulate_grad_batches to keep"
+                    " the global batch)")
+    if spec.zero_stage == 2 and plan["stages"]["3"]["fits"]:
+        tips.append("use zero_stage: 3")
+    if len(spec.checkpointed_layers) < spec.model.n_layers:
+        block = (spec.profile.block_class or "<block class>").rpartition(".")[2]
+        tips.append(f"raise activation_checkpointing_ratio (with activation_checkpointing_policy: [{block}])")
+    tips.append("add devices or nodes (parameters and optimizer states shard over them)")
+    return f"does not fit with zero_stage={spec.zero_stage}: " + "; or ".join(tips) + "."

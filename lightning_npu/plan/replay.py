@@ -1,0 +1,321 @@
+"""The FSDP2 replay: one training step of a PlanSpec as the allocations and frees FSDP2 (``fully_shard``),
+autograd and AdamW make, in their order; the peak of the running total is the estimate, itemised as it was then.
+
+- parameters, gradients and AdamW's two moments are sharded over the shard group (all devices, or one node's
+  devices under hybrid sharding), each tensor padded to a multiple of the group size along dim 0, as FSDP2 does;
+  they stay in the master dtype (fp32 unless the precision is ``*-true`` half precision);
+- each FSDP unit (a block, and the root: embeddings, final norm, output) is all-gathered in the parameter dtype
+  (bf16 under ``bf16-mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``); ZeRO-3 frees a block's copy
+  after its forward and gathers it again for backward, one unit ahead (prefetch), and the flat all-gather buffer
+  of the previous unit lives until the next copy-out; ZeRO-2 keeps every unit gathered from its forward to the
+  end of its backward; the root unit stays gathered from its forward to the end of its backward under both stages
+  (npu_fsdp shards it with reshard_after_forward=False);
+- unsharded gradients of a unit live until its reduce-scatter, whose fp32 input buffer is kept until the next
+  unit's reduce-scatter starts; the root's are reduced last;
+- activations are the tensors autograd saves, as the spec's profile counts them; checkpointed blocks keep only
+  their input until backward recomputes them;
+- logits are fp32 ``[batch, seq, vocab]``; cross-entropy saves its log-softmax, and its backward briefly holds
+  three such tensors;
+- HCCL keeps ``2 x HCCL_BUFFSIZE`` per communicator, and a fixed workspace plus a share of the peak is set aside
+  for operator workspaces and allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from lightning_npu.plan.decoder import FP32_BYTES
+from lightning_npu.plan.spec import GIB, ITEMS, MIB, Estimate, PlanSpec, check_zero_stage
+
+#: HCCL holds two buffers of HCCL_BUFFSIZE per communicator.
+HCCL_BUFFERS_PER_COMMUNICATOR = 2
+#: Communicators npu_fsdp opens: one for full sharding; the shard, replicate and global groups under hybrid
+#: sharding across nodes.
+COMMUNICATORS_FULL, COMMUNICATORS_HYBRID = 1, 3
+#: The step's batch and the next one (Lightning prefetches a batch), each input_ids and labels, int64.
+BATCHES_HELD, TENSORS_PER_BATCH, INT64_BYTES = 2, 2, 8
+#: Cross-entropy's backward holds the gradient of the loss w.r.t. the log-probabilities and that of the logits.
+CROSS_ENTROPY_BACKWARD_TENSORS = 2
+#: AdamW's per-tensor loop holds a scratch of its largest two tensors; foreach holds sqrt(v) for every tensor.
+PER_TENSOR_SCRATCH_TENSORS = 2
+#: The largest micro-batch ``max_micro_batch`` searches up to.
+MAX_MICRO_BATCH = 1 << 16
+
+
+class _Timeline:
+    """Running byte totals per item; remembers the largest total, what it consisted of and when it happened."""
+
+    def __init__(self) -> None:
+        self.now: dict[str, float] = defaultdict(float)
+        self.peak = -1.0
+        self.at_peak: dict[str, float] = {}
+        self.phase = ""
+
+    def alloc(self, item: str, nbytes: float, phase: str) -> None:
+        self.now[item] += nbytes
+        total = sum(self.now.values())
+        if total > self.peak:
+            self.peak, self.at_peak, self.phase = total, dict(self.now), phase
+
+    def free(self, item: str, nbytes: float) -> None:
+        self.now[item] -= nbytes
+
+    def moment(self, item: str, nbytes: float, phase: str) -> None:
+        """A tensor that lives only inside one operation."""
+        self.alloc(item, nbytes, phase)
+        self.free(item, nbytes)
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One FSDP unit: per-device shard numel, the padded numel gathered, and the exact (gradient) numel."""
+
+    name: str
+    shard: int
+    padded: int
+    exact: int
+    largest_shard: int
+
+
+def _unit(name: str, shapes: Iterable[tuple[int, ...]], group: int) -> _Unit:
+    shard = padded = exact = largest = 0
+    for shape in shapes:
+        rows, rest = shape[0], math.prod(shape[1:])
+        local = -(-rows // group) * rest  # FSDP2 pads dim 0 to a multiple of the group size
+        shard, padded, exact = shard + local, padded + local * group, exact + rows * rest
+        largest = max(largest, local)
+    return _Unit(name, shard, padded, exact, largest)
+
+
+def _units(spec: PlanSpec) -> tuple[_Unit, list[_Unit]]:
+    """(root unit, block units). Without an auto-wrap policy the whole model is the root unit."""
+    group, layers = spec.shard_group, spec.model.n_layers
+    root, block = spec.profile.root_parameters().shapes, spec.profile.block_parameters().shapes
+    if spec.wrap_blocks:
+        return _unit("root", root, group), [_unit("block", block, group)] * layers
+    return _unit("root", root + block * layers, group), []
+
+
+def state_bytes(spec: PlanSpec) -> dict[str, float]:
+    """Per-device bytes of the sharded parameters, their gradients and AdamW's two moments (in host memory
+    instead under ``cpu_offload``)."""
+    root, blocks = _units(spec)
+    shard = sum(unit.shard for unit in [root] + blocks) * spec.bytes.master
+    return {"parameters": shard, "gradients": shard, "optimizer": 2 * shard}
+
+
+class _StepReplay:
+    """One steady-state step at a ZeRO stage and micro-batch, replayed phase by phase onto a timeline."""
+
+    def __init__(self, spec: PlanSpec, stage: int, batch: int) -> None:
+        self.spec, self.stage, self.batch = spec, stage, batch
+        self.profile = spec.profile
+        sizes = spec.bytes
+        self.act, self.param, self.master, self.reduced = sizes.activation, sizes.param, sizes.master, sizes.reduce
+        self.tokens = batch * spec.seq_len
+        self.root, self.blocks = _units(spec)
+        self.shard_total = sum(unit.shard for unit in [self.root] + self.blocks)
+        self.gathers = spec.shard_group > 1  # a group of one all-gathers nothing: the shard is the parameter
+        self.checkpointed = set(spec.checkpointed_layers)
+        self.timeline = _Timeline()
+        self.host = 0.0
+        shape = spec.model
+        self.residual = self.act * shape.dim * self.tokens  # one [batch, seq, dim] activation
+        self.logits = self.act * shape.vocab_size * self.tokens
+        self.logits_fp32 = FP32_BYTES * shape.vocab_size * self.tokens
+        saved = self.profile.saved_by_block(spec.kernels, self.act, spec.seq_len)
+        self.block_saved = sum(saved.all.values()) * self.tokens
+        self.mlp_saved = sum(saved.mlp.values()) * self.tokens
+        self.final_saved = self.profile.saved_by_final_norm(spec.kernels, self.act) * self.tokens
+        #: The flat all-gather buffer of the last unit gathered in forward (freed after the next copy-out).
+        self.retained_gather = 0.0
+        #: The last reduce-scatter's input buffer (freed when the next reduce-scatter starts).
+        self.retained_reduce = 0.0
+        #: Sharded gradient bytes alive now (the previous step's, or those reduced so far in this one).
+        self.gradients = 0.0
+
+    def run(self) -> Estimate:
+        self.persistent_state()
+        self.forward()
+        self.backward()
+        self.optimizer_step()
+        items = {key: max(self.timeline.at_peak.get(key, 0.0), 0.0) for key in ITEMS if key != "allowance"}
+        tensors = sum(items.values())
+        items["allowance"] = self.spec.workspace_gib * GIB + self.spec.fragmentation * tensors
+        return Estimate(self.stage, self.batch, items, self.timeline.phase, self.host,
+                        self.spec.device_memory_gib * GIB)
+
+    def persistent_state(self) -> None:
+        """Shards, gradients and optimizer states (the previous step's gradients are alive during forward: Lightning
+        zeroes them, set to None, between forward and backward, and only on the first micro-batch of an
+        accumulation window), communication buffers, the batch and the rotary tables."""
+        spec, t = self.spec, self.timeline
+        state = state_bytes(spec)
+        if spec.cpu_offload:
+            self.host = sum(state.values())
+        else:
+            for item, nbytes in state.items():
+                t.alloc(item, nbytes, "start")
+            self.gradients = state["gradients"]
+        if spec.world_size > 1:
+            hybrid = spec.sharding == "hybrid" and spec.nodes > 1
+            communicators = COMMUNICATORS_HYBRID if hybrid else COMMUNICATORS_FULL
+            t.alloc("comm", communicators * HCCL_BUFFERS_PER_COMMUNICATOR * spec.hccl_buffsize_mb * MIB, "start")
+        batches = BATCHES_HELD * TENSORS_PER_BATCH * self.tokens * INT64_BYTES
+        t.alloc("inputs", batches + self.profile.rotary_table_bytes(self.act), "start")
+
+    def gather(self, unit: _Unit, phase: str, flat_ready: bool = False) -> None:
+        """All-gather ``unit`` into a flat buffer (unless prefetched), copy out into the unsharded parameters."""
+        t, nbytes = self.timeline, unit.padded * self.param
+        forward = phase.startswith("forward")
+        if self.gathers and not flat_ready:
+            t.alloc("gathered", nbytes, phase + " all-gather")
+        if forward:
+            t.free("gathered", self.retained_gather)
+            self.retained_gather = nbytes if self.gathers else 0.0
+        t.alloc("gathered", nbytes, phase + " copy-out")
+        if self.gathers and not forward:
+            t.free("gathered", nbytes)
+
+    def forward(self) -> None:
+        spec, t, profile = self.spec, self.timeline, self.profile
+        self.gather(self.root, "forward: root")
+        t.alloc("temporaries", self.residual, "forward: embedding")  # the residual stream
+        for i in range(spec.model.n_layers):
+            phase = f"forward: layer {i}"
+            if self.blocks:
+                self.gather(self.blocks[i], phase)
+            checkpointed = i in self.checkpointed
+            scratch = profile.forward_scratch(spec.kernels, self.act, spec.seq_len, checkpointed) * self.tokens
+            t.moment("temporaries", scratch + (0 if checkpointed else self.block_saved), phase)
+            t.alloc("activations", self.residual if checkpointed else self.block_saved, phase)
+            if self.blocks and self.stage == 3:
+                t.free("gathered", self.blocks[i].padded * self.param)
+        t.free("gathered", self.retained_gather)  # the root's post-forward frees the last flat buffer
+        self.retained_gather = 0.0
+        # The root unit stays gathered until its backward ends (reshard_after_forward=False).
+        t.alloc("activations", self.final_saved, "forward: final norm")
+        t.free("temporaries", self.residual)  # the last residual is now saved by the final norm, or dead
+        t.alloc("logits", self.logits, "forward: output projection")
+        if self.act != FP32_BYTES:  # the model returns fp32 logits
+            t.alloc("logits", self.logits_fp32, "forward: logits to fp32")
+            t.free("logits", self.logits)
+        t.alloc("logits", self.logits_fp32, "forward: log-softmax")
+        t.free("logits", self.logits_fp32)  # the fp32 logits die with the loss function's frame
+        if spec.accumulate_grad_batches == 1 and not spec.cpu_offload:
+            t.free("gradients", self.gradients)  # zero_grad(set_to_none) before the backward
+            self.gradients = 0.0
+
+    def reduce(self, unit: _Unit, phase: str) -> None:
+        """Copy the unit's unsharded gradients into an fp32 reduce-scatter input (kept until the next unit's),
+        free them, and add the reduced shard to the sharded gradients."""
+        t = self.timeline
+        t.free("unsharded_grads", self.retained_reduce)
+        t.alloc("unsharded_grads", unit.padded * self.reduced, phase)
+        t.free("unsharded_grads", unit.exact * self.param)
+        if self.spec.cpu_offload or self.gradients >= self.shard_total * self.master:  # offloaded, or accumulated
+            t.moment("unsharded_grads", unit.shard * self.reduced, phase)
+        else:
+            t.alloc("gradients", unit.shard * self.master, phase)
+            self.gradients += unit.shard * self.master
+        self.retained_reduce = unit.padded * self.reduced
+
+    def backward(self) -> None:
+        self.loss_backward()
+        for i in reversed(range(self.spec.model.n_layers)):
+            self.block_backward(i)
+        t = self.timeline
+        t.alloc("unsharded_grads", math.prod(self.profile.root_parameters().embedding) * self.param,
+                "backward: embedding")
+        t.free("temporaries", self.residual)
+        self.reduce(self.root, "backward: root reduce-scatter")
+        t.free("unsharded_grads", self.retained_reduce)
+        t.free("gathered", self.root.padded * self.param)
+
+    def loss_backward(self) -> None:
+        """Cross-entropy's and the output projection's backward; the root's gradients are reduced last."""
+        t = self.timeline
+        t.alloc("logits", self.logits_fp32, "backward: nll_loss")
+        t.alloc("logits", self.logits_fp32, "backward: log-softmax")
+        t.free("logits", CROSS_ENTROPY_BACKWARD_TENSORS * self.logits_fp32)
+        if self.act != FP32_BYTES:
+            t.alloc("logits", self.logits, "backward: logits to bf16")
+            t.free("logits", self.logits_fp32)
+        if self.stage == 3 and self.blocks and self.gathers:  # the root's pre-backward prefetches the last block
+            t.alloc("gathered", self.blocks[-1].padded * self.param, "backward: root prefetch")
+        t.alloc("temporaries", self.residual, "backward: output projection")  # the residual stream's gradient
+        root = self.profile.root_parameters()
+        head = math.prod(root.output) + math.prod(root.final_norm)
+        t.alloc("unsharded_grads", head * self.param, "backward: output projection")
+        t.free("logits", self.logits)
+        t.free("activations", self.final_saved)
+
+    def block_backward(self, i: int) -> None:
+        """Block ``i``'s backward: regather (ZeRO-3) and prefetch the next, recompute if checkpointed, the MLP's
+        gradients (w_down's first), then attention's, then the reduce-scatter."""
+        spec, t, profile = self.spec, self.timeline, self.profile
+        phase = f"backward: layer {i}"
+        if self.blocks and self.stage == 3:
+            self.gather(self.blocks[i], phase, flat_ready=True)
+            if i > 0 and self.gathers:  # prefetch the next unit of the backward pass
+                t.alloc("gathered", self.blocks[i - 1].padded * self.param, phase + " prefetch")
+        checkpointed = i in self.checkpointed
+        if checkpointed:
+            t.alloc("activations", self.block_saved, phase + " recompute")
+        params = profile.block_parameters()
+        mlp_scratch, attention_scratch = (
+            per_token * self.tokens for per_token in profile.backward_scratch(spec.kernels, self.act, spec.seq_len))
+        t.alloc("unsharded_grads", math.prod(params.mlp_output) * self.param, phase + " (MLP)")
+        t.moment("temporaries", mlp_scratch, phase + " (MLP)")
+        t.alloc("unsharded_grads", _numel(params.mlp_input) * self.param, phase + " (MLP)")
+        t.free("activations", self.mlp_saved)
+        t.alloc("unsharded_grads", _numel(params.attention) * self.param, phase + " (attention)")
+        t.moment("temporaries", attention_scratch, phase + " (attention)")
+        t.free("activations", self.block_saved - self.mlp_saved + (self.residual if checkpointed else 0))
+        if self.blocks:
+            self.reduce(self.blocks[i], phase + " reduce-scatter")
+            t.free("gathered", self.blocks[i].padded * self.param)
+
+    def optimizer_step(self) -> None:
+        """Foreach AdamW holds sqrt(v) for every tensor; the per-tensor loop only for its largest two."""
+        if self.spec.cpu_offload:
+            return
+        if self.spec.foreach_optimizer:
+            scratch = self.shard_total * self.master
+        else:
+            largest = max(unit.largest_shard for unit in [self.root] + self.blocks)
+            scratch = PER_TENSOR_SCRATCH_TENSORS * largest * self.master
+        self.timeline.moment("temporaries", scratch, "optimizer step")
+
+
+def _numel(shapes: Iterable[tuple[int, ...]]) -> int:
+    return sum(math.prod(shape) for shape in shapes)
+
+
+def estimate(spec: PlanSpec, zero_stage: Optional[int] = None, micro_batch: Optional[int] = None) -> Estimate:
+    """Replay one steady-state training step of ``spec`` (at ``zero_stage`` / ``micro_batch`` if given) and
+    return the per-device peak, itemised."""
+    stage = spec.zero_stage if zero_stage is None else zero_stage
+    check_zero_stage(stage)
+    return _StepReplay(spec, stage, spec.micro_batch if micro_batch is None else micro_batch).run()
+
+
+def max_micro_batch(spec: PlanSpec, zero_stage: Optional[int] = None, limit: int = MAX_MICRO_BATCH) -> int:
+    """The largest micro-batch (samples per device) whose estimate fits the device memory; 0 if not even 1 fits."""
+    def fits(batch: int) -> bool:
+        return estimate(spec, zero_stage, batch).fits
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):  # memory grows with the batch, so double, then bisect
+        low, high = high, high * 2
+    if high > limit:
+        return low
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low

@@ -1,0 +1,278 @@
+"""What a plan is asked about and what it answers: the model's shape, the run's settings (validated), the estimate.
+
+Nothing here imports torch. Memory sizes are GiB in the spec and bytes in the estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from lightning_npu.facts import options, precisions
+from lightning_npu.facts.chips import (
+    ATLAS_TRAINING_DEVICES_PER_SERVER,
+    CHIP_MEMORY_GIB,
+    DEFAULT_PLAN_CHIP,
+    chip_series,
+    device_memory_gib,
+)
+from lightning_npu.facts.precisions import PRECISION_DTYPES, PrecisionDtypes
+
+if TYPE_CHECKING:
+    from lightning_npu.plan.decoder import DecoderProfile
+
+GIB = 1024**3
+MIB = 1024**2
+
+#: HCCL's default per-communicator buffer (HCCL_BUFFSIZE, in MB, taken as MiB); each communicator holds two.
+DEFAULT_HCCL_BUFFSIZE_MB = 200.0
+#: What the NPU runtime, operator workspaces and the caching allocator's fragmentation take on top of tensors.
+DEFAULT_WORKSPACE_GIB = 1.0
+DEFAULT_FRAGMENTATION = 0.05
+#: ``--kernels``: torch_npu fused kernels (the NPU default); the PyTorch reference paths of lightning_npu.kernels
+#: (SDPA without an S x S matrix; what CPUs and fallbacks run); or attention that materialises S x S probabilities.
+KERNELS = ("fused", "reference", "eager")
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    """Bytes per element: sharded master parameters (and their gradients and AdamW states), the all-gathered
+    working copy, activations, and the gradient reduce-scatter."""
+
+    master: int
+    param: int
+    activation: int
+    reduce: int
+
+
+#: Bytes per element of the dtypes the precisions use (``lightning_npu.facts.precisions``).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _precision_bytes(dtypes: PrecisionDtypes) -> PrecisionBytes:
+    compute = DTYPE_BYTES[dtypes.compute]
+    return PrecisionBytes(DTYPE_BYTES[dtypes.master], compute, compute, DTYPE_BYTES[dtypes.reduce])
+
+
+#: Every precision an NPU run accepts, with the bytes the planner counts for it.
+PRECISIONS = {name: _precision_bytes(dtypes) for name, dtypes in PRECISION_DTYPES.items()}
+
+#: What an estimate itemises, in the table's row order, with the labels; ``{m}``/``{p}`` become the master /
+#: working dtype names.
+ITEMS = {
+    "parameters": "parameters ({m} shards)",
+    "gradients": "gradients ({m} shards)",
+    "optimizer": "optimizer states (AdamW 2 x {m} shards)",
+    "gathered": "gathered parameters ({p} copy + all-gather buffers)",
+    "unsharded_grads": "unsharded gradients + reduce-scatter buffers",
+    "activations": "activations saved for backward",
+    "logits": "logits + cross-entropy (fp32)",
+    "temporaries": "temporaries (residual stream, op and optimizer scratch)",
+    "inputs": "batch + rotary tables",
+    "comm": "communication buffers (HCCL)",
+    "allowance": "workspace + fragmentation allowance",
+}
+
+
+class PlanError(ValueError):
+    """A configuration the planner cannot model; the message names the value, why, and the fix."""
+
+
+#: ``--model-shape`` keys -> ModelShape fields. ``kv_heads`` defaults to ``heads`` (multi-head attention).
+SHAPE_KEYS = {
+    "hidden": "dim",
+    "layers": "n_layers",
+    "heads": "n_heads",
+    "kv_heads": "n_kv_heads",
+    "ffn": "ffn_hidden_dim",
+    "vocab": "vocab_size",
+    "max_seq_len": "max_seq_len",
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The decoder dimensions the estimate needs (any object with these attribute names provides them)."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden_dim: int
+    max_seq_len: int
+
+    def __post_init__(self) -> None:
+        _check_positive_ints(self, [f.name for f in dataclasses.fields(self)], "model ")
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise PlanError(
+                f"model dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads} do not divide: heads"
+                " must divide dim and kv_heads must divide heads"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def of(cls, config: Any) -> "ModelShape":
+        return cls(**{f.name: int(getattr(config, f.name)) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def parse(cls, text: str) -> "ModelShape":
+        """A shape from ``hidden=4096,layers=32,heads=32,kv_heads=32,ffn=11008,vocab=32000,max_seq_len=4096``."""
+        values: dict[str, int] = {}
+        for part in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if key not in SHAPE_KEYS:
+                hint = " (the trained length is --seq-len)" if key == "seq_len" else ""
+                raise PlanError(f"--model-shape key {key!r} is unknown{hint}; the keys are {', '.join(SHAPE_KEYS)}")
+            if not sep or not re.fullmatch(r"\s*\d+\s*", value):
+                raise PlanError(f"--model-shape {part!r}: give {key}=N with a positive integer N")
+            values[SHAPE_KEYS[key]] = int(value)
+        values.setdefault("n_kv_heads", values.get("n_heads", 0))
+        missing = [key for key, field in SHAPE_KEYS.items() if field not in values]
+        if missing:
+            raise PlanError(f"--model-shape {text!r} lacks {', '.join(missing)}; give every one of {', '.join(SHAPE_KEYS)}"
+                            " (kv_heads may be left out for multi-head attention)")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """Everything the estimate depends on. Memory sizes in GiB; ``devices`` is per node, as in Lightning.
+
+    ``profile`` is how the model spends memory (its parameter layout, saved activations); left out, the model is
+    planned as the generic decoder of ``lightning_npu.plan.decoder`` with the shape ``model``.
+    """
+
+    model: ModelShape
+    seq_len: int
+    micro_batch: int
+    devices: int = 1
+    nodes: int = 1
+    precision: str = "bf16-mixed"
+    accumulate_grad_batches: int = 1
+    zero_stage: int = options.DEFAULT_ZERO_STAGE
+    sharding: str = options.DEFAULT_SHARDING
+    wrap_blocks: bool = True
+    ac_ratio: float = 0.0
+    cpu_offload: bool = False
+    kernels: str = "fused"
+    #: AdamW's foreach implementation (the default on NPUs) holds one extra copy of the moments while stepping.
+    foreach_optimizer: bool = True
+    hccl_buffsize_mb: float = DEFAULT_HCCL_BUFFSIZE_MB
+    workspace_gib: float = DEFAULT_WORKSPACE_GIB
+    fragmentation: float = DEFAULT_FRAGMENTATION
+    device_memory_gib: float = CHIP_MEMORY_GIB[DEFAULT_PLAN_CHIP]
+    chip: str = DEFAULT_PLAN_CHIP
+    profile: Optional["DecoderProfile"] = None
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from lightning_npu.plan.decoder import DecoderProfile
+
+        if self.profile is None:
+            object.__setattr__(self, "profile", DecoderProfile(self.model))
+        elif self.profile.shape != self.model:
+            raise PlanError(f"profile {self.profile.name!r} has the shape {self.profile.shape}, not {self.model}")
+        _check_positive_ints(self, ["seq_len", "micro_batch", "devices", "nodes", "accumulate_grad_batches"])
+        object.__setattr__(self, "precision", canonical_precision(self.precision))
+        check_zero_stage(self.zero_stage)
+        _checked(options.check_sharding, self.sharding)
+        _checked(options.check_activation_checkpointing_ratio, self.ac_ratio)
+        if self.kernels not in KERNELS:
+            raise PlanError(f"kernels={self.kernels!r} is not one of {', '.join(KERNELS)}")
+        if self.device_memory_gib <= 0:
+            raise PlanError(f"device memory {self.device_memory_gib!r} GiB must be positive")
+        if self.seq_len > self.model.max_seq_len:
+            raise PlanError(
+                f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}; lower data.seq_len"
+                f" (or --seq-len) or set model.config.max_seq_len >= {self.seq_len}"
+            )
+        if chip_series(self.chip) == "training" and self.devices not in ATLAS_TRAINING_DEVICES_PER_SERVER:
+            raise PlanError(
+                f"devices={self.devices} per node cannot run HCCL collectives on {self.chip}: the Atlas training series"
+                f" (first-generation 910) takes {', '.join(map(str, ATLAS_TRAINING_DEVICES_PER_SERVER))} devices per"
+                " server (two or four from the same half, 0-3 or 4-7); use 1, 2, 4 or 8 devices per node"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.nodes
+
+    @property
+    def shard_group(self) -> int:
+        """Devices each parameter is sharded over: all of them, or one node's under hybrid sharding."""
+        return self.devices if self.sharding == "hybrid" else self.world_size
+
+    @property
+    def checkpointed_layers(self) -> list[int]:
+        """Which blocks recompute their activations: the strategy's evenly spaced choice for the ratio."""
+        return options.evenly_spaced(self.model.n_layers, self.ac_ratio)
+
+    @property
+    def bytes(self) -> PrecisionBytes:
+        return PRECISIONS[self.precision]
+
+
+def _check_positive_ints(owner: Any, names: list[str], prefix: str = "") -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{prefix}{name}={value!r} is invalid: it must be a positive integer")
+
+
+def _checked(check: Any, value: Any) -> Any:
+    """``check(value)`` (an npu_fsdp option check of lightning_npu.facts), its ValueError as a PlanError."""
+    try:
+        return check(value)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
+
+
+def check_zero_stage(stage: Any) -> None:
+    _checked(options.check_zero_stage, stage)
+
+
+def canonical_precision(value: Any) -> str:
+    """``value`` as one of PRECISIONS (``bf16`` -> ``bf16-mixed``, ...)."""
+    return _checked(precisions.canonical_precision, value)
+
+
+def chip_memory_gib(chip: str) -> float:
+    """Device memory of the chip named ``chip`` exactly, in GiB."""
+    memory = device_memory_gib(chip)
+    if memory is None:
+        raise PlanError(
+            f"chip {chip!r} has no known device memory; use one of {', '.join(CHIP_MEMORY_GIB)} or pass"
+            " --device-memory GiB"
+        )
+    return memory
+
+
+@dataclass
+class Estimate:
+    """Per-device peak of one training step (steady state, after the first optimizer step). Bytes throughout."""
+
+    zero_stage: int
+    micro_batch: int
+    items: dict[str, float]
+    peak_phase: str
+    host_bytes: float
+    device_bytes: float
+
+    @property
+    def total(self) -> float:
+        return sum(self.items.values())
+
+    @property
+    def headroom(self) -> float:
+        return self.device_bytes - self.total
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device_bytes
