@@ -13,15 +13,14 @@ from recipes.llama2 import checkpoint_layout, hf_checkpoint
 from recipes.llama2.config import LLaMAConfig
 from recipes.llama2.generate import generate, main, sample_next_token
 from recipes.llama2.model import LLaMA
+from tests.test_llama_model import small_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]  # 64 ids
 
 
 def config(**overrides) -> LLaMAConfig:
-    values = dict(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=96, max_seq_len=48)
-    values.update(overrides)
-    return LLaMAConfig(**values)
+    return small_config(**{"vocab_size": 64, "max_seq_len": 48, **overrides})
 
 
 def random_model(cfg: LLaMAConfig, seed: int = 0) -> LLaMA:

@@ -21,32 +21,35 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 97
 
 
+# One tiny model in both vocabularies: (recipe LLaMAConfig field, HF LlamaConfig field, value).
+SHAPE = (
+    ("vocab_size", "vocab_size", VOCAB),
+    ("dim", "hidden_size", 64),
+    ("n_layers", "num_hidden_layers", 2),
+    ("n_heads", "num_attention_heads", 4),
+    ("ffn_hidden_dim", "intermediate_size", 96),
+    ("max_seq_len", "max_position_embeddings", 64),
+    ("norm_eps", "rms_norm_eps", 1e-5),
+    ("rope_theta", "rope_theta", 500.0),
+)
+
+
 def hf_model(n_kv_heads: int, *, tie: bool = False, seed: int = 0) -> LlamaForCausalLM:
     """A tiny random LlamaForCausalLM. Weights are drawn wide (std 0.2) so that a wrong rotary convention
     or a swapped gate/up would move the logits far beyond the 1e-5 tolerance."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=n_kv_heads,
-        intermediate_size=96,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=500.0,
-        tie_word_embeddings=tie,
+        **{theirs: value for _, theirs, value in SHAPE}, num_key_value_heads=n_kv_heads, tie_word_embeddings=tie
     )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    return model
+    return wide_weights(LlamaForCausalLM(config))
 
 
 def recipe_model(config: LLaMAConfig, seed: int = 0) -> LLaMA:
     torch.manual_seed(seed)
-    model = LLaMA(config)
+    return wide_weights(LLaMA(config))
+
+
+def wide_weights(model: torch.nn.Module) -> torch.nn.Module:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
@@ -54,17 +57,7 @@ def recipe_model(config: LLaMAConfig, seed: int = 0) -> LLaMA:
 
 
 def recipe_config(n_kv_heads: int = 2) -> LLaMAConfig:
-    return LLaMAConfig(
-        vocab_size=VOCAB,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=n_kv_heads,
-        ffn_hidden_dim=96,
-        max_seq_len=64,
-        norm_eps=1e-5,
-        rope_theta=500.0,
-    )
+    return LLaMAConfig(**{ours: value for ours, _, value in SHAPE}, n_kv_heads=n_kv_heads)
 
 
 def tokens() -> torch.Tensor:
