@@ -304,7 +304,9 @@ def test_missing_paths_and_non_llama_models_give_clear_errors(tmp_path, capsys):
     assert convert.main(["to-hf", str(tmp_path / "missing.ckpt"), str(tmp_path / "out")]) == 1
     assert "missing.ckpt' does not exist" in capsys.readouterr().err
     hf_model(2).config.save_pretrained(tmp_path / "no_weights")
-    with pytest.raises(checkpoint_layout.CheckpointError, match=r"has no weights: expected one of .*model\.safetensors"):
+    with pytest.raises(
+        checkpoint_layout.CheckpointError, match=r"has no weights: expected one of .*model\.safetensors"
+    ):
         hf_checkpoint.load_hf_checkpoint(tmp_path / "no_weights")
     with pytest.raises(checkpoint_layout.CheckpointError, match=r"model_type='mistral'"):
         hf_checkpoint.config_from_hf({"model_type": "mistral"})

@@ -70,7 +70,8 @@ def test_arithmetic_and_formatting_import_without_torch():
         "import sys, types; package = types.ModuleType('lightning_npu'); "
         f"package.__path__ = [{str(REPO / 'lightning_npu')!r}]; sys.modules['lightning_npu'] = package; "
         "from lightning_npu.telemetry import arithmetic, formatting; "
-        "print(formatting.format_line(step=1, max_steps=None, step_time_s=0.5, tokens_per_s=arithmetic.tokens_per_second(8, 2))); "
+        "rate = arithmetic.tokens_per_second(8, 2); "
+        "print(formatting.format_line(step=1, max_steps=None, step_time_s=0.5, tokens_per_s=rate)); "
         "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
     )
     out = run_python(["-c", script], simulate=None).stdout.splitlines()

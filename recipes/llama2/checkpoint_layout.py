@@ -46,7 +46,6 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the recipe; the message names the tensor or file, why, and the fix."""
 
 
-
 # --------------------------------------------------------------------------------------------------
 # The model's tensors
 # --------------------------------------------------------------------------------------------------
@@ -81,7 +80,6 @@ def check_state_dict(state_dict: Mapping[str, Tensor], config: LLaMAConfig, *, s
                 f"{source}: tensor {name!r} has shape {tuple(state_dict[name].shape)} but the config "
                 f"({describe_shape(config)}) needs {tuple(shape)}. The weights and the config disagree."
             )
-
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,13 +248,13 @@ def _torch_load(path: Path, *, mmap: bool = False) -> Any:
     return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
 
 
-
 # --------------------------------------------------------------------------------------------------
 # Message helpers (shared with hf_checkpoint.py)
 # --------------------------------------------------------------------------------------------------
 
 
 def existing_path(path: PathLike, what: str) -> Path:
+    """``path`` as a ``Path``; ``FileNotFoundError`` naming ``what`` it should be when it does not exist."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"The {what} {str(path)!r} does not exist; check the path.")
@@ -264,11 +262,13 @@ def existing_path(path: PathLike, what: str) -> Path:
 
 
 def some_names(names: list[str], limit: int = 5) -> str:
+    """The first ``limit`` names, quoted, and how many more there are."""
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def describe_shape(config: LLaMAConfig) -> str:
+    """The fields of ``config`` that set tensor shapes, for messages."""
     return (
         f"vocab_size={config.vocab_size}, dim={config.dim}, n_layers={config.n_layers}, n_heads={config.n_heads}, "
         f"n_kv_heads={config.n_kv_heads}, ffn_hidden_dim={config.ffn_hidden_dim}"
