@@ -110,6 +110,8 @@ IMPORTED = {
     "composable_checkpoint": Fenced("torch.distributed._composable", "checkpoint"),
     # Loads a DCP checkpoint without knowing its keys up front (the recipe's checkpoint reader).
     "EmptyStateDictLoadPlanner": Fenced("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
+    # DCP's loader with ``no_dist``: reads a checkpoint in one process without a process group.
+    "dcp_load_state_dict": Fenced("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
 }
 
 #: Connector methods ``connectors.py`` wraps (same name on the Trainer's and Fabric's connector).
@@ -248,6 +250,7 @@ default_process_group_backend_for_device: Callable[..., str] = _RESOLVED[
     IMPORTED["default_process_group_backend_for_device"]]
 composable_checkpoint: Callable[..., Any] = _RESOLVED[IMPORTED["composable_checkpoint"]]
 EmptyStateDictLoadPlanner: type = _RESOLVED[IMPORTED["EmptyStateDictLoadPlanner"]]
+dcp_load_state_dict: Callable[..., None] = _RESOLVED[IMPORTED["dcp_load_state_dict"]]
 
 _FSDP_PARAM_GROUPS = _RESOLVED[Fenced(_FSDP2_STATE, "_fsdp_param_groups|_fsdp_param_group", instance=True)]
 

@@ -9,19 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.llama2 import convert
+from recipes.llama2 import checkpoint_layout, hf_checkpoint
 from recipes.llama2.config import LLaMAConfig
 from recipes.llama2.generate import generate, main, sample_next_token
 from recipes.llama2.model import LLaMA
+from tests.test_llama_model import small_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]  # 64 ids
 
 
 def config(**overrides) -> LLaMAConfig:
-    values = dict(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=96, max_seq_len=48)
-    values.update(overrides)
-    return LLaMAConfig(**values)
+    return small_config(**{"vocab_size": 64, "max_seq_len": 48, **overrides})
 
 
 def random_model(cfg: LLaMAConfig, seed: int = 0) -> LLaMA:
@@ -161,9 +160,9 @@ def test_script_generates_from_recipe_file_sharded_dir_and_hf_dir(tmp_path, toke
 
     cfg = config()
     model = random_model(cfg)
-    convert.save_recipe_checkpoint(tmp_path / "r.ckpt", cfg, model.state_dict(), tokenizer_path=tokenizer_dir)
+    checkpoint_layout.save_recipe_checkpoint(tmp_path / "r.ckpt", cfg, model.state_dict(), tokenizer_path=tokenizer_dir)
     args = ["--prompt", "w1 w2 w3", "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu"]
-    assert main(["--checkpoint", str(tmp_path / "r.ckpt"), *args]) == 0
+    assert main([str(tmp_path / "r.ckpt"), *args]) == 0
     text = capsys.readouterr().out.strip()
     # Greedy: exactly what generate() gives for the tokenised prompt.
     expected = generate(model, torch.tensor([1, 4, 5, 6]), 6, temperature=0.0, eos_id=2)
@@ -171,43 +170,53 @@ def test_script_generates_from_recipe_file_sharded_dir_and_hf_dir(tmp_path, toke
 
     sharded = tmp_path / "sharded"
     sharded.mkdir()
-    checkpoint = convert.make_recipe_checkpoint(cfg, model.state_dict(), tokenizer_path=tokenizer_dir)
+    checkpoint = checkpoint_layout.make_recipe_checkpoint(cfg, model.state_dict(), tokenizer_path=tokenizer_dir)
     with pytest.warns(UserWarning, match="single process"):
         _distributed_checkpoint_save({"state_dict": checkpoint.pop("state_dict")}, sharded)
-    torch.save(checkpoint, sharded / convert.LIGHTNING_METADATA_FILE)
-    assert main(["--checkpoint", str(sharded), *args]) == 0
+    torch.save(checkpoint, sharded / checkpoint_layout.LIGHTNING_METADATA_FILE)
+    assert main([str(sharded), *args]) == 0
     assert capsys.readouterr().out.strip() == text
 
-    convert.convert_recipe_to_hf(tmp_path / "r.ckpt", tmp_path / "hf")  # tokenizer travels along
-    assert main(["--checkpoint", str(tmp_path / "hf"), *args]) == 0
+    hf_checkpoint.convert_recipe_to_hf(tmp_path / "r.ckpt", tmp_path / "hf")  # tokenizer travels along
+    assert main([str(tmp_path / "hf"), *args]) == 0
     assert capsys.readouterr().out.strip() == text
 
 
 def test_script_explains_missing_checkpoint_and_tokenizer(tmp_path, capsys):
-    assert main(["--checkpoint", str(tmp_path / "nope.ckpt"), "--prompt", "w1", "--device", "cpu"]) == 1
+    assert main([str(tmp_path / "nope.ckpt"), "--prompt", "w1", "--device", "cpu"]) == 1
     assert "nope.ckpt' does not exist" in capsys.readouterr().err
     cfg = config()
-    convert.save_recipe_checkpoint(tmp_path / "r.ckpt", cfg, random_model(cfg).state_dict())
-    assert main(["--checkpoint", str(tmp_path / "r.ckpt"), "--prompt", "w1", "--device", "cpu"]) == 1
+    checkpoint_layout.save_recipe_checkpoint(tmp_path / "r.ckpt", cfg, random_model(cfg).state_dict())
+    assert main([str(tmp_path / "r.ckpt"), "--prompt", "w1", "--device", "cpu"]) == 1
     assert "records no tokenizer; pass --tokenizer DIR" in capsys.readouterr().err
+
+
+def test_script_checks_the_tokenizer_like_the_data_module(tmp_path, capsys):
+    """generate.py loads its tokenizer through the recipe's one loader: a directory without a tokenizer is refused
+    with the data module's message (a copy of the loader without its checks would pass transformers' error on)."""
+    cfg = config()
+    checkpoint_layout.save_recipe_checkpoint(tmp_path / "r.ckpt", cfg, random_model(cfg).state_dict())
+    (tmp_path / "empty").mkdir()
+    args = ["--prompt", "w1", "--device", "cpu", "--tokenizer", str(tmp_path / "empty")]
+    assert main([str(tmp_path / "r.ckpt"), *args]) == 1
+    assert "Could not load a Hugging Face tokenizer from" in capsys.readouterr().err
 
 
 def test_relative_tokenizer_path_resolves_from_the_repository_root(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     metadata = {"hyper_parameters": {"config": "tiny"}, "datamodule_hyper_parameters": {"tokenizer_path": "recipes"}}
-    assert convert.tokenizer_from_metadata(metadata) == str(REPO_ROOT / "recipes")
-    assert convert.tokenizer_from_metadata({"hyper_parameters": {"tokenizer": "elsewhere"}}) == "elsewhere"
-    assert convert.tokenizer_from_metadata({"hyper_parameters": {}}) is None
+    assert checkpoint_layout.tokenizer_from_metadata(metadata) == str(REPO_ROOT / "recipes")
+    assert checkpoint_layout.tokenizer_from_metadata({"hyper_parameters": {"tokenizer": "elsewhere"}}) == "elsewhere"
+    assert checkpoint_layout.tokenizer_from_metadata({"hyper_parameters": {}}) is None
 
 
 def test_generate_runs_as_a_script(tmp_path, tokenizer_dir):
     cfg = config()
-    convert.save_recipe_checkpoint(tmp_path / "r.ckpt", cfg, random_model(cfg).state_dict())
+    checkpoint_layout.save_recipe_checkpoint(tmp_path / "r.ckpt", cfg, random_model(cfg).state_dict())
     result = subprocess.run(
         [
             sys.executable,
             str(REPO_ROOT / "recipes/llama2/generate.py"),
-            "--checkpoint",
             str(tmp_path / "r.ckpt"),
             "--tokenizer",
             str(tokenizer_dir),

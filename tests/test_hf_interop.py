@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from recipes.llama2 import convert
+from lightning_npu.strategies.checkpoint import is_sharded_checkpoint
+from recipes.llama2 import checkpoint_layout, convert, hf_checkpoint
 from recipes.llama2.config import LLaMAConfig
 from recipes.llama2.model import LLaMA
 
@@ -20,32 +21,35 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 97
 
 
+# One tiny model in both vocabularies: (recipe LLaMAConfig field, HF LlamaConfig field, value).
+SHAPE = (
+    ("vocab_size", "vocab_size", VOCAB),
+    ("dim", "hidden_size", 64),
+    ("n_layers", "num_hidden_layers", 2),
+    ("n_heads", "num_attention_heads", 4),
+    ("ffn_hidden_dim", "intermediate_size", 96),
+    ("max_seq_len", "max_position_embeddings", 64),
+    ("norm_eps", "rms_norm_eps", 1e-5),
+    ("rope_theta", "rope_theta", 500.0),
+)
+
+
 def hf_model(n_kv_heads: int, *, tie: bool = False, seed: int = 0) -> LlamaForCausalLM:
     """A tiny random LlamaForCausalLM. Weights are drawn wide (std 0.2) so that a wrong rotary convention
     or a swapped gate/up would move the logits far beyond the 1e-5 tolerance."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=n_kv_heads,
-        intermediate_size=96,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=500.0,
-        tie_word_embeddings=tie,
+        **{theirs: value for _, theirs, value in SHAPE}, num_key_value_heads=n_kv_heads, tie_word_embeddings=tie
     )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    return model
+    return wide_weights(LlamaForCausalLM(config))
 
 
 def recipe_model(config: LLaMAConfig, seed: int = 0) -> LLaMA:
     torch.manual_seed(seed)
-    model = LLaMA(config)
+    return wide_weights(LLaMA(config))
+
+
+def wide_weights(model: torch.nn.Module) -> torch.nn.Module:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
@@ -53,17 +57,7 @@ def recipe_model(config: LLaMAConfig, seed: int = 0) -> LLaMA:
 
 
 def recipe_config(n_kv_heads: int = 2) -> LLaMAConfig:
-    return LLaMAConfig(
-        vocab_size=VOCAB,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=n_kv_heads,
-        ffn_hidden_dim=96,
-        max_seq_len=64,
-        norm_eps=1e-5,
-        rope_theta=500.0,
-    )
+    return LLaMAConfig(**{ours: value for ours, _, value in SHAPE}, n_kv_heads=n_kv_heads)
 
 
 def tokens() -> torch.Tensor:
@@ -77,7 +71,7 @@ def logits_of(model) -> torch.Tensor:
 
 
 def load_recipe(path) -> LLaMA:
-    config, state_dict = convert.load_recipe_checkpoint(path)
+    config, state_dict = checkpoint_layout.load_recipe_checkpoint(path)
     model = LLaMA(config)
     model.load_state_dict(state_dict)
     return model.eval()
@@ -88,12 +82,12 @@ def save_sharded_recipe_checkpoint(path: Path, config: LLaMAConfig, model: LLaMA
     optimizer states, the rest (hyper-parameters) in meta.pt."""
     from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save
 
-    checkpoint = convert.make_recipe_checkpoint(config, model.state_dict())
+    checkpoint = checkpoint_layout.make_recipe_checkpoint(config, model.state_dict())
     path.mkdir(parents=True)
     optimizer_state = {"state": {0: {"exp_avg": torch.ones(3)}}, "param_groups": [{"lr": 1.0, "params": [0]}]}
     with pytest.warns(UserWarning, match="single process"):
         _distributed_checkpoint_save({"state_dict": checkpoint.pop("state_dict"), "optimizer_0": optimizer_state}, path)
-    torch.save(checkpoint, path / convert.LIGHTNING_METADATA_FILE)
+    torch.save(checkpoint, path / checkpoint_layout.LIGHTNING_METADATA_FILE)
 
 
 @pytest.mark.parametrize("n_kv_heads", [2, 4], ids=["gqa", "mha"])
@@ -112,7 +106,7 @@ def test_hf_to_recipe_logits_match_transformers(tmp_path, n_kv_heads):
 def test_recipe_file_to_hf_logits_match_transformers(tmp_path, n_kv_heads):
     config = recipe_config(n_kv_heads)
     ours = recipe_model(config)
-    convert.save_recipe_checkpoint(tmp_path / "recipe.ckpt", config, ours.state_dict())
+    checkpoint_layout.save_recipe_checkpoint(tmp_path / "recipe.ckpt", config, ours.state_dict())
     assert convert.main(["to-hf", str(tmp_path / "recipe.ckpt"), str(tmp_path / "hf")]) == 0
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.num_key_value_heads == n_kv_heads
@@ -123,7 +117,7 @@ def test_recipe_sharded_dcp_directory_to_hf_logits_match_transformers(tmp_path):
     config = recipe_config()
     ours = recipe_model(config, seed=3)
     save_sharded_recipe_checkpoint(tmp_path / "sharded", config, ours)
-    assert convert.is_sharded_checkpoint(tmp_path / "sharded")
+    assert is_sharded_checkpoint(tmp_path / "sharded")
     assert convert.main(["to-hf", str(tmp_path / "sharded"), str(tmp_path / "hf")]) == 0
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     torch.testing.assert_close(logits_of(hf), logits_of(ours), atol=1e-5, rtol=0)
@@ -136,7 +130,7 @@ _FSDP_SAVE_SCRIPT = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save
-    from recipes.llama2 import convert
+    from recipes.llama2 import checkpoint_layout
     from recipes.llama2.config import LLaMAConfig
     from recipes.llama2.model import LLaMA
 
@@ -155,7 +149,7 @@ _FSDP_SAVE_SCRIPT = textwrap.dedent(
         state = {{"model." + k: v for k, v in get_model_state_dict(model).items()}}
         _distributed_checkpoint_save({{"state_dict": state}}, __import__("pathlib").Path(out))
         if rank == 0:
-            meta = convert.make_recipe_checkpoint(config, {{}})
+            meta = checkpoint_layout.make_recipe_checkpoint(config, {{}})
             meta.pop("state_dict")
             torch.save(meta, out + "/meta.pt")
         dist.destroy_process_group()
@@ -181,7 +175,7 @@ def test_fsdp2_sharded_checkpoint_from_two_ranks_is_read_whole(tmp_path):
         capture_output=True,
     )
     assert len(list(out.glob("*.distcp"))) == 2  # one shard file per rank
-    loaded_config, state_dict = convert.load_recipe_checkpoint(out)
+    loaded_config, state_dict = checkpoint_layout.load_recipe_checkpoint(out)
     reference = torch.load(str(out) + ".reference.pt")
     assert loaded_config == config
     assert state_dict.keys() == reference.keys()
@@ -192,16 +186,16 @@ def test_fsdp2_sharded_checkpoint_from_two_ranks_is_read_whole(tmp_path):
 def test_name_map_covers_every_transformers_parameter_once():
     config = recipe_config()
     hf_names = set(hf_model(2).state_dict())
-    mapped = [name for names in convert.hf_name_map(config).values() for name in names]
+    mapped = [name for names in hf_checkpoint.hf_name_map(config).values() for name in names]
     assert len(mapped) == len(set(mapped))
     assert set(mapped) == hf_names
-    assert set(convert.hf_name_map(config)) == set(LLaMA(config).state_dict())
+    assert set(hf_checkpoint.hf_name_map(config)) == set(LLaMA(config).state_dict())
 
 
 def test_gate_rows_come_first_in_the_fused_projection():
     hf = hf_model(2)
     config = recipe_config()
-    ours = convert.hf_to_recipe_state_dict(hf.state_dict(), config)
+    ours = hf_checkpoint.hf_to_recipe_state_dict(hf.state_dict(), config)
     fused = ours["layers.1.feed_forward.w_gate_up.weight"]
     assert torch.equal(fused[:96], hf.model.layers[1].mlp.gate_proj.weight)
     assert torch.equal(fused[96:], hf.model.layers[1].mlp.up_proj.weight)
@@ -210,15 +204,15 @@ def test_gate_rows_come_first_in_the_fused_projection():
 def test_tied_embeddings_are_untied_on_import(tmp_path):
     hf = hf_model(2, tie=True)
     hf.save_pretrained(tmp_path / "hf")
-    assert "lm_head.weight" not in convert.load_hf_state_dict(tmp_path / "hf")
-    config, state_dict = convert.load_hf_checkpoint(tmp_path / "hf")
+    assert "lm_head.weight" not in hf_checkpoint.load_hf_state_dict(tmp_path / "hf")
+    config, state_dict = hf_checkpoint.load_hf_checkpoint(tmp_path / "hf")
     assert torch.equal(state_dict["output.weight"], state_dict["tok_embeddings.weight"])
     ours = LLaMA(config)
     ours.load_state_dict(state_dict)
     torch.testing.assert_close(logits_of(ours.eval()), logits_of(hf), atol=1e-5, rtol=0)
     # The untied copy survives a recipe checkpoint and exports again.
-    convert.save_recipe_checkpoint(tmp_path / "recipe.ckpt", config, state_dict)
-    convert.convert_recipe_to_hf(tmp_path / "recipe.ckpt", tmp_path / "hf_again")
+    checkpoint_layout.save_recipe_checkpoint(tmp_path / "recipe.ckpt", config, state_dict)
+    hf_checkpoint.convert_recipe_to_hf(tmp_path / "recipe.ckpt", tmp_path / "hf_again")
     again = LlamaForCausalLM.from_pretrained(tmp_path / "hf_again").eval()
     torch.testing.assert_close(logits_of(again), logits_of(hf), atol=1e-5, rtol=0)
 
@@ -226,13 +220,13 @@ def test_tied_embeddings_are_untied_on_import(tmp_path):
 def test_sharded_safetensors_export_round_trips(tmp_path):
     config = recipe_config()
     ours = recipe_model(config)
-    convert.save_hf_checkpoint(config, ours.state_dict(), tmp_path / "hf", max_shard_bytes=64 * 1024)
+    hf_checkpoint.save_hf_checkpoint(config, ours.state_dict(), tmp_path / "hf", max_shard_bytes=64 * 1024)
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
     assert len(shards) > 1 and all((tmp_path / "hf" / s).is_file() for s in shards)
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     torch.testing.assert_close(logits_of(hf), logits_of(ours), atol=1e-5, rtol=0)
-    config_back, state_back = convert.load_hf_checkpoint(tmp_path / "hf")
+    config_back, state_back = hf_checkpoint.load_hf_checkpoint(tmp_path / "hf")
     assert config_back == config
     for name, tensor in ours.state_dict().items():
         assert torch.equal(state_back[name], tensor), name
@@ -246,7 +240,7 @@ def test_pytorch_bin_checkpoints_with_rotary_buffers_are_read(tmp_path):
     # Checkpoints written by older transformers carry this buffer; it must be ignored.
     state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
     torch.save(state, directory / "pytorch_model.bin")
-    config, state_dict = convert.load_hf_checkpoint(directory)
+    config, state_dict = hf_checkpoint.load_hf_checkpoint(directory)
     ours = LLaMA(config)
     ours.load_state_dict(state_dict)
     torch.testing.assert_close(logits_of(ours.eval()), logits_of(hf), atol=1e-5, rtol=0)
@@ -255,7 +249,7 @@ def test_pytorch_bin_checkpoints_with_rotary_buffers_are_read(tmp_path):
 def test_bf16_checkpoint_exports_bf16_config(tmp_path):
     config = recipe_config()
     ours = recipe_model(config).to(torch.bfloat16)
-    convert.save_hf_checkpoint(config, ours.state_dict(), tmp_path / "hf")
+    hf_checkpoint.save_hf_checkpoint(config, ours.state_dict(), tmp_path / "hf")
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written["torch_dtype"] == written["dtype"] == "bfloat16"
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
@@ -269,22 +263,22 @@ def test_hf_shape_mismatch_names_the_tensor_and_both_shapes(tmp_path):
     hf_config["intermediate_size"] = 80
     config_path.write_text(json.dumps(hf_config))
     with pytest.raises(
-        convert.CheckpointError,
+        checkpoint_layout.CheckpointError,
         match=r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(96, 64\) .* implies \(80, 64\)",
     ):
-        convert.load_hf_checkpoint(tmp_path / "hf")
+        hf_checkpoint.load_hf_checkpoint(tmp_path / "hf")
 
 
 def test_recipe_shape_mismatch_names_the_tensor_and_both_shapes(tmp_path):
     ours = recipe_model(recipe_config())
     wrong = recipe_config()
     wrong.ffn_hidden_dim = 80
-    convert.save_recipe_checkpoint(tmp_path / "recipe.ckpt", wrong, ours.state_dict())
+    checkpoint_layout.save_recipe_checkpoint(tmp_path / "recipe.ckpt", wrong, ours.state_dict())
     with pytest.raises(
-        convert.CheckpointError,
+        checkpoint_layout.CheckpointError,
         match=r"'layers\.0\.feed_forward\.w_gate_up\.weight' has shape \(192, 64\) .* needs \(160, 64\)",
     ):
-        convert.load_recipe_checkpoint(tmp_path / "recipe.ckpt")
+        checkpoint_layout.load_recipe_checkpoint(tmp_path / "recipe.ckpt")
 
 
 def test_unknown_and_missing_tensors_are_named(tmp_path):
@@ -292,16 +286,16 @@ def test_unknown_and_missing_tensors_are_named(tmp_path):
     config = recipe_config()
     state = dict(hf.state_dict())
     state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
-    with pytest.raises(convert.CheckpointError, match=r"'model\.layers\.0\.self_attn\.q_proj\.bias'"):
-        convert.hf_to_recipe_state_dict(state, config)
+    with pytest.raises(checkpoint_layout.CheckpointError, match=r"'model\.layers\.0\.self_attn\.q_proj\.bias'"):
+        hf_checkpoint.hf_to_recipe_state_dict(state, config)
     state = dict(hf.state_dict())
     del state["model.layers.1.mlp.up_proj.weight"]
-    with pytest.raises(convert.CheckpointError, match=r"lacks 'model\.layers\.1\.mlp\.up_proj\.weight'"):
-        convert.hf_to_recipe_state_dict(state, config)
+    with pytest.raises(checkpoint_layout.CheckpointError, match=r"lacks 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        hf_checkpoint.hf_to_recipe_state_dict(state, config)
     ours = recipe_model(config).state_dict()
     ours["layers.0.attention.rotary.cos"] = torch.zeros(1)
-    with pytest.raises(convert.CheckpointError, match=r"'layers\.0\.attention\.rotary\.cos'"):
-        convert.check_state_dict(ours, config, source="test")
+    with pytest.raises(checkpoint_layout.CheckpointError, match=r"'layers\.0\.attention\.rotary\.cos'"):
+        checkpoint_layout.check_state_dict(ours, config, source="test")
 
 
 def test_missing_paths_and_non_llama_models_give_clear_errors(tmp_path, capsys):
@@ -310,29 +304,31 @@ def test_missing_paths_and_non_llama_models_give_clear_errors(tmp_path, capsys):
     assert convert.main(["to-hf", str(tmp_path / "missing.ckpt"), str(tmp_path / "out")]) == 1
     assert "missing.ckpt' does not exist" in capsys.readouterr().err
     hf_model(2).config.save_pretrained(tmp_path / "no_weights")
-    with pytest.raises(convert.CheckpointError, match=r"has no weights: expected one of .*model\.safetensors"):
-        convert.load_hf_checkpoint(tmp_path / "no_weights")
-    with pytest.raises(convert.CheckpointError, match=r"model_type='mistral'"):
-        convert.config_from_hf({"model_type": "mistral"})
-    with pytest.raises(convert.CheckpointError, match=r"rope_type='linear'"):
-        convert.config_from_hf({"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0}})
+    with pytest.raises(
+        checkpoint_layout.CheckpointError, match=r"has no weights: expected one of .*model\.safetensors"
+    ):
+        hf_checkpoint.load_hf_checkpoint(tmp_path / "no_weights")
+    with pytest.raises(checkpoint_layout.CheckpointError, match=r"model_type='mistral'"):
+        hf_checkpoint.config_from_hf({"model_type": "mistral"})
+    with pytest.raises(checkpoint_layout.CheckpointError, match=r"rope_type='linear'"):
+        hf_checkpoint.config_from_hf({"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0}})
     (tmp_path / "plain_dir").mkdir()
-    with pytest.raises(convert.CheckpointError, match=r"not a Lightning sharded checkpoint"):
-        convert.load_recipe_checkpoint(tmp_path / "plain_dir")
+    with pytest.raises(checkpoint_layout.CheckpointError, match=r"not a Lightning sharded checkpoint"):
+        checkpoint_layout.load_recipe_checkpoint(tmp_path / "plain_dir")
     torch.save({"weights": 1}, tmp_path / "other.pt")
-    with pytest.raises(convert.CheckpointError, match=r"has no 'state_dict' entry"):
-        convert.load_recipe_checkpoint(tmp_path / "other.pt")
+    with pytest.raises(checkpoint_layout.CheckpointError, match=r"has no 'state_dict' entry"):
+        checkpoint_layout.load_recipe_checkpoint(tmp_path / "other.pt")
 
 
 def test_checkpoint_without_config_or_model_prefix_is_explained(tmp_path):
     config = recipe_config()
     state = recipe_model(config).state_dict()
     torch.save({"state_dict": {"model." + k: v for k, v in state.items()}, "hyper_parameters": {}}, tmp_path / "a.ckpt")
-    with pytest.raises(convert.CheckpointError, match=r"no hyper_parameters\['config'\]"):
-        convert.load_recipe_checkpoint(tmp_path / "a.ckpt")
+    with pytest.raises(checkpoint_layout.CheckpointError, match=r"no hyper_parameters\['config'\]"):
+        checkpoint_layout.load_recipe_checkpoint(tmp_path / "a.ckpt")
     torch.save({"state_dict": state, "hyper_parameters": {"config": config.to_dict()}}, tmp_path / "b.ckpt")
-    with pytest.raises(convert.CheckpointError, match=r"no tensor under 'model\.'"):
-        convert.load_recipe_checkpoint(tmp_path / "b.ckpt")
+    with pytest.raises(checkpoint_layout.CheckpointError, match=r"no tensor under 'model\.'"):
+        checkpoint_layout.load_recipe_checkpoint(tmp_path / "b.ckpt")
 
 
 def test_recipe_checkpoint_accepts_preset_names_and_wrapped_module_keys(tmp_path):
@@ -346,9 +342,9 @@ def test_recipe_checkpoint_accepts_preset_names_and_wrapped_module_keys(tmp_path
         {"state_dict": {**wrapped, "loss_scale": torch.ones(1)}, "hyper_parameters": {"config": config.to_dict()}},
         tmp_path / "c.ckpt",
     )
-    loaded_config, loaded = convert.load_recipe_checkpoint(tmp_path / "c.ckpt")
+    loaded_config, loaded = checkpoint_layout.load_recipe_checkpoint(tmp_path / "c.ckpt")
     assert loaded_config == config and loaded.keys() == state.keys()
-    assert convert.config_from_hparams({"config": "tiny"}) == LLaMAConfig.from_preset("tiny")
+    assert checkpoint_layout.config_from_hparams({"config": "tiny"}) == LLaMAConfig.from_preset("tiny")
 
 
 def test_recipe_checkpoint_loads_into_a_lightning_module_holding_the_model(tmp_path):
@@ -362,7 +358,7 @@ def test_recipe_checkpoint_loads_into_a_lightning_module_holding_the_model(tmp_p
 
     config = recipe_config()
     ours = recipe_model(config)
-    convert.save_recipe_checkpoint(tmp_path / "recipe.ckpt", config, ours.state_dict())
+    checkpoint_layout.save_recipe_checkpoint(tmp_path / "recipe.ckpt", config, ours.state_dict())
     module = Module.load_from_checkpoint(tmp_path / "recipe.ckpt", weights_only=False)
     torch.testing.assert_close(logits_of(module.model.eval()), logits_of(ours), atol=0, rtol=0)
 

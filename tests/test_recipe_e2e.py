@@ -25,13 +25,13 @@ def _last_checkpoint(root, version):
 
 
 def test_fit_resume_generate_export_roundtrip(tmp_path):
-    from recipes.llama2.convert import load_recipe_checkpoint, read_recipe_metadata
+    from recipes.llama2.checkpoint_layout import load_recipe_checkpoint, read_recipe_metadata
 
     first = _train(tmp_path, "--trainer.max_steps", "8")
     ckpt = _last_checkpoint(tmp_path, 0)
     assert ckpt.is_dir() and (ckpt / ".metadata").is_file()  # sharded DCP checkpoint
     assert "train loss: first" in first.stdout and f"checkpoint: {ckpt}" in first.stdout
-    assert "recipes/llama2/generate.py --checkpoint" in first.stdout
+    assert f"recipes/llama2/generate.py {ckpt} --prompt" in first.stdout
     assert read_recipe_metadata(ckpt)["global_step"] == 8
 
     _train(tmp_path, "--trainer.max_steps", "12", "--ckpt_path", str(ckpt))
@@ -39,7 +39,7 @@ def test_fit_resume_generate_export_roundtrip(tmp_path):
     assert read_recipe_metadata(resumed)["global_step"] == 12
     assert ckpt.is_dir()  # the first run's checkpoint is untouched
 
-    out = run_python([str(REPO / "recipes/llama2/generate.py"), "--checkpoint", str(resumed), "--prompt", "The",
+    out = run_python([str(REPO / "recipes/llama2/generate.py"), str(resumed), "--prompt", "The",
                       "--max-new-tokens", "8"], simulate=None)
     assert "new tokens" in out.stdout + out.stderr
 
@@ -61,7 +61,7 @@ def test_fit_resume_generate_export_roundtrip(tmp_path):
 def _tiny_checkpoint(tmp_path):
     """A 4-layer tiny recipe checkpoint file (random weights), as an earlier run would have saved."""
     from recipes.llama2.config import LLaMAConfig
-    from recipes.llama2.convert import save_recipe_checkpoint
+    from recipes.llama2.checkpoint_layout import save_recipe_checkpoint
     from recipes.llama2.model import LLaMA
 
     config = LLaMAConfig.from_preset("tiny")

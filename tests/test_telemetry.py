@@ -61,6 +61,23 @@ def test_arithmetic_rejects_impossible_inputs():
         TokenThroughputMonitor(log_every_n_steps=0)
 
 
+def test_arithmetic_and_formatting_import_without_torch():
+    """The formulas and the lines are plain Python: importing them (with the package's own ``__init__`` kept out,
+    which still registers with Lightning) loads neither torch nor Lightning, so torch-free tools can use them."""
+    from tests.helpers import REPO, run_python
+
+    script = (
+        "import sys, types; package = types.ModuleType('lightning_npu'); "
+        f"package.__path__ = [{str(REPO / 'lightning_npu')!r}]; sys.modules['lightning_npu'] = package; "
+        "from lightning_npu.telemetry import arithmetic, formatting; "
+        "rate = arithmetic.tokens_per_second(8, 2); "
+        "print(formatting.format_line(step=1, max_steps=None, step_time_s=0.5, tokens_per_s=rate)); "
+        "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
+    )
+    out = run_python(["-c", script], simulate=None).stdout.splitlines()
+    assert out == ["step 1 | 4 tokens/s/npu | 0.50 s/step", "[]"]
+
+
 def test_line_has_the_reference_layout():
     line = format_line(
         step=100, max_steps=1000, loss=2.3454, lr=1e-5, tokens_per_s=4210.4, flops_per_s=212.3e12,
@@ -293,7 +310,7 @@ def test_validation_time_is_left_out_of_step_time(tmp_path, capsys):
 
 def test_other_accelerators_use_torch_accelerator_for_sync_and_memory(monkeypatch):
     """A GPU-like device: synchronisation and memory go through torch.accelerator, with the training device."""
-    from lightning_npu.telemetry import _generic_device_access
+    from lightning_npu.telemetry.device import torch_accelerator_device
 
     calls = []
     record = calls.append
@@ -302,7 +319,7 @@ def test_other_accelerators_use_torch_accelerator_for_sync_and_memory(monkeypatc
     monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda device=None: (10 * GIB, 80 * GIB))
     monkeypatch.setattr(torch.accelerator, "reset_peak_memory_stats", lambda device=None: record(("reset", device)))
     device = torch.device("meta", 1)
-    access = _generic_device_access(device)
+    access = torch_accelerator_device(device)
     access.reset_peak()
     access.synchronize()
     assert calls == [("reset", device), ("sync", device)]

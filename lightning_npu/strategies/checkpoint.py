@@ -495,6 +495,23 @@ def read_sharded(path: Union[str, Path]) -> dict[str, Any]:
     return checkpoint
 
 
+def read_sharded_state_dict(path: Union[str, Path]) -> dict[str, Any]:
+    """Only the model weights (``state_dict``) of the sharded Trainer checkpoint at ``path``, unsharded, on the CPU,
+    in one process: the optimizer states a sharded checkpoint also holds (about twice the weights) are not read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        missing = "does not exist" if not path.exists() else f"holds no {DCP_METADATA_FILENAME}"
+        raise FileNotFoundError(f"{path} is not a sharded checkpoint directory: it {missing}")
+    loaded: dict[str, Any] = {}
+    compat.dcp_load_state_dict(loaded, storage_reader=FileSystemReader(path),
+                               planner=compat.EmptyStateDictLoadPlanner(keys={"state_dict"}), no_dist=True)
+    if "state_dict" not in loaded:
+        raise KeyError(f"the sharded checkpoint {path} holds no 'state_dict' entry: it is not a Trainer checkpoint")
+    return loaded["state_dict"]
+
+
 def consolidate(directory: Union[str, Path], output: Union[str, Path]) -> Path:
     """Write the sharded checkpoint ``directory`` as one checkpoint file ``output`` (atomically)."""
     output = Path(output)

@@ -48,6 +48,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from recipes.llama2.tokenizer import TOKENIZER_FILES, load_tokenizer
+
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 DEFAULT_CORPUS = str(ASSETS_DIR / "corpus.jsonl")
 DEFAULT_TOKENIZER = str(ASSETS_DIR / "tokenizer")
@@ -58,16 +60,6 @@ _CACHE_FORMAT = 2
 _MANIFEST = "manifest.json"
 _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 _FORMAT_OF_SUFFIX = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text"}
-# Files that define a tokenizer; a model directory's weights are deliberately not hashed.
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-)
 
 
 def check_vocab_fits(tokenizer_vocab_size: int, model_vocab_size: int) -> None:
@@ -269,7 +261,7 @@ class TextDataModule(L.LightningDataModule):
         self.cache_dir = cache_dir
 
         self._format, self._data_files = _resolve_source(self.path)
-        self.tokenizer = _load_tokenizer(self.tokenizer_path)
+        self.tokenizer = load_tokenizer(self.tokenizer_path)
 
         self.train_dataset: PackedBlocks | None = None
         self.val_dataset: PackedBlocks | None = None
@@ -742,34 +734,9 @@ def _missing_column_error(text_column: str, columns: Sequence[str], path: str) -
     )
 
 
-def _load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        what = "is a file" if p.exists() else "does not exist"
-        raise FileNotFoundError(
-            f"Tokenizer path {path!r} {what}: pass a local directory with tokenizer.json and "
-            "tokenizer_config.json (e.g. the HF model directory). Nothing is downloaded."
-        )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    except Exception as err:  # transformers raises many types; the cause is kept below
-        raise ValueError(
-            f"Could not load a Hugging Face tokenizer from {path!r}: {err}. The directory needs tokenizer.json "
-            "(or tokenizer.model) and tokenizer_config.json."
-        ) from err
-    if tokenizer.eos_token_id is None:
-        raise ValueError(
-            f"The tokenizer at {path!r} has no EOS token, which packing puts between documents; set eos_token "
-            "in its tokenizer_config.json."
-        )
-    return tokenizer
-
-
 def _hash_tokenizer_files(path: str) -> str:
     digest = hashlib.sha256()
-    for name in _TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         f = Path(path).expanduser() / name
         if f.is_file():
             digest.update(name.encode())

@@ -1,7 +1,9 @@
 """Text generation from a recipe checkpoint (file or sharded directory) or a Hugging Face LLaMA directory.
 
-    python recipes/llama2/generate.py --checkpoint PATH --prompt "Once upon a time" --max-new-tokens 64 \
+    python recipes/llama2/generate.py CHECKPOINT --prompt "Once upon a time" --max-new-tokens 64 \
         [--temperature 0.8 --top-k 50 --top-p 0.95 --seed 1234 --tokenizer DIR --device auto --dtype auto]
+
+``CHECKPOINT`` is a recipe checkpoint file, a sharded checkpoint directory or a Hugging Face LLaMA directory.
 
 ``--temperature 0`` decodes greedily. The tokenizer defaults to the one recorded in a recipe
 checkpoint's hyper-parameters, or to the directory itself for a Hugging Face model.
@@ -16,14 +18,16 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 if __package__ in (None, ""):
-    # Run as a script: make `recipes.llama2` importable from the repository root.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import script_path  # noqa: F401  (run as a file: makes `recipes.llama2` importable, see script_path.py)
 
 import torch
 from torch import Tensor
 
+from recipes.llama2.checkpoint_layout import load_recipe_checkpoint, read_recipe_metadata, tokenizer_from_metadata
 from recipes.llama2.config import LLaMAConfig
+from recipes.llama2.hf_checkpoint import is_hf_directory, load_hf_checkpoint
 from recipes.llama2.model import LLaMA
+from recipes.llama2.tokenizer import has_tokenizer, load_tokenizer
 
 
 def sample_next_token(
@@ -143,20 +147,18 @@ def load_model(
 ) -> tuple[LLaMA, Optional[str]]:
     """A ``LLaMA`` in eval mode from a recipe checkpoint (file or sharded dir) or an HF directory, and the
     tokenizer path that goes with it (None if unknown). ``dtype`` None keeps the checkpoint's dtype."""
-    from recipes.llama2 import convert
-
     path = Path(checkpoint)
     if not path.exists():
         raise FileNotFoundError(
             f"Checkpoint {str(path)!r} does not exist. Pass a recipe checkpoint file (.ckpt), a sharded "
             "checkpoint directory, or a Hugging Face LLaMA directory."
         )
-    if convert.is_hf_directory(path):
-        config, state_dict = convert.load_hf_checkpoint(path)
-        tokenizer = str(path) if convert.has_tokenizer(path) else None
+    if is_hf_directory(path):
+        config, state_dict = load_hf_checkpoint(path)
+        tokenizer = str(path) if has_tokenizer(path) else None
     else:
-        config, state_dict = convert.load_recipe_checkpoint(path)
-        tokenizer = convert.tokenizer_from_metadata(convert.read_recipe_metadata(path))
+        config, state_dict = load_recipe_checkpoint(path)
+        tokenizer = tokenizer_from_metadata(read_recipe_metadata(path))
     model = build_model(config, state_dict, device=device, dtype=dtype)
     return model, tokenizer
 
@@ -196,9 +198,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def main(argv: Optional[Iterable[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="Generate text with a LLaMA-2 recipe or Hugging Face checkpoint.")
-    parser.add_argument(
-        "--checkpoint", required=True, type=Path, help="recipe .ckpt file, sharded checkpoint dir, or HF dir"
-    )
+    parser.add_argument("checkpoint", type=Path, help="recipe .ckpt file, sharded checkpoint dir, or HF dir")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -222,7 +222,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
             raise ValueError(
                 f"{args.checkpoint} records no tokenizer; pass --tokenizer DIR (e.g. recipes/llama2/assets/tokenizer)."
             )
-        tokenizer = _load_tokenizer(tokenizer_path)
+        tokenizer = load_tokenizer(tokenizer_path)
     except (ValueError, OSError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -253,14 +253,6 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
         file=sys.stderr,
     )
     return 0
-
-
-def _load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    if not Path(path).exists():
-        raise FileNotFoundError(f"Tokenizer directory {str(path)!r} does not exist; pass --tokenizer DIR.")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 if __name__ == "__main__":

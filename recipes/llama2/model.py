@@ -4,7 +4,7 @@ The model knows nothing of devices, parallelism or Lightning: sharding and activ
 wrap ``TransformerBlock`` from outside. It holds no buffers, so it can be built on the meta device,
 sharded, then materialised with ``to_empty()`` + ``reset_parameters()`` on each parameter-owning module.
 
-Parameter names (the recipe's state-dict layout; ``convert.py`` maps them to Hugging Face's)::
+Parameter names (the recipe's state-dict layout; ``hf_checkpoint.py`` maps them to Hugging Face's)::
 
     tok_embeddings.weight                      [vocab, dim]
     layers.{i}.attention_norm.weight           [dim]

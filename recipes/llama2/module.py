@@ -167,7 +167,8 @@ def load_pretrained(model: LLaMA, path: str, config: LLaMAConfig) -> None:
 
 def read_pretrained(path: str, config: LLaMAConfig) -> dict[str, Tensor]:
     """The weights at ``path`` (a Hugging Face directory or a recipe checkpoint), checked against ``config``."""
-    from recipes.llama2.convert import check_state_dict, is_hf_directory, load_hf_checkpoint, load_recipe_checkpoint
+    from recipes.llama2.checkpoint_layout import check_state_dict, load_recipe_checkpoint
+    from recipes.llama2.hf_checkpoint import is_hf_directory, load_hf_checkpoint
 
     source_config, state_dict = (load_hf_checkpoint if is_hf_directory(path) else load_recipe_checkpoint)(path)
     if source_config != config:

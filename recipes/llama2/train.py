@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 if __package__ in (None, ""):
-    # Run as a script: make `recipes.llama2` importable from the repository root.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import script_path  # noqa: F401  (run as a file: makes `recipes.llama2` importable, see script_path.py)
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -61,7 +60,7 @@ class RunSummary(Callback):
         if path:
             print(f"checkpoint: {path}")
             script = GENERATE_SCRIPT.relative_to(Path.cwd()) if GENERATE_SCRIPT.is_relative_to(Path.cwd()) else GENERATE_SCRIPT
-            command = ["python", str(script), "--checkpoint", path, "--prompt", "The", "--max-new-tokens", "40"]
+            command = ["python", str(script), path, "--prompt", "The", "--max-new-tokens", "40"]
             print("generate: " + shlex.join(command))
 
 
@@ -136,7 +135,7 @@ def check_run(model: LLaMA2, data: TextDataModule, trainer: Optional[Trainer] = 
 
 def check_resume_checkpoint(ckpt_path: str, config: LLaMAConfig) -> None:
     """``ckpt_path`` must be a recipe checkpoint of the configured model's shape (reads only its metadata)."""
-    from recipes.llama2.convert import config_from_hparams, read_recipe_metadata
+    from recipes.llama2.checkpoint_layout import config_from_hparams, read_recipe_metadata
 
     if not Path(ckpt_path).exists():
         raise FileNotFoundError(
