@@ -9,10 +9,10 @@ import torch
 from lightning.pytorch.accelerators import Accelerator
 from typing_extensions import override
 
+from lightning_npu.facts.devices import ALL_DEVICES, DEVICES, devices_request
+from lightning_npu.facts.env import VISIBLE_DEVICES_ENV
+from lightning_npu.facts.options import check_memory_fraction
 from lightning_npu.runtime import get_runtime, is_available
-from lightning_npu.runtime.probe import VISIBLE_DEVICES_ENV
-
-_DEVICES = Union[int, str, list[int], tuple[int, ...]]
 
 
 class NPUAccelerator(Accelerator):
@@ -21,11 +21,7 @@ class NPUAccelerator(Accelerator):
     def __init__(self, memory_fraction: Optional[float] = None) -> None:
         """``memory_fraction``: the share (0 < f <= 1) of each device's memory this process may allocate."""
         super().__init__()
-        if memory_fraction is not None and not 0.0 < float(memory_fraction) <= 1.0:
-            raise ValueError(
-                f"memory_fraction={memory_fraction!r} must lie in (0, 1]: it is the share of each NPU's memory"
-                " this process may allocate (e.g. 0.9)"
-            )
+        check_memory_fraction(memory_fraction)
         self.memory_fraction = memory_fraction
         # Raises the probe's reason right where the user asked for the accelerator.
         self.runtime = get_runtime()
@@ -44,7 +40,7 @@ class NPUAccelerator(Accelerator):
 
     @staticmethod
     @override
-    def parse_devices(devices: _DEVICES) -> list[int]:
+    def parse_devices(devices: DEVICES) -> list[int]:
         return parse_device_ids(devices, get_runtime().device_count())
 
     @staticmethod
@@ -73,43 +69,25 @@ class NPUAccelerator(Accelerator):
         return self.runtime.memory_stats(torch.device(device))
 
 
-def parse_device_ids(devices: _DEVICES, visible: int) -> list[int]:
+def parse_device_ids(devices: DEVICES, visible: int) -> list[int]:
     """Turn a Trainer/Fabric ``devices`` value into NPU indices, checking each against the ``visible`` count.
 
     ``int`` n: the first n devices (-1: all); ``"auto"``/``"-1"``: all; ``"2"``: two devices; ``"0,1"`` or
-    ``[0, 1]``: those device ids.
+    ``[0, 1]``: those device ids (read by ``facts.devices.devices_request``).
     """
-    if isinstance(devices, bool):
-        raise TypeError(f"devices={devices!r} is not a device count or list of ids; use e.g. devices=2 or devices=[0, 1]")
-    if isinstance(devices, str):
-        text = devices.strip()
-        if text in ("auto", "-1"):
-            devices = -1
-        elif text.isdigit():
-            devices = int(text)
-        elif text and all(part.strip().isdigit() for part in text.rstrip(",").split(",")):
-            devices = [int(part) for part in text.rstrip(",").split(",")]
-        else:
-            raise ValueError(f"devices={devices!r} is not understood; use a count like '2', ids like '0,1', or 'auto'")
-    if isinstance(devices, int):
-        if devices == -1:
-            devices = visible
-        if devices < 1:
-            raise ValueError(f"devices={devices!r} must be a positive number of NPUs, -1 or 'auto' for all")
-        if devices > visible:
-            raise ValueError(f"devices={devices} asks for more NPUs than are visible: {_visibility(visible)}")
-        return list(range(devices))
-    ids = list(devices)
-    if not ids:
-        raise ValueError("devices=[] selects no NPU; give at least one id, e.g. devices=[0]")
-    if any(not isinstance(index, int) or isinstance(index, bool) for index in ids):
-        raise TypeError(f"devices={devices!r} must contain integer device ids")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"devices={devices!r} lists a device more than once; list each NPU id once")
-    for index in ids:
+    request = devices_request(devices)
+    if isinstance(request, int):
+        count = visible if request == ALL_DEVICES else request
+        if count < 1:
+            raise ValueError(f"devices={count!r} must be a positive number of NPUs, -1 or 'auto' for all")
+        if count > visible:
+            raise ValueError(f"devices={count} asks for more NPUs than are visible: {_visibility(visible)}")
+        return list(range(count))
+    shown = request if isinstance(devices, str) else devices
+    for index in request:
         if not 0 <= index < visible:
-            raise ValueError(f"devices={devices!r} asks for NPU {index}, which is not visible: {_visibility(visible)}")
-    return ids
+            raise ValueError(f"devices={shown!r} asks for NPU {index}, which is not visible: {_visibility(visible)}")
+    return request
 
 
 def _visibility(visible: int) -> str:

@@ -13,24 +13,12 @@ from typing import Any, Optional
 
 import torch
 
-SUPPORTED = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
-_UNSUPPORTED_REASONS = {
-    "64-true": "HCCL cannot reduce float64 tensors",
-    "transformer-engine": "transformer-engine fp8 kernels exist only for NVIDIA GPUs; Ascend 910B/910_93 chips have no fp8 units",
-    "transformer-engine-float16": "transformer-engine fp8 kernels exist only for NVIDIA GPUs",
-}
+from lightning_npu.facts.precisions import PRECISION_DTYPES, canonical_precision, uses_bf16
 
 
 def check_precision(precision: str, chip_name: Optional[str] = None, supports_bf16: bool = True) -> None:
-    """Raise a clear error for precision settings the NPU cannot run."""
-    if precision in _UNSUPPORTED_REASONS:
-        raise ValueError(
-            f"precision={precision!r} is not supported on NPUs: {_UNSUPPORTED_REASONS[precision]}."
-            f" Use one of {', '.join(repr(p) for p in SUPPORTED)} (usually 'bf16-mixed')."
-        )
-    if precision not in SUPPORTED:
-        raise ValueError(f"precision={precision!r} is not supported on NPUs; use one of {', '.join(SUPPORTED)}")
-    if precision.startswith("bf16") and not supports_bf16:
+    """Raise a clear error for precision settings the NPU cannot run (``facts.precisions`` says which exist)."""
+    if uses_bf16(canonical_precision(precision)) and not supports_bf16:
         raise ValueError(
             f"precision={precision!r} is not supported on {chip_name} (no bf16 units); use precision='16-mixed'"
         )
@@ -46,16 +34,15 @@ def build_precision(precision: str, *, device_type: str, scaler: Optional[torch.
 
     ``scaler`` is the loss scaler used for '16-mixed' (the runtime's, sharded under FSDP).
     """
+    precision = canonical_precision(precision)  # raises for settings NPUs cannot run
     if precision == "32-true":
         return plugins_namespace.Precision()
     if precision in ("bf16-true", "16-true"):
         return plugins_namespace.HalfPrecision(precision)
     if precision == "bf16-mixed":
         return _unscaled_mixed_precision(plugins_namespace.MixedPrecision)(precision, device=device_type)
-    if precision == "16-mixed":
-        return plugins_namespace.MixedPrecision(precision, device=device_type, scaler=scaler)
-    check_precision(precision)
-    raise AssertionError(precision)  # check_precision raised already
+    assert precision == "16-mixed", precision  # every name canonical_precision returns is handled above
+    return plugins_namespace.MixedPrecision(precision, device=device_type, scaler=scaler)
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,11 +78,11 @@ def needs_rebuild(plugin: Any, device_type: str) -> bool:
 
 
 def mixed_precision_policy(precision: Optional[str]) -> Any:
-    """FSDP2's MixedPrecisionPolicy for a precision setting: low-precision params, fp32 gradient reduction."""
+    """FSDP2's MixedPrecisionPolicy for a precision setting: for the mixed ones, params gathered in the compute
+    dtype and gradients reduced in fp32; none for the others (parameters are stored as they compute)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if precision == "bf16-mixed":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if precision == "16-mixed":
-        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+    dtypes = PRECISION_DTYPES.get(precision)  # None for a plugin the NPU code did not build (a user's instance)
+    if dtypes is None or not dtypes.mixed:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, dtypes.compute), reduce_dtype=getattr(torch, dtypes.reduce))

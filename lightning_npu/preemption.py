@@ -43,6 +43,8 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
+from lightning_npu.facts.env import SLURM_ARRAY_JOB_ID, SLURM_ARRAY_TASK_ID, SLURM_JOB_ID
+
 _PATCHED = "_lightning_npu_patched"
 
 
@@ -172,8 +174,8 @@ class GracefulPreemption(Callback):
             return
         if signum != (environment.requeue_signal or signal.SIGUSR1):
             return
-        array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
-        job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
+        array_job = os.environ.get(SLURM_ARRAY_JOB_ID)
+        job = f"{array_job}_{os.environ[SLURM_ARRAY_TASK_ID]}" if array_job else os.environ[SLURM_JOB_ID]
         result = subprocess.call(["scontrol", "requeue", job])
         print(f"[lightning-npu] scontrol requeue {job}: {'done' if result == 0 else f'failed ({result})'}", flush=True)
 

@@ -473,7 +473,7 @@ def _device_access(trainer: Trainer) -> _DeviceAccess:
             reason = (
                 f"no peak bf16 FLOP/s is known for chip {chip.name!r}"
                 + ("" if chip.supports_bf16 else " (it has no bf16 units)")
-                + "; add it to lightning_npu/runtime/chips.py if it is published"
+                + "; add it to lightning_npu/facts/chips.py if it is published"
             )
             memory = lambda: MemoryReading(runtime.max_memory_allocated(device), runtime.total_memory(device))  # noqa: E731
         return _DeviceAccess(

@@ -12,6 +12,7 @@ from lightning.pytorch import Trainer
 
 import lightning_npu
 from lightning_npu import NPUAccelerator, NPUUnavailableError
+from lightning_npu.facts import devices
 from lightning_npu.runtime import probe, simulated
 from tests.helpers import REPO, run_python
 
@@ -76,7 +77,7 @@ def test_visible_devices_problems(monkeypatch, value, message):
 def test_visible_device_ids_are_read_like_torch_npu_reads_them(value, ids):
     """Catches a parser that differs from torch_npu's _parse_visible_devices (trailing comma or space accepted,
     reading stops at the first empty field or stray character)."""
-    assert probe.visible_device_ids(value) == ids
+    assert devices.visible_device_ids(value) == ids
 
 
 @pytest.mark.parametrize(("value", "count"), [("0,1,", 2), ("0,1 ", 2), ("2,3,5", 3), ("0,1,3\n", 3)])
@@ -86,7 +87,7 @@ def test_values_torch_npu_reads_in_full_pass_the_probe_with_its_count(monkeypatc
 
     install_fake_torch_npu(monkeypatch, device_count=8)
     monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", value)
-    assert probe.visible_devices_problem(value) is None
+    assert devices.visible_devices_problem(value) is None
     result = probe.probe_npu()
     assert (result.available, result.device_count, result.reason) == (True, count, None)
 
@@ -146,9 +147,9 @@ def test_bad_simulate_value_is_rejected(monkeypatch, value):
 
 
 def test_simulation_is_never_implicit():
-    assert simulated.simulated_count(None) == 0
-    assert simulated.simulated_count("0") == 0
-    assert simulated.simulated_count("4") == 4
+    assert devices.simulated_count(None) == 0
+    assert devices.simulated_count("0") == 0
+    assert devices.simulated_count("4") == 4
 
 
 def test_simulation_warns_once_per_process(simulate):

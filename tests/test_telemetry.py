@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from lightning_npu.runtime.chips import ChipFacts
+from lightning_npu.facts.chips import ChipFacts
 from lightning_npu.runtime.simulated import SimulatedRuntime
 from lightning_npu.telemetry import (
     GIB,

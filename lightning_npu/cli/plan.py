@@ -208,7 +208,7 @@ class PlanSpec:
                 f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}; lower data.seq_len"
                 f" (or --seq-len) or set model.config.max_seq_len >= {self.seq_len}"
             )
-        from lightning_npu.runtime.chips import chip_series  # pure Python: planning needs no torch
+        from lightning_npu.facts.chips import chip_series  # pure Python: planning needs no torch
 
         if chip_series(self.chip) == "training" and self.devices not in ATLAS_TRAINING_DEVICES_PER_SERVER:
             raise PlanError(

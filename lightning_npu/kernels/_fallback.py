@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from lightning_npu.runtime.chips import runs_a2_a3_kernels
+from lightning_npu.facts.chips import runs_a2_a3_kernels
 
 log = logging.getLogger("lightning_npu.kernels")
 
@@ -30,7 +30,7 @@ def chip_unsupported_reason(op: str) -> Optional[str]:
     """Why the current NPU cannot run fused op ``op`` (an A2/A3-only kernel), or None if it can.
 
     npu_fusion_attention, npu_rotary_mul and npu_swiglu are documented for the Atlas A2 and A3 training series
-    only. The chip is matched by its exact name (runtime/chips.py): "Ascend910B" itself is a first-generation
+    only. The chip is matched by its exact name (facts/chips.py): "Ascend910B" itself is a first-generation
     part, and a chip torch_npu added later (Ascend950, Ascend310P*) is not assumed to run them. The device name
     is read once per process; all NPUs of a node are the same chip.
     """

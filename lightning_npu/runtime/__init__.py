@@ -3,8 +3,8 @@
 ``get_runtime()`` returns the simulated runtime when ``LIGHTNING_NPU_SIMULATE`` asks for it, the real NPU
 runtime when the probe finds usable NPUs, and otherwise raises ``NPUUnavailableError`` carrying the reason.
 
-Importing this package imports no torch: the chip table (``runtime.chips``) is pure Python, so torch-free
-tools (``lightning-npu plan``) can read it; the other names load their modules on first use.
+Importing this package imports no torch: its names load their modules on first use. The facts the runtime
+reads (chips, device ids, the simulator's variable) live in the torch-free ``lightning_npu.facts``.
 """
 
 from __future__ import annotations
@@ -14,19 +14,20 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
+from lightning_npu.facts.devices import simulated_count
+from lightning_npu.facts.env import SIMULATE_ENV
+
 if TYPE_CHECKING:
     from lightning_npu.runtime.base import Runtime
     from lightning_npu.runtime.probe import ProbeResult
 
 __all__ = [
-    "ChipFacts",
     "NPUUnavailableError",
     "ProbeResult",
     "Runtime",
     "active_runtime",
     "SIMULATE_ENV",
     "SimulationWarning",
-    "chip_facts",
     "get_runtime",
     "is_available",
     "probe_npu",
@@ -34,15 +35,11 @@ __all__ = [
 
 # Names re-exported from the submodules, imported when first asked for (PEP 562).
 _LAZY = {
-    "ChipFacts": "chips",
-    "chip_facts": "chips",
     "Runtime": "base",
     "ProbeResult": "probe",
     "probe_npu": "probe",
-    "SIMULATE_ENV": "simulated",
     "SimulatedRuntime": "simulated",
     "SimulationWarning": "simulated",
-    "simulated_count": "simulated",
 }
 
 
@@ -66,7 +63,7 @@ def _probe() -> ProbeResult:
 @functools.lru_cache(maxsize=1)
 def get_runtime() -> Runtime:
     """The runtime of this process (cached; ``get_runtime.cache_clear()`` re-reads the environment)."""
-    from lightning_npu.runtime.simulated import SIMULATE_ENV, SimulatedRuntime, simulated_count
+    from lightning_npu.runtime.simulated import SimulatedRuntime
 
     count = simulated_count(os.environ.get(SIMULATE_ENV))
     if count:

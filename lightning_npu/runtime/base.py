@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from lightning_npu.runtime.chips import ChipFacts
+from lightning_npu.facts.chips import ChipFacts
 
 
 class Runtime(ABC):

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from lightning_npu.runtime.base import Runtime, torch_grad_scaler
-from lightning_npu.runtime.chips import ChipFacts, chip_facts
+from lightning_npu.facts.chips import ChipFacts, chip_facts
 
 
 class NPURuntime(Runtime):

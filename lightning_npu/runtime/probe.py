@@ -18,7 +18,9 @@ from typing import Optional
 
 import torch
 
-VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
+from lightning_npu.facts.devices import visible_devices_problem
+from lightning_npu.facts.env import VISIBLE_DEVICES_ENV
+
 CANN_HINT = (
     "install the CANN toolkit and source its environment before starting Python, e.g."
     " `source /usr/local/Ascend/ascend-toolkit/set_env.sh`"
@@ -40,61 +42,6 @@ def release(version: str) -> tuple[int, ...]:
     if match is None:
         return ()
     return tuple(int(part or 0) for part in match.groups())
-
-
-def visible_device_ids(value: str) -> list[int]:
-    """The device ids torch_npu reads from an ``ASCEND_RT_VISIBLE_DEVICES`` value.
-
-    This is torch_npu's own parser (``_parse_visible_devices`` in ``torch_npu/npu/__init__.py``, the same in
-    2.6.0 .. 2.14.0), which follows CANN's rule: ids are separated by commas and read only up to the first
-    character that is neither a digit nor a comma, and an empty field ends the list. So ``"0,1,"`` and
-    ``"0,1 "`` give [0, 1], ``"0, 1"`` gives [0], ``" 0,1"`` gives []. A character ``str.isdigit`` accepts but
-    ``int`` does not (``"²"``) makes torch_npu raise; here it raises ValueError the same way.
-    """
-    end = next((i for i, char in enumerate(value) if not (char.isdigit() or char == ",")), len(value))
-    ids: list[int] = []
-    for field in value[:end].split(","):
-        if not field:
-            break
-        ids.append(int(field))
-    return ids
-
-
-def visible_devices_problem(value: Optional[str]) -> Optional[str]:
-    """Why an ``ASCEND_RT_VISIBLE_DEVICES`` value hides devices, or None if torch_npu reads it as written (or unset).
-
-    torch_npu shows no device when the value yields no id or ids that are not strictly ascending (the runtime
-    needs ascending ids; duplicates count as not ascending). It silently drops every id after a space or other
-    stray character, so a value it reads only in part is reported too, with the ids it does read.
-    """
-    if value is None:
-        return None
-    if value.strip() == "":
-        return f"{VISIBLE_DEVICES_ENV} is set but empty, which hides every NPU; unset it or list device ids like 0,1"
-    written = [int(run) for run in re.findall(r"[0-9]+", value)]
-    example = ",".join(str(i) for i in sorted(set(written))) or "0,1,2,3"
-    try:
-        ids = visible_device_ids(value)
-    except ValueError:
-        ids = None
-    if not ids:
-        return (
-            f"{VISIBLE_DEVICES_ENV}={value!r} is malformed and hides every NPU (torch_npu reads device ids only up to"
-            " the first character that is neither a digit nor a comma); use comma-separated device ids without"
-            f" spaces, e.g. {example}"
-        )
-    if any(later <= earlier for earlier, later in zip(ids, ids[1:])):
-        return (
-            f"{VISIBLE_DEVICES_ENV}={value!r} is not strictly ascending (CANN then shows no device);"
-            f" list each id once in ascending order, e.g. {example}"
-        )
-    if ids != written:
-        return (
-            f"{VISIBLE_DEVICES_ENV}={value!r} is malformed: torch_npu reads only device(s) {','.join(map(str, ids))}"
-            " from it (it stops at the first empty field or character other than a digit or comma);"
-            f" use comma-separated device ids without spaces, e.g. {example}"
-        )
-    return None
 
 
 def torch_npu_version() -> Optional[str]:

@@ -10,10 +10,14 @@ from typing import Any
 
 import torch
 
+from lightning_npu.facts.chips import ChipFacts
+from lightning_npu.facts.devices import simulated_count
+from lightning_npu.facts.env import SIMULATE_ENV
 from lightning_npu.runtime.base import Runtime, torch_grad_scaler
-from lightning_npu.runtime.chips import ChipFacts
 
-SIMULATE_ENV = "LIGHTNING_NPU_SIMULATE"
+# simulated_count is re-exported for the doctor's probe, which imports it from here.
+__all__ = ["SIMULATED_NAME", "SIMULATE_ENV", "SimulatedRuntime", "SimulationWarning", "simulated_count"]
+
 SIMULATED_NAME = "SimulatedNPU(cpu)"
 
 
@@ -97,22 +101,6 @@ class SimulatedRuntime(Runtime):
             profile_memory=profile_memory,
             with_stack=with_stack,
         )
-
-
-def simulated_count(value: str | None) -> int:
-    """The number of simulated devices LIGHTNING_NPU_SIMULATE asks for (0 = simulation off)."""
-    if value is None or value.strip() in ("", "0"):
-        return 0
-    try:
-        count = int(value)
-    except ValueError:
-        count = -1
-    if count < 1:
-        raise ValueError(
-            f"{SIMULATE_ENV}={value!r} is not a number of devices; set it to a positive integer such as 2"
-            " to simulate that many NPUs on the CPU, or unset it to use real NPUs"
-        )
-    return count
 
 
 def _rss_bytes() -> int:

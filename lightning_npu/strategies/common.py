@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_npu.facts.env import HCCL_TIMEOUTS
 from lightning_npu.timeouts import default_timeout_s, timeout_problem
 
 TIMEOUT = Union[float, timedelta]
@@ -36,7 +37,7 @@ def wrap_ddp(module: torch.nn.Module, root_device: torch.device, ddp_kwargs: dic
 def check_timeouts(timeout: timedelta, backend: str) -> None:
     """Warn (once per process) when the process-group timeout is not above the HCCL timeouts: on hccl, or
     whenever the user set an HCCL timeout (so a simulated run shows what the real one would say)."""
-    if backend != "hccl" and not any(name in os.environ for name in ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT")):
+    if backend != "hccl" and not any(name in os.environ for name in HCCL_TIMEOUTS):
         return
     problem = timeout_problem(timeout.total_seconds(), os.environ)
     if problem:

@@ -23,6 +23,12 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_npu.facts.options import (
+    DEFAULT_ACTIVATION_CHECKPOINTING_RATIO,
+    DEFAULT_SHARDING,
+    DEFAULT_ZERO_STAGE,
+    FSDPChoices,
+)
 from lightning_npu.precision import mixed_precision_policy, precision_name
 from lightning_npu.strategies import initial_state
 from lightning_npu.strategies.backward_sync import RestoresBackwardSync, gradients_unsynced
@@ -54,32 +60,12 @@ warnings.filterwarnings("ignore", message=r"`trainer.init_module` cannot fully s
 
 
 @dataclass(frozen=True)
-class FSDPOptions:
-    """The sharding choices both FSDP strategies accept, validated once."""
+class FSDPOptions(FSDPChoices):
+    """The sharding choices both FSDP strategies accept, validated once: the torch-free ones (``FSDPChoices``,
+    which the planner shares) and the module-class policies."""
 
     auto_wrap_policy: MODULE_CLASSES = None
-    zero_stage: int = 3
-    sharding: SHARDING = "full"
     activation_checkpointing_policy: MODULE_CLASSES = None
-    activation_checkpointing_ratio: float = 1.0
-    cpu_offload: bool = False
-    memory_fraction: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        if self.zero_stage not in (2, 3):
-            raise ValueError(
-                f"zero_stage={self.zero_stage!r} is not supported; use 3 (parameters resharded after forward,"
-                " least memory) or 2 (parameters kept gathered until backward, less communication)"
-            )
-        if self.sharding not in ("full", "hybrid"):
-            raise ValueError(f"sharding={self.sharding!r} is not supported; use 'full' or 'hybrid'")
-        if not 0.0 <= float(self.activation_checkpointing_ratio) <= 1.0:
-            raise ValueError(
-                f"activation_checkpointing_ratio={self.activation_checkpointing_ratio!r} must lie in [0, 1]:"
-                " it is the fraction of matching blocks whose activations are recomputed"
-            )
-        if self.memory_fraction is not None and not 0.0 < float(self.memory_fraction) <= 1.0:
-            raise ValueError(f"memory_fraction={self.memory_fraction!r} must lie in (0, 1]")
 
     def parallelize(self, model: nn.Module, mesh: Any, precision: Optional[str], step_methods: Iterable[str] = ()) -> None:
         """Checkpoint activations, then shard ``model``: blocks by policy, then ``model`` as the root unit."""
@@ -90,7 +76,7 @@ class FSDPOptions:
             model,
             mesh,
             wrap_classes=wrap_classes,
-            reshard_after_forward=self.zero_stage == 3,
+            reshard_after_forward=self.reshard_after_forward,
             mp_policy=mixed_precision_policy(precision),
             cpu_offload=self.cpu_offload,
             step_methods=step_methods,
@@ -201,10 +187,10 @@ class _FSDPStrategyBase(BackendFromRuntime):
     def __init__(
         self,
         auto_wrap_policy: MODULE_CLASSES = None,
-        zero_stage: int = 3,
-        sharding: SHARDING = "full",
+        zero_stage: int = DEFAULT_ZERO_STAGE,
+        sharding: SHARDING = DEFAULT_SHARDING,
         activation_checkpointing_policy: MODULE_CLASSES = None,
-        activation_checkpointing_ratio: float = 1.0,
+        activation_checkpointing_ratio: float = DEFAULT_ACTIVATION_CHECKPOINTING_RATIO,
         cpu_offload: bool = False,
         state_dict_type: STATE_DICT_TYPE = "sharded",
         timeout: Optional[TIMEOUT] = None,
@@ -225,8 +211,10 @@ class _FSDPStrategyBase(BackendFromRuntime):
             **self._base_kwargs(),
         )
         self.options = FSDPOptions(
-            auto_wrap_policy, zero_stage, sharding, activation_checkpointing_policy,
-            activation_checkpointing_ratio, cpu_offload, memory_fraction,
+            auto_wrap_policy=auto_wrap_policy, zero_stage=zero_stage, sharding=sharding,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            activation_checkpointing_ratio=activation_checkpointing_ratio, cpu_offload=cpu_offload,
+            memory_fraction=memory_fraction,
         )
         self._checkpoints = CheckpointWriter(bool(async_save), self._timeout)
 

@@ -13,6 +13,8 @@ from typing import Literal, Optional, Union
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_npu.facts.options import evenly_spaced
+
 #: Module classes given as classes (Python) or as names: a dotted import path or a bare class name (YAML).
 MODULE_CLASSES = Union[Iterable[Union[str, type]], None]
 SHARDING = Literal["full", "hybrid"]
@@ -53,11 +55,6 @@ def resolve_module_classes(spec: MODULE_CLASSES, model: nn.Module, option: str) 
                 f" {', '.join(sorted(in_model))}"
             )
     return tuple(classes)
-
-
-def evenly_spaced(count: int, ratio: float) -> list[int]:
-    """Indices of ``round(count * ratio)``-ish items spread evenly over ``count`` (ratio 0.5 of 4 -> [1, 3])."""
-    return [i for i in range(count) if int((i + 1) * ratio) > int(i * ratio)]
 
 
 def apply_activation_checkpointing(model: nn.Module, classes: tuple[type, ...], ratio: float) -> list[str]:

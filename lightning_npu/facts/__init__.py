@@ -1,0 +1,16 @@
+"""Facts about Ascend NPUs and lightning-npu's options, each written once, importing neither torch nor Lightning.
+
+The runtime, strategies, accelerator, precision plugin, kernels, planner and doctor all read them here, so
+torch-free tools (``lightning-npu plan`` and ``doctor``) and the training code cannot disagree.
+
+- ``chips``: the one chip table -- series (which fused kernels run), peak bf16 FLOP/s, device memory (GiB),
+  matched by the exact name ``torch.npu.get_device_name()`` returns; the planner's default chip.
+- ``precisions``: the precision settings NPU runs accept, Lightning's aliases, their dtypes, and why the rest
+  cannot run (``canonical_precision``).
+- ``options``: ``npu_fsdp``'s torch-free options (zero_stage, sharding, activation checkpointing ratio,
+  memory_fraction): defaults, validation with the fix in the message, which blocks a ratio checkpoints.
+- ``env``: the name of every environment variable the package reads or writes.
+- ``devices``: device ids -- torch_npu's reading of ``ASCEND_RT_VISIBLE_DEVICES`` and a ``devices=`` value.
+
+Modules here import only the standard library and each other (``tests/test_facts.py`` checks it).
+"""

@@ -1,0 +1,74 @@
+"""The name of every environment variable lightning-npu reads or writes, with who reads it.
+
+Code spells these names only through this module (the doctor, the runtime, the strategies and the launcher
+alike), so renaming or documenting one happens here. Values and the rules about them stay with their users
+(``timeouts.py`` for the HCCL timeouts, ``runtime`` for the simulator, ``cli/doctor.py`` for the checks).
+"""
+
+from __future__ import annotations
+
+# ----------------------------------------------------------------------------------------- lightning-npu's own
+#: ``<n>``: run accelerator="npu" on the CPU as n simulated NPUs (gloo); unset, "" or "0": real NPUs.
+SIMULATE_ENV = "LIGHTNING_NPU_SIMULATE"
+
+# ------------------------------------------------------------------------------------------ torch / torch_npu
+#: The device ids the NPU runtime shows this process (CANN's mask, parsed by ``facts.devices``).
+VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
+#: torch >= 2.5 loads torch_npu on ``import torch`` unless this is "0".
+AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
+#: torch_npu's caching allocator settings (``expandable_segments:True``, ...).
+NPU_ALLOC_CONF = "PYTORCH_NPU_ALLOC_CONF"
+#: torch's device-generic allocator settings; torch_npu refuses to start when both are set.
+ALLOC_CONF = "PYTORCH_ALLOC_CONF"
+#: torch_npu's operator dispatch queue level (0, 1, 2).
+TASK_QUEUE_ENABLE = "TASK_QUEUE_ENABLE"
+#: "1": every operator launches synchronously (debugging).
+ASCEND_LAUNCH_BLOCKING = "ASCEND_LAUNCH_BLOCKING"
+#: torch_npu's HCCL error handling mode (0..3); ``HCCL_ASYNC_ERROR_HANDLING`` is its old spelling.
+TORCH_HCCL_ASYNC_ERROR_HANDLING = "TORCH_HCCL_ASYNC_ERROR_HANDLING"
+HCCL_ASYNC_ERROR_HANDLING = "HCCL_ASYNC_ERROR_HANDLING"
+#: torch_npu's flight recorder (see ``timeouts.FLIGHT_RECORDER_ENV`` for the values it is turned on with).
+TORCH_HCCL_TRACE_BUFFER_SIZE = "TORCH_HCCL_TRACE_BUFFER_SIZE"
+TORCH_HCCL_ENABLE_MONITORING = "TORCH_HCCL_ENABLE_MONITORING"
+TORCH_HCCL_DUMP_ON_TIMEOUT = "TORCH_HCCL_DUMP_ON_TIMEOUT"
+TORCH_HCCL_DEBUG_INFO_TEMP_FILE = "TORCH_HCCL_DEBUG_INFO_TEMP_FILE"
+TORCH_HCCL_TRACE_CPP_STACK = "TORCH_HCCL_TRACE_CPP_STACK"
+
+# --------------------------------------------------------------------------------------------------- CANN / HCCL
+#: Seconds HCCL waits for link set-up / inside one collective (``timeouts.py`` holds the defaults and the rule).
+HCCL_CONNECT_TIMEOUT = "HCCL_CONNECT_TIMEOUT"
+HCCL_EXEC_TIMEOUT = "HCCL_EXEC_TIMEOUT"
+HCCL_TIMEOUTS = (HCCL_CONNECT_TIMEOUT, HCCL_EXEC_TIMEOUT)
+#: MB each communicator allocates (twice) on every NPU.
+HCCL_BUFFSIZE = "HCCL_BUFFSIZE"
+#: Which host NIC HCCL binds: by address, by interface name, and its first port.
+HCCL_IF_IP = "HCCL_IF_IP"
+HCCL_SOCKET_IFNAME = "HCCL_SOCKET_IFNAME"
+HCCL_IF_BASE_PORT = "HCCL_IF_BASE_PORT"
+#: Deterministic reductions (false, true, strict).
+HCCL_DETERMINISTIC = "HCCL_DETERMINISTIC"
+#: Where CANN's ``set_env.sh`` points, and where its installer does, in the order the doctor searches them.
+ASCEND_HOME_PATH = "ASCEND_HOME_PATH"
+ASCEND_TOOLKIT_HOME = "ASCEND_TOOLKIT_HOME"
+CANN_HOME_ENVS = (ASCEND_HOME_PATH, ASCEND_TOOLKIT_HOME)
+#: CANN's log level and event logs (turned on for hang diagnostics).
+ASCEND_GLOBAL_LOG_LEVEL = "ASCEND_GLOBAL_LOG_LEVEL"
+ASCEND_GLOBAL_EVENT_ENABLE = "ASCEND_GLOBAL_EVENT_ENABLE"
+
+# ------------------------------------------------------------------------------------------ cluster / launcher
+#: SLURM's job ids, read to requeue a preempted job (``preemption.py``).
+SLURM_JOB_ID = "SLURM_JOB_ID"
+SLURM_ARRAY_JOB_ID = "SLURM_ARRAY_JOB_ID"
+SLURM_ARRAY_TASK_ID = "SLURM_ARRAY_TASK_ID"
+#: What ``lightning-npu run`` sets for ``Fabric()`` in place of its arguments (lightning/fabric/connector.py).
+LT_CLI_USED = "LT_CLI_USED"
+LT_ACCELERATOR = "LT_ACCELERATOR"
+LT_DEVICES = "LT_DEVICES"
+LT_NUM_NODES = "LT_NUM_NODES"
+LT_STRATEGY = "LT_STRATEGY"
+LT_PRECISION = "LT_PRECISION"
+#: CPU threads per process ``lightning-npu run`` sets unless given.
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+
+#: Every name above.
+NAMES = tuple(value for name, value in sorted(globals().items()) if name.isupper() and isinstance(value, str))
