@@ -20,6 +20,7 @@ import os as _os
 import sys as _sys
 from typing import Any
 
+from lightning_npu.facts.env import AUTOLOAD_ENV as _AUTOLOAD_ENV
 from lightning_npu.registration import register_with_lightning as _register_with_lightning
 
 __version__ = "0.1.0"
@@ -43,7 +44,6 @@ _HOMES = {
 }
 __all__ = sorted(_HOMES)
 
-_AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 #: Why ``import lightning.pytorch`` failed, once it has: a second attempt after a half-done torch import is not
 #: reliable, so every later use reports the first failure.
 _lightning_error: BaseException | None = None
