@@ -100,7 +100,8 @@ def test_version_mismatch_is_explained():
 
 
 def test_cann_missing_is_explained():
-    reason = str(probe.import_problem(ImportError("libhccl.so: cannot open shared object file: No such file or directory")))
+    error = ImportError("libhccl.so: cannot open shared object file: No such file or directory")
+    reason = str(probe.import_problem(error))
     assert "CANN libraries are missing" in reason
     assert "set_env.sh" in reason
 

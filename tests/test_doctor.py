@@ -400,7 +400,7 @@ def test_doctor_reports_an_import_torch_that_kills_the_process(tmp_path):
              f" (in {site / 'torch' / '__init__.py'}, line 2)")
     assert f"import torch  FAILS: {crash} (with {AUTOLOAD}=0: the same)" in out
     assert "NPUs          not probed (torch cannot be imported)" in out
-    assert f"ERROR    import torch: `import torch` crashes: {crash}\n           fix: a native library torch loads" in out
+    assert f"ERROR    import torch: `import torch` crashes: {crash}\n           fix: a native library torch" in out
     assert "Traceback" not in out + proc.stderr and "Fatal Python error" not in out + proc.stderr
 
 

@@ -59,7 +59,8 @@ def test_public_names_load_on_first_use_and_keep_their_identity():
             "before": before,
             "same": StrategyRegistry["npu_fsdp"]["strategy"] is NPUFSDPStrategy
                     is __import__("lightning_npu", fromlist=["NPUFSDPStrategy"]).NPUFSDPStrategy,  # jsonargparse's way
-            "missing": [n for n in lightning_npu.__all__ if n not in dir(lightning_npu) or not getattr(lightning_npu, n)],
+            "missing": [n for n in lightning_npu.__all__
+                        if n not in dir(lightning_npu) or not getattr(lightning_npu, n)],
         }))
     """)
     assert result == {"before": [], "same": True, "missing": []}
@@ -110,3 +111,20 @@ def test_cli_help_imports_neither_torch_nor_lightning():
         print(json.dumps({"codes": codes, "loaded": sorted({"torch", "lightning"} & set(sys.modules))}))
     """)
     assert result == {"codes": [0, 0], "loaded": []}
+
+
+def test_facts_modules_import_neither_torch_nor_lightning():
+    """Catches: a facts module (chips, precisions, options, env, devices, problem) that costs torch or Lightning
+    when imported -- through its own imports or through lightning_npu/__init__ -- which the planner and the doctor
+    read where torch must not (or cannot) be imported."""
+    result = _run("""
+        import importlib, json, pkgutil, sys
+        import lightning_npu.facts
+        names = [f"lightning_npu.facts.{m.name}" for m in pkgutil.iter_modules(lightning_npu.facts.__path__)]
+        for name in names:
+            importlib.import_module(name)
+        print(json.dumps({"modules": sorted(n.rsplit(".", 1)[1] for n in names),
+                          "loaded": sorted({"torch", "lightning"} & set(sys.modules))}))
+    """)
+    assert set(result["modules"]) >= {"chips", "devices", "env", "options", "precisions", "problem"}
+    assert result["loaded"] == []

@@ -154,7 +154,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(names.HCCL_IF_IP, "chosen by HCCL", _check_ip),
     EnvVar(names.HCCL_SOCKET_IFNAME, "chosen by HCCL", _check_ifname),
     EnvVar(names.HCCL_IF_BASE_PORT, f"{DEFAULT_BASE_PORT}", _integer_in(
-        names.HCCL_IF_BASE_PORT, *BASE_PORT_RANGE, "", "the first of the host ports HCCL uses to set up communicators")),
+        names.HCCL_IF_BASE_PORT, *BASE_PORT_RANGE, "",
+        "the first of the host ports HCCL uses to set up communicators")),
     EnvVar(names.TORCH_HCCL_ASYNC_ERROR_HANDLING, "torch_npu default", _choice(
         names.TORCH_HCCL_ASYNC_ERROR_HANDLING, ("0", "1", "2", "3"), "torch_npu's HCCL error handling mode")),
     EnvVar(names.HCCL_DETERMINISTIC, "false", _choice(

@@ -122,6 +122,7 @@ def simulated_count(value: Optional[str]) -> int:
     if count < 1:
         raise SettingError(Problem(
             f"{SIMULATE_ENV}={value!r} is not a number of devices",
-            "set it to a positive integer such as 2 to simulate that many NPUs on the CPU, or unset it to use real NPUs",
+            "set it to a positive integer such as 2 to simulate that many NPUs on the CPU, or unset it to use real"
+            " NPUs",
         ))
     return count

@@ -117,6 +117,7 @@ def probe_npu() -> ProbeResult:
         visible = os.environ.get(VISIBLE_DEVICES_ENV)
         hint = f" ({VISIBLE_DEVICES_ENV}={visible})" if visible is not None else ""
         return ProbeResult.unavailable(Problem(
-            f"torch_npu imported but no NPU is visible{hint}", f"{DRIVER_HINT} and that no other process holds the devices"
+            f"torch_npu imported but no NPU is visible{hint}",
+            f"{DRIVER_HINT} and that no other process holds the devices",
         ))
     return ProbeResult(available=True, device_count=count)
