@@ -1,5 +1,6 @@
-"""Precision for NPU runs: which settings exist on Ascend chips, and the plugins that autocast on the
-runtime's device type instead of the CUDA autocast Lightning's connectors would build.
+"""Precision for NPU runs: the check of a setting against the chip (which settings exist is in
+``facts.precisions``), and the plugins that autocast on the runtime's device type instead of the CUDA autocast
+Lightning's connectors would build.
 
 Trainer and Fabric have twin precision plugin trees with the same class names; ``plugins_namespace``
 picks the tree, and everything else is shared.

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+from lightning_npu.facts import env as names
+
 #: The process-group timeout when none is given and the HCCL timeouts need no more (seconds).
 DEFAULT_TIMEOUT_S = 1800.0
 #: HCCL's defaults when the variables are unset (seconds; CANN documentation, Atlas A2/A3).
-HCCL_DEFAULTS_S = {"HCCL_CONNECT_TIMEOUT": 120.0, "HCCL_EXEC_TIMEOUT": 1836.0}
+HCCL_DEFAULTS_S = {names.HCCL_CONNECT_TIMEOUT: 120.0, names.HCCL_EXEC_TIMEOUT: 1836.0}
 #: How far above the larger HCCL timeout the process-group timeout should be, so HCCL reports first.
 MARGIN_S = 60.0
 
@@ -28,13 +30,13 @@ MARGIN_S = 60.0
 #: to ``<TORCH_HCCL_DEBUG_INFO_TEMP_FILE><rank>``; compare the ranks' last sequence numbers to find the one
 #: that fell behind.
 FLIGHT_RECORDER_ENV = {
-    "TORCH_HCCL_TRACE_BUFFER_SIZE": "2000",  # collectives remembered per rank (0 = recorder off)
-    "TORCH_HCCL_ENABLE_MONITORING": "1",  # heartbeat monitor: dumps and aborts a rank whose watchdog is stuck
-    "TORCH_HCCL_DUMP_ON_TIMEOUT": "1",  # write the trace when a collective times out
-    "TORCH_HCCL_DEBUG_INFO_TEMP_FILE": "/tmp/hccl_trace_rank_",  # dump file prefix (rank appended)
-    "TORCH_HCCL_TRACE_CPP_STACK": "1",  # C++ stacks in the dump
-    "ASCEND_GLOBAL_LOG_LEVEL": "1",  # CANN logs at INFO (under ~/ascend/log)
-    "ASCEND_GLOBAL_EVENT_ENABLE": "1",  # CANN event logs
+    names.TORCH_HCCL_TRACE_BUFFER_SIZE: "2000",  # collectives remembered per rank (0 = recorder off)
+    names.TORCH_HCCL_ENABLE_MONITORING: "1",  # heartbeat monitor: dumps and aborts a rank whose watchdog is stuck
+    names.TORCH_HCCL_DUMP_ON_TIMEOUT: "1",  # write the trace when a collective times out
+    names.TORCH_HCCL_DEBUG_INFO_TEMP_FILE: "/tmp/hccl_trace_rank_",  # dump file prefix (rank appended)
+    names.TORCH_HCCL_TRACE_CPP_STACK: "1",  # C++ stacks in the dump
+    names.ASCEND_GLOBAL_LOG_LEVEL: "1",  # CANN logs at INFO (under ~/ascend/log)
+    names.ASCEND_GLOBAL_EVENT_ENABLE: "1",  # CANN event logs
 }
 
 

@@ -19,7 +19,6 @@ FACTS = PACKAGE / "facts"
 NOT_YET_ON_FACTS_ENV = {
     "cli/plan.py": "the planner split",
     "cli/run.py": "the launcher",
-    "timeouts.py": "test_doctor's stdlib-only rule for timeouts.py, which must first allow lightning_npu.facts",
 }
 
 
