@@ -1,19 +1,24 @@
 """Register the ``"npu"`` accelerator and the NPU strategies with Lightning (Trainer and Fabric), once.
 
-Lightning reads no entry points for accelerators or strategies, so this runs on ``import lightning_npu``.
-Registering touches no device.
+Lightning reads no entry points for accelerators or strategies, so ``import lightning_npu`` calls
+``register_with_lightning()``: it registers at once when Lightning is already imported, and otherwise right
+after Lightning's import (a post-import hook, ``_after_import``), so that importing the package costs no torch.
+Registering touches no device. This module imports Lightning only inside ``register()``.
 """
 
 from __future__ import annotations
 
-from lightning_npu.accelerator import NPUAccelerator
-from lightning_npu import oom
-from lightning_npu.connectors import install_all
-from lightning_npu.preemption import install as install_preemption
-from lightning_npu.strategies.checkpoint import install_loader
-from lightning_npu.strategies import STRATEGIES
+from lightning_npu._after_import import call_after_import
 
 ACCELERATOR_DESCRIPTION = "Huawei Ascend NPU (lightning-npu)"
+#: Importing this module means Lightning (Trainer and Fabric: ``lightning/__init__`` imports both) is loaded.
+LIGHTNING_MODULE = "lightning.pytorch"
+
+
+def register_with_lightning() -> None:
+    """``register()`` now if Lightning is imported, else as soon as it is (and no lightning_npu module is
+    half-executed)."""
+    call_after_import(LIGHTNING_MODULE, register, package=__name__.split(".")[0])
 
 
 def register() -> None:
@@ -23,6 +28,13 @@ def register() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.accelerators import AcceleratorRegistry
     from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_npu import oom
+    from lightning_npu.accelerator import NPUAccelerator
+    from lightning_npu.connectors import install_all
+    from lightning_npu.preemption import install as install_preemption
+    from lightning_npu.strategies import STRATEGIES
+    from lightning_npu.strategies.checkpoint import install_loader
 
     for registry in (AcceleratorRegistry, ACCELERATOR_REGISTRY):
         if "npu" not in registry:

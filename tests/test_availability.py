@@ -94,13 +94,14 @@ def test_values_torch_npu_reads_in_full_pass_the_probe_with_its_count(monkeypatc
 
 def test_version_mismatch_is_explained():
     assert probe.version_mismatch("2.13.0+cpu", "2.13.0.post2") is None
-    reason = probe.version_mismatch("2.13.0", "2.6.0.post3")
+    reason = str(probe.version_mismatch("2.13.0", "2.6.0.post3"))
     assert "torch 2.13.0 and torch_npu 2.6.0.post3 do not match" in reason
     assert "torch-npu==2.13.0" in reason
 
 
 def test_cann_missing_is_explained():
-    reason = probe.import_problem(ImportError("libhccl.so: cannot open shared object file: No such file or directory"))
+    error = ImportError("libhccl.so: cannot open shared object file: No such file or directory")
+    reason = str(probe.import_problem(error))
     assert "CANN libraries are missing" in reason
     assert "set_env.sh" in reason
 

@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from lightning_npu.cli import doctor, main
+from lightning_npu.cli import main
+from lightning_npu.doctor import cann, probe, rules
 from tests.helpers import REPO
 from tests.npu_fake import install_fake_torch_npu
 
@@ -73,10 +74,10 @@ def make_cann(root, version="8.0.RC2", layout="info"):
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch, tmp_path):
     """No NPU settings from the machine running the tests, and no CANN outside tmp_path."""
-    for var in [v.name for v in doctor.ENV_VARS] + ["ASCEND_TOOLKIT_HOME", "PYTORCH_ALLOC_CONF",
+    for var in [v.name for v in rules.ENV_VARS] + ["ASCEND_TOOLKIT_HOME", "PYTORCH_ALLOC_CONF",
                                                      "HCCL_ASYNC_ERROR_HANDLING"]:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(doctor, "DEFAULT_CANN_HOMES", (str(tmp_path / "no-cann"),))
+    monkeypatch.setattr(cann, "DEFAULT_CANN_HOMES", (str(tmp_path / "no-cann"),))
 
 
 def run_doctor(capsys, *args):
@@ -172,7 +173,7 @@ def test_cann_missing(capsys, monkeypatch, tmp_path):
 def test_cann_installed_but_not_sourced(capsys, monkeypatch, tmp_path):
     monkeypatch.delenv(AUTOLOAD, raising=False)  # the stand-in sets it; monkeypatch restores "unset" afterwards
     home = make_cann(tmp_path)
-    monkeypatch.setattr(doctor, "DEFAULT_CANN_HOMES", (str(home),))
+    monkeypatch.setattr(cann, "DEFAULT_CANN_HOMES", (str(home),))
     monkeypatch.syspath_prepend(str(make_torch_npu(tmp_path / "site", entry_point=False)))
     code, out = run_doctor(capsys)
     assert code == 1
@@ -184,10 +185,10 @@ def test_cann_installed_but_not_sourced(capsys, monkeypatch, tmp_path):
 @pytest.mark.parametrize("layout", ["info", "cfg"])
 def test_cann_version_is_read_from_either_documented_file(tmp_path, layout):
     home = make_cann(tmp_path, version="8.1.RC1", layout=layout)
-    cann = doctor.find_cann({"ASCEND_HOME_PATH": str(home)})
-    assert cann.version == "8.1.RC1"
-    assert cann.version_file.endswith("ascend_toolkit_install.info" if layout == "info" else "version.cfg")
-    assert cann.set_env == str(home.parent / "set_env.sh")
+    found = cann.find_cann({"ASCEND_HOME_PATH": str(home)})
+    assert found.version == "8.1.RC1"
+    assert found.version_file.endswith("ascend_toolkit_install.info" if layout == "info" else "version.cfg")
+    assert found.set_env == str(home.parent / "set_env.sh")
 
 
 def test_ascend_home_path_without_cann_is_flagged(capsys, monkeypatch, tmp_path):
@@ -252,7 +253,7 @@ def test_bad_hccl_timeout_fails_the_check(capsys, monkeypatch):
     ],
 )
 def test_environment_values_are_checked(env, level, text):
-    _, findings = doctor.check_environment(env, interfaces=["lo", "eth0"])
+    _, findings = rules.check_environment(env, interfaces=["lo", "eth0"])
     assert [(f.level, text in f.cause) for f in findings] == [(level, True)], findings
 
 
@@ -268,12 +269,31 @@ def test_environment_values_are_checked(env, level, text):
     ],
 )
 def test_good_environment_values_pass(env):
-    assert doctor.check_environment(env, interfaces=["lo", "eth0"])[1] == []
+    assert rules.check_environment(env, interfaces=["lo", "eth0"])[1] == []
 
 
-def test_reasons_split_into_cause_and_fix():
-    assert doctor.split_reason("bad (a; b) `x; y`; do this; then that") == ("bad (a; b) `x; y`", "do this; then that")
-    assert doctor.split_reason("no fix here") == ("no fix here", None)
+def test_probe_results_carry_cause_and_fix_apart(monkeypatch):
+    """Catches: the probe handing over one "cause; fix" string (which the doctor would have to parse back apart)."""
+    from lightning_npu.runtime.probe import probe_npu
+
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "3,1")
+    result = probe_npu()
+    assert (result.available, result.cause, result.fix) == (
+        False, "ASCEND_RT_VISIBLE_DEVICES='3,1' is not strictly ascending (CANN then shows no device)",
+        "list each id once in ascending order, e.g. 1,3")
+    assert result.reason == f"{result.cause}; {result.fix}"
+
+
+def test_a_cause_containing_a_semicolon_is_shown_whole(capsys, monkeypatch, tmp_path):
+    """Catches: the doctor splitting the runtime's message at "; " (here inside the text of the ImportError that
+    `import torch_npu` raises), which printed half of the cause as a bogus fix."""
+    error = "libtorch_npu.so: undefined symbol: _ZN3c10; built for another torch"
+    monkeypatch.setenv(AUTOLOAD, "0")
+    monkeypatch.syspath_prepend(str(make_torch_npu(tmp_path / "site", import_error=error, entry_point=False)))
+    code, out = run_doctor(capsys)
+    assert code == 1
+    assert f"ERROR    NPU: `import torch_npu` failed: ImportError: {error}\n" in out
+    assert "fix: built for another torch" not in out
 
 
 def test_json_report_matches_the_exit_code(capsys, monkeypatch):
@@ -335,29 +355,54 @@ def test_broken_torch_install_is_diagnosed_without_torch(tmp_path):
 
 
 def test_cli_modules_import_nothing_that_imports_torch():
-    """The doctor must start where `import torch` fails: top-level imports are stdlib or lightning_npu.cli only."""
+    """The doctor must start where `import torch` fails: top-level imports of the CLI and the doctor's modules are
+    stdlib or torch-free lightning_npu modules, and importing them all in a fresh interpreter loads no torch."""
     import ast
     from pathlib import Path
 
-    from lightning_npu.runtime import SIMULATE_ENV
-    from lightning_npu.runtime.probe import VISIBLE_DEVICES_ENV
+    import lightning_npu.doctor
 
-    cli = Path(doctor.__file__).parent
-    for path in [cli / "__init__.py", cli / "__main__.py", cli / "doctor.py", cli / "_probe_child.py"]:
+    package = Path(lightning_npu.__file__).parent
+    torch_free = ("lightning_npu.cli", "lightning_npu.doctor", "lightning_npu.facts", "lightning_npu.timeouts")
+    cli = package / "cli"
+    paths = [cli / "__init__.py", cli / "__main__.py", cli / "doctor.py", *sorted(Path(lightning_npu.doctor.__file__)
+                                                                               .parent.glob("*.py"))]
+    for path in paths:
         for node in ast.parse(path.read_text()).body:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) else []
             for name in names:
                 top = name.split(".")[0]
-                assert top in sys.stdlib_module_names or top == "__future__" or name.startswith("lightning_npu.cli") \
-                    or name == "lightning_npu.timeouts", f"{path.name} imports {name} at module level"
+                assert top in sys.stdlib_module_names or top == "__future__" or name.startswith(torch_free), \
+                    f"{path.name} imports {name} at module level"
     # The timeout rule the doctor shares with the strategies imports nothing but the standard library and facts.
-    for node in ast.parse((cli.parent / "timeouts.py").read_text()).body:
+    for node in ast.parse((package / "timeouts.py").read_text()).body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
             assert module.split(".")[0] in sys.stdlib_module_names or module == "__future__" \
                 or module.startswith("lightning_npu.facts"), module  # facts: torch-free (tests/test_facts.py)
-    assert (doctor.SIMULATE_ENV, doctor.VISIBLE_DEVICES_ENV) == (SIMULATE_ENV, VISIBLE_DEVICES_ENV)
+    modules = ["lightning_npu.cli.doctor"] + [f"lightning_npu.doctor.{p.stem}" for p in paths[3:]]
+    code = f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_doctor_reports_an_import_torch_that_kills_the_process(tmp_path):
+    """Catches: the doctor's own process importing torch (a segfaulting `import torch` -- a broken driver or CANN
+    library -- would kill it before it reports), a crashed probe reported as anything but a crash of `import torch`
+    that names the signal, a zero exit status, or a traceback."""
+    site = tmp_path / "site"
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    proc = doctor_subprocess(site)
+    out = proc.stdout
+    assert out.startswith("lightning-npu doctor") and proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    crash = ("the torch import probe was killed by signal SIGSEGV (Segmentation fault) during `import torch`"
+             f" (in {site / 'torch' / '__init__.py'}, line 2)")
+    assert f"import torch  FAILS: {crash} (with {AUTOLOAD}=0: the same)" in out
+    assert "NPUs          not probed (torch cannot be imported)" in out
+    assert f"ERROR    import torch: `import torch` crashes: {crash}\n           fix: a native library torch" in out
+    assert "Traceback" not in out + proc.stderr and "Fatal Python error" not in out + proc.stderr
 
 
 def test_process_group_timeout_below_hccl_exec_timeout_is_flagged_with_the_fix(capsys, monkeypatch):

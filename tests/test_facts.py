@@ -17,8 +17,6 @@ FACTS = PACKAGE / "facts"
 
 #: Modules that still spell environment variable names themselves, and who converts them (issue 10).
 NOT_YET_ON_FACTS_ENV = {
-    "__init__.py": "the lazy-import work on lightning_npu/__init__",
-    "cli/doctor.py": "the doctor split",
     "cli/plan.py": "the planner split",
     "cli/run.py": "the launcher",
 }

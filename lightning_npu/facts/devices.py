@@ -12,6 +12,7 @@ import re
 from typing import Optional, Union
 
 from lightning_npu.facts.env import SIMULATE_ENV, VISIBLE_DEVICES_ENV
+from lightning_npu.facts.problem import Problem, SettingError
 
 
 def visible_device_ids(value: str) -> list[int]:
@@ -32,7 +33,7 @@ def visible_device_ids(value: str) -> list[int]:
     return ids
 
 
-def visible_devices_problem(value: Optional[str]) -> Optional[str]:
+def visible_devices_problem(value: Optional[str]) -> Optional[Problem]:
     """Why an ``ASCEND_RT_VISIBLE_DEVICES`` value hides devices, or None if torch_npu reads it as written (or unset).
 
     torch_npu shows no device when the value yields no id or ids that are not strictly ascending (the runtime
@@ -42,7 +43,8 @@ def visible_devices_problem(value: Optional[str]) -> Optional[str]:
     if value is None:
         return None
     if value.strip() == "":
-        return f"{VISIBLE_DEVICES_ENV} is set but empty, which hides every NPU; unset it or list device ids like 0,1"
+        return Problem(f"{VISIBLE_DEVICES_ENV} is set but empty, which hides every NPU",
+                       "unset it or list device ids like 0,1")
     written = [int(run) for run in re.findall(r"[0-9]+", value)]
     example = ",".join(str(i) for i in sorted(set(written))) or "0,1,2,3"
     try:
@@ -50,21 +52,21 @@ def visible_devices_problem(value: Optional[str]) -> Optional[str]:
     except ValueError:
         ids = None
     if not ids:
-        return (
+        return Problem(
             f"{VISIBLE_DEVICES_ENV}={value!r} is malformed and hides every NPU (torch_npu reads device ids only up to"
-            " the first character that is neither a digit nor a comma); use comma-separated device ids without"
-            f" spaces, e.g. {example}"
+            " the first character that is neither a digit nor a comma)",
+            f"use comma-separated device ids without spaces, e.g. {example}",
         )
     if any(later <= earlier for earlier, later in zip(ids, ids[1:])):
-        return (
-            f"{VISIBLE_DEVICES_ENV}={value!r} is not strictly ascending (CANN then shows no device);"
-            f" list each id once in ascending order, e.g. {example}"
+        return Problem(
+            f"{VISIBLE_DEVICES_ENV}={value!r} is not strictly ascending (CANN then shows no device)",
+            f"list each id once in ascending order, e.g. {example}",
         )
     if ids != written:
-        return (
+        return Problem(
             f"{VISIBLE_DEVICES_ENV}={value!r} is malformed: torch_npu reads only device(s) {','.join(map(str, ids))}"
-            " from it (it stops at the first empty field or character other than a digit or comma);"
-            f" use comma-separated device ids without spaces, e.g. {example}"
+            " from it (it stops at the first empty field or character other than a digit or comma)",
+            f"use comma-separated device ids without spaces, e.g. {example}",
         )
     return None
 
@@ -109,7 +111,8 @@ def devices_request(devices: DEVICES) -> Union[int, list[int]]:
 
 
 def simulated_count(value: Optional[str]) -> int:
-    """The number of simulated devices a ``LIGHTNING_NPU_SIMULATE`` value asks for (0 = simulation off)."""
+    """The number of simulated devices a ``LIGHTNING_NPU_SIMULATE`` value asks for (0 = simulation off); a bad
+    value raises ``SettingError`` (a ValueError)."""
     if value is None or value.strip() in ("", "0"):
         return 0
     try:
@@ -117,8 +120,9 @@ def simulated_count(value: Optional[str]) -> int:
     except ValueError:
         count = -1
     if count < 1:
-        raise ValueError(
-            f"{SIMULATE_ENV}={value!r} is not a number of devices; set it to a positive integer such as 2"
-            " to simulate that many NPUs on the CPU, or unset it to use real NPUs"
-        )
+        raise SettingError(Problem(
+            f"{SIMULATE_ENV}={value!r} is not a number of devices",
+            "set it to a positive integer such as 2 to simulate that many NPUs on the CPU, or unset it to use real"
+            " NPUs",
+        ))
     return count

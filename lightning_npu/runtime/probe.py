@@ -20,20 +20,33 @@ import torch
 
 from lightning_npu.facts.devices import visible_devices_problem
 from lightning_npu.facts.env import VISIBLE_DEVICES_ENV
+from lightning_npu.facts.problem import Problem
 
 CANN_HINT = (
     "install the CANN toolkit and source its environment before starting Python, e.g."
     " `source /usr/local/Ascend/ascend-toolkit/set_env.sh`"
 )
+DRIVER_HINT = "check the driver with `npu-smi info`"
 
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """The outcome of probing for NPUs; ``reason`` says why they cannot be used when ``available`` is False."""
+    """The outcome of probing for NPUs: when ``available`` is False, ``cause`` says why they cannot be used and
+    ``fix`` what to do (``lightning-npu doctor`` prints the two apart; ``reason`` joins them for error messages)."""
 
     available: bool
     device_count: int = 0
-    reason: Optional[str] = None
+    cause: Optional[str] = None
+    fix: Optional[str] = None
+
+    @classmethod
+    def unavailable(cls, problem: Problem) -> ProbeResult:
+        return cls(available=False, cause=problem.cause, fix=problem.fix)
+
+    @property
+    def reason(self) -> Optional[str]:
+        """``"<cause>; <fix>"`` (None when NPUs are available)."""
+        return None if self.cause is None else str(Problem(self.cause, self.fix))
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -54,57 +67,57 @@ def torch_npu_version() -> Optional[str]:
     return None
 
 
-def version_mismatch(torch_version: str, npu_version: str) -> Optional[str]:
+def version_mismatch(torch_version: str, npu_version: str) -> Optional[Problem]:
     """Why a torch / torch_npu pair cannot work together, or None when their releases match."""
     if release(torch_version) == release(npu_version):
         return None
     wanted = ".".join(str(part) for part in release(torch_version))
-    return (
+    return Problem(
         f"torch {torch_version} and torch_npu {npu_version} do not match (torch_npu must be built for the same torch"
-        f" release); install torch-npu=={wanted} or the torch release your torch_npu was built for"
+        " release)",
+        f"install torch-npu=={wanted} or the torch release your torch_npu was built for",
     )
 
 
-def import_problem(error: BaseException) -> str:
+def import_problem(error: BaseException) -> Problem:
     """Turn the exception raised by ``import torch_npu`` into a cause and a fix."""
     text = str(error)
     if any(lib in text for lib in ("libhccl", "libascendcl", "libascend", "libruntime", "libge_runner")):
-        return f"torch_npu is installed but the CANN libraries are missing ({text}); {CANN_HINT}"
-    return f"`import torch_npu` failed: {type(error).__name__}: {text}"
+        return Problem(f"torch_npu is installed but the CANN libraries are missing ({text})", CANN_HINT)
+    return Problem(f"`import torch_npu` failed: {type(error).__name__}: {text}")
 
 
 def probe_npu() -> ProbeResult:
-    """Probe for usable NPUs, returning the reason when there are none."""
+    """Probe for usable NPUs, returning the cause and the fix when there are none."""
     problem = visible_devices_problem(os.environ.get(VISIBLE_DEVICES_ENV))
     if problem:
-        return ProbeResult(available=False, reason=problem)
+        return ProbeResult.unavailable(problem)
     npu_version = torch_npu_version()
     if npu_version is None and "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is None:
         wanted = ".".join(str(part) for part in release(torch.__version__))
-        return ProbeResult(
-            available=False,
-            reason=f"torch_npu is not installed; on an Ascend machine run `pip install torch-npu=={wanted}`"
-            f" (matching torch {torch.__version__}) with CANN >= 8 installed",
-        )
+        return ProbeResult.unavailable(Problem(
+            "torch_npu is not installed",
+            f"on an Ascend machine run `pip install torch-npu=={wanted}` (matching torch {torch.__version__}) with"
+            " CANN >= 8 installed",
+        ))
     if npu_version is not None:
         mismatch = version_mismatch(torch.__version__, npu_version)
         if mismatch:
-            return ProbeResult(available=False, reason=mismatch)
+            return ProbeResult.unavailable(mismatch)
     try:
         importlib.import_module("torch_npu")
     except Exception as error:  # noqa: BLE001 -- any import failure is a diagnosis, not a crash
-        return ProbeResult(available=False, reason=import_problem(error))
+        return ProbeResult.unavailable(import_problem(error))
     try:
         count = torch.npu.device_count()
         available = torch.npu.is_available()
     except RuntimeError as error:
-        return ProbeResult(available=False, reason=f"the NPU driver failed to report devices: {error}")
+        return ProbeResult.unavailable(Problem(f"the NPU driver failed to report devices: {error}", DRIVER_HINT))
     if count == 0 or not available:
         visible = os.environ.get(VISIBLE_DEVICES_ENV)
         hint = f" ({VISIBLE_DEVICES_ENV}={visible})" if visible is not None else ""
-        return ProbeResult(
-            available=False,
-            reason=f"torch_npu imported but no NPU is visible{hint}; check the driver with `npu-smi info`"
-            " and that no other process holds the devices",
-        )
+        return ProbeResult.unavailable(Problem(
+            f"torch_npu imported but no NPU is visible{hint}",
+            f"{DRIVER_HINT} and that no other process holds the devices",
+        ))
     return ProbeResult(available=True, device_count=count)
