@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from lightning_npu.facts import env as names
+from lightning_npu.facts.problem import Problem
 
 #: The process-group timeout when none is given and the HCCL timeouts need no more (seconds).
 DEFAULT_TIMEOUT_S = 1800.0
@@ -63,7 +64,7 @@ def default_timeout_s(env: Mapping[str, str]) -> float:
     return max(DEFAULT_TIMEOUT_S, minimum_timeout_s(env))
 
 
-def timeout_problem(timeout_s: float, env: Mapping[str, str]) -> Optional[str]:
+def timeout_problem(timeout_s: float, env: Mapping[str, str]) -> Optional[Problem]:
     """Why ``timeout_s`` (the process-group timeout) disagrees with the HCCL timeouts in ``env``, with the fix;
     None when it is above both."""
     hccl = hccl_timeouts_s(env)
@@ -71,11 +72,12 @@ def timeout_problem(timeout_s: float, env: Mapping[str, str]) -> Optional[str]:
     if timeout_s > value:
         return None
     shown = ", ".join(f"{n}={v:g} s" + ("" if n in env else " (default)") for n, v in hccl.items())
-    return (
+    return Problem(
         f"the process-group timeout ({timeout_s:g} s) is not above {name} ({value:g} s; {shown}): the watchdog would"
-        f" abort collectives HCCL still waits for, and a hang reports less; set the strategy's timeout to at least"
-        f" {minimum_timeout_s(env):g} (YAML: trainer.strategy.init_args.timeout: {minimum_timeout_s(env):g}), or lower"
-        f" {name} below {timeout_s:g} (export {name}={max(int(timeout_s - MARGIN_S), 1)})"
+        " abort collectives HCCL still waits for, and a hang reports less",
+        f"set the strategy's timeout to at least {minimum_timeout_s(env):g} (YAML: trainer.strategy.init_args.timeout:"
+        f" {minimum_timeout_s(env):g}), or lower {name} below {timeout_s:g}"
+        f" (export {name}={max(int(timeout_s - MARGIN_S), 1)})",
     )
 
 

@@ -15,12 +15,6 @@ from lightning_npu.facts import chips, devices, env, options, precisions
 PACKAGE = Path(lightning_npu.__file__).parent
 FACTS = PACKAGE / "facts"
 
-#: Modules that still spell environment variable names themselves, and who converts them (issue 10).
-NOT_YET_ON_FACTS_ENV = {
-    "cli/plan.py": "the planner split",
-    "cli/run.py": "the launcher",
-}
-
 
 def _imported_modules(tree: ast.AST) -> list[str]:
     names = []
@@ -53,7 +47,7 @@ def test_no_package_module_spells_an_environment_variable_name_outside_facts_env
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE).as_posix()
-        if relative == "facts/env.py" or relative in NOT_YET_ON_FACTS_ENV:
+        if relative == "facts/env.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in names:

@@ -32,7 +32,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "plan": Command(
         "lightning_npu.cli.plan",
-        "per-device memory of a recipe config under npu_fsdp (ZeRO-2/3): fit verdict and largest micro-batch",
+        "per-device memory of a model (a recipe config or decoder shapes) under npu_fsdp (ZeRO-2/3): fit and largest micro-batch",
     ),
     "run": Command(
         "lightning_npu.cli.run",

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_npu.facts import env as names
+
 #: Lightning's ``fabric run`` default, so both launchers meet on the same port.
 DEFAULT_PORT = 29400
 STRATEGY_AUTO = "auto"
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     os.environ.update(fabric_environment(args))
     # torchrun would set 1 (with a warning); share the host's cores among the processes instead, as fabric run does.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    os.environ.setdefault(names.OMP_NUM_THREADS, str(max(1, (os.cpu_count() or 1) // processes)))
     return _torchrun(args, processes)
 
 
@@ -102,15 +104,15 @@ def validate(args: argparse.Namespace) -> int:
 def fabric_environment(args: argparse.Namespace) -> dict[str, str]:
     """The variables Lightning's ``Fabric()`` reads in place of its arguments (lightning/fabric/connector.py)."""
     env = {
-        "LT_CLI_USED": "1",
-        "LT_ACCELERATOR": "npu",
-        "LT_DEVICES": str(args.devices).strip(),
-        "LT_NUM_NODES": str(args.num_nodes),
+        names.LT_CLI_USED: "1",
+        names.LT_ACCELERATOR: "npu",
+        names.LT_DEVICES: str(args.devices).strip(),
+        names.LT_NUM_NODES: str(args.num_nodes),
     }
     if args.strategy is not None:
-        env["LT_STRATEGY"] = args.strategy
+        env[names.LT_STRATEGY] = args.strategy
     if args.precision is not None:
-        env["LT_PRECISION"] = args.precision
+        env[names.LT_PRECISION] = args.precision
     return env
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from lightning_npu.doctor.report import ERROR, NOTE, WARNING, CannInstall, Finding, Report
+from lightning_npu.facts.devices import DRIVER_HINT
 from lightning_npu.facts.env import ASCEND_HOME_PATH, AUTOLOAD_ENV, SIMULATE_ENV, VISIBLE_DEVICES_ENV
 
 #: The default location of CANN's set_env.sh, for a machine where no CANN was found.
 DEFAULT_SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
-DRIVER_HINT = "check the driver with `npu-smi info`"
 
 
 def diagnose(report: Report, env: Mapping[str, str]) -> list[Finding]:

@@ -200,8 +200,7 @@ def check_timeouts(env: Mapping[str, str], timeout_s: Optional[float]) -> tuple[
     problem = timeout_problem(process_group, env)
     if problem is None:
         return timeouts, []
-    cause, fix = problem.split("; set ", 1)  # timeouts.py words its fix "set the strategy's timeout ..."
-    return timeouts, [Finding(WARNING, "timeouts", cause, "set " + fix)]
+    return timeouts, [Finding(WARNING, "timeouts", problem.cause, problem.fix)]
 
 
 def host_interfaces() -> list[str]:

@@ -14,6 +14,9 @@ from typing import Optional, Union
 from lightning_npu.facts.env import SIMULATE_ENV, VISIBLE_DEVICES_ENV
 from lightning_npu.facts.problem import Problem, SettingError
 
+#: The first thing to check when the NPUs do not answer (the runtime's probe and the doctor).
+DRIVER_HINT = "check the driver with `npu-smi info`"
+
 
 def visible_device_ids(value: str) -> list[int]:
     """The device ids torch_npu reads from an ``ASCEND_RT_VISIBLE_DEVICES`` value.

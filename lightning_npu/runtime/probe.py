@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from lightning_npu.facts.devices import visible_devices_problem
+from lightning_npu.facts.devices import DRIVER_HINT, visible_devices_problem
 from lightning_npu.facts.env import VISIBLE_DEVICES_ENV
 from lightning_npu.facts.problem import Problem
 
@@ -26,7 +26,6 @@ CANN_HINT = (
     "install the CANN toolkit and source its environment before starting Python, e.g."
     " `source /usr/local/Ascend/ascend-toolkit/set_env.sh`"
 )
-DRIVER_HINT = "check the driver with `npu-smi info`"
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ def check_timeouts(timeout: timedelta, backend: str) -> None:
         return
     problem = timeout_problem(timeout.total_seconds(), os.environ)
     if problem:
-        rank_zero_warn(problem[0].upper() + problem[1:])
+        message = str(problem)
+        rank_zero_warn(message[0].upper() + message[1:])
 
 
 class BackendFromRuntime:
