@@ -326,3 +326,37 @@ def test_other_accelerators_use_torch_accelerator_for_sync_and_memory(monkeypatc
     assert access.read_memory().describe() == "mem 3.0/80.0 GiB"
     assert access.label == "device" and access.peak_flops is None
     assert access.no_peak_reason == "no peak FLOP/s is known for 'meta' devices"
+
+
+class KnownCostLM(TinyLM):
+    """Each micro-batch sleeps ``SLEEP_S`` and, once, holds ``HOLD_BYTES`` of host memory: figures known up front."""
+
+    SLEEP_S = 0.3
+    HOLD_BYTES = 768 * 2**20
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(self.SLEEP_S)
+        if batch_idx == 0:
+            held = torch.ones(self.HOLD_BYTES // 4)  # written, so the pages are resident
+            assert float(held[-1]) == 1.0
+            del held
+        return super().training_step(batch, batch_idx)
+
+
+def test_step_time_tokens_and_peak_memory_agree_with_a_model_of_known_cost(tmp_path, capsys):
+    """Breakage caught: a step time read before the device (or the loop) finished, counted per micro-batch rather
+    than per optimizer step, throughput over the wrong interval, or a memory peak that misses the step's tensors:
+    every figure here is set by the model (2 micro-batches of 0.3 s each per step, 768 MiB held once), not by the
+    monitor's own arithmetic."""
+    records = _fit(tmp_path, KnownCostLM(), max_steps=4, accumulate=2, every=2)
+    assert len(records) == 2
+    sleep_per_step = 2 * KnownCostLM.SLEEP_S
+    for _, metrics in records:
+        # Never below the sleeps (a clock read early, or per micro-batch, would be); the report after steps 3-4
+        # (no allocation, no first-step costs) stays under two steps' sleeps (a sum over the interval would not).
+        assert metrics["perf/step_time_s"] >= sleep_per_step
+        assert metrics["perf/tokens_per_sec_per_device"] <= 2 * TOKENS_PER_MICRO_BATCH / sleep_per_step
+        assert metrics["perf/memory_peak_gib"] >= KnownCostLM.HOLD_BYTES / GIB
+    _, last = records[-1]
+    assert last["perf/step_time_s"] < 2 * sleep_per_step
+    assert last["perf/tokens_per_sec_per_device"] > TOKENS_PER_MICRO_BATCH / sleep_per_step
