@@ -99,7 +99,7 @@ def case_spec(case: dict[str, Any]):
         wrap_blocks=True,
         ac_ratio=case["ac"],
         kernels=case.get("kernels", "reference"),
-        foreach_optimizer=False,  # torch's AdamW runs its per-tensor loop on CPU tensors
+        optimizer="per-tensor",  # torch's AdamW runs its per-tensor loop on CPU tensors
         hccl_buffsize_mb=0.0,
         workspace_gib=0.0,
         fragmentation=0.0,

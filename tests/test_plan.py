@@ -303,3 +303,18 @@ def test_fused_activation_counts_match_what_torch_npu_backward_signatures_take()
     assert (planned["attention q, k, v"] + planned["attention softmax max + sum"]
             + planned["attention output (wo input)"]) == attention
     assert planned["swiglu input (gate, up)"] == swiglu
+
+
+def test_fused_adamw_steps_in_place_while_foreach_holds_a_moment_sized_scratch():
+    """Breakage caught: planning the NPU run (fused AdamW, the recipe's choice there) as if it were foreach, or the
+    implementations swapped. Short samples put the peak at the optimizer step, where only the scratch differs."""
+    spec = load_spec(CONFIG_7B, devices=8, seq_len=16, micro_batch=1)
+    fused, foreach, per_tensor = (estimate(dataclasses.replace(spec, optimizer=name)) for name in
+                                  ("fused", "foreach", "per-tensor"))
+    shard = PARAMS_7B * 4 // 8
+    assert foreach.peak_phase == "optimizer step"
+    assert foreach.items["temporaries"] == pytest.approx(shard, rel=1e-3)
+    assert fused.items["temporaries"] < 0.01 * shard
+    assert fused.total <= per_tensor.total < foreach.total  # the per-tensor scratch stays below the backward peak
+    with pytest.raises(PlanError, match=r"optimizer='adam' is not one of fused, foreach, per-tensor"):
+        dataclasses.replace(spec, optimizer="adam")

@@ -31,7 +31,7 @@ import sys
 
 from lightning_npu.plan import ModelShape, PlanError, load_spec, render, report
 from lightning_npu.facts.chips import DEFAULT_PLAN_CHIP
-from lightning_npu.plan.spec import KERNELS
+from lightning_npu.plan.spec import KERNELS, OPTIMIZERS
 
 PROG = "lightning-npu plan"
 
@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f" 1/2/4/8 devices-per-node rule (default {DEFAULT_PLAN_CHIP})")
     parser.add_argument("--kernels", choices=KERNELS, default="fused",
                         help="fused: torch_npu kernels (default); reference: PyTorch paths; eager: S x S attention")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="fused",
+                        help="AdamW's implementation: fused (default; the recipe's on NPUs), foreach (torch's default on"
+                        " other accelerators), per-tensor (torch's on CPU tensors)")
     parser.add_argument("--hccl-buffsize", type=float, help="HCCL_BUFFSIZE in MB (default: the environment's, or 200)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -70,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             args.config, model_shape=ModelShape.parse(args.model_shape) if args.model_shape else None,
             profile=args.profile, devices=args.devices, nodes=args.nodes, micro_batch=args.micro_batch,
             seq_len=args.seq_len, precision=args.precision, zero_stage=args.zero_stage, ac_ratio=args.ac_ratio,
-            device_memory_gib=args.device_memory, chip=args.chip, kernels=args.kernels,
+            device_memory_gib=args.device_memory, chip=args.chip, kernels=args.kernels, optimizer=args.optimizer,
             hccl_buffsize_mb=args.hccl_buffsize,
         )
         plan = report(spec)

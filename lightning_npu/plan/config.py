@@ -45,6 +45,7 @@ def load_spec(
     device_memory_gib: Optional[float] = None,
     chip: Optional[str] = None,
     kernels: str = "fused",
+    optimizer: str = "fused",
     hccl_buffsize_mb: Optional[float] = None,
 ) -> PlanSpec:
     """A PlanSpec from a recipe YAML at ``path`` and/or the decoder shape ``model_shape``; keyword arguments win.
@@ -93,6 +94,7 @@ def load_spec(
             ac_ratio=ratio,
             cpu_offload=bool(options["cpu_offload"]),
             kernels=kernels,
+            optimizer=optimizer,
             hccl_buffsize_mb=buffsize,
             device_memory_gib=float(memory),
             chip=chip or DEFAULT_PLAN_CHIP,

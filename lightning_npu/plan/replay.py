@@ -280,10 +280,11 @@ class _StepReplay:
             t.free("gathered", self.blocks[i].padded * self.param)
 
     def optimizer_step(self) -> None:
-        """Foreach AdamW holds sqrt(v) for every tensor; the per-tensor loop only for its largest two."""
-        if self.spec.cpu_offload:
+        """Fused AdamW updates in place; foreach holds sqrt(v) for every tensor; the per-tensor loop only for its
+        largest two."""
+        if self.spec.cpu_offload or self.spec.optimizer == "fused":
             return
-        if self.spec.foreach_optimizer:
+        if self.spec.optimizer == "foreach":
             scratch = self.shard_total * self.master
         else:
             largest = max(unit.largest_shard for unit in [self.root] + self.blocks)

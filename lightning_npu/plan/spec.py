@@ -34,6 +34,10 @@ DEFAULT_FRAGMENTATION = 0.05
 #: ``--kernels``: torch_npu fused kernels (the NPU default); the PyTorch reference paths of lightning_npu.kernels
 #: (SDPA without an S x S matrix; what CPUs and fallbacks run); or attention that materialises S x S probabilities.
 KERNELS = ("fused", "reference", "eager")
+#: ``--optimizer``: AdamW's implementation. fused: one in-place kernel (``AdamW(fused=True)``; the recipe's choice on
+#: NPUs, where torch_npu implements ``_fused_adamw_``); foreach: torch's default on accelerators without it (holds
+#: sqrt(v) for every tensor while stepping); per-tensor: torch's loop on CPU tensors (a scratch of its largest two).
+OPTIMIZERS = ("fused", "foreach", "per-tensor")
 
 
 @dataclass(frozen=True)
@@ -162,8 +166,8 @@ class PlanSpec:
     ac_ratio: float = 0.0
     cpu_offload: bool = False
     kernels: str = "fused"
-    #: AdamW's foreach implementation (the default on NPUs) holds one extra copy of the moments while stepping.
-    foreach_optimizer: bool = True
+    #: How AdamW steps (OPTIMIZERS): what it holds while stepping depends on it.
+    optimizer: str = "fused"
     hccl_buffsize_mb: float = DEFAULT_HCCL_BUFFSIZE_MB
     workspace_gib: float = DEFAULT_WORKSPACE_GIB
     fragmentation: float = DEFAULT_FRAGMENTATION
@@ -186,6 +190,8 @@ class PlanSpec:
         _checked(options.check_activation_checkpointing_ratio, self.ac_ratio)
         if self.kernels not in KERNELS:
             raise PlanError(f"kernels={self.kernels!r} is not one of {', '.join(KERNELS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise PlanError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.device_memory_gib <= 0:
             raise PlanError(f"device memory {self.device_memory_gib!r} GiB must be positive")
         if self.seq_len > self.model.max_seq_len:
