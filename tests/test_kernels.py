@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lightning_npu.kernels as kernels
-from lightning_npu.kernels import _fallback, apply_rotary, causal_attention, rms_norm, rotary_tables, swiglu
+from lightning_npu.kernels import _dispatch, apply_rotary, causal_attention, rms_norm, rotary_tables, swiglu
 from tests.npu_fake import RELEASES, install_fake_torch_npu
 from tests.npu_fake.fake import DEFAULT_RELEASE
 
@@ -35,11 +35,10 @@ TOL = {torch.float32: FP32_TOL, torch.bfloat16: BF16_TOL}
 
 def _take_npu_branch(monkeypatch, release=DEFAULT_RELEASE, **fake_options):
     """Install the fake torch_npu ``release`` and make every kernel treat CPU tensors as NPU tensors."""
-    monkeypatch.setattr(_fallback, "_announced", set())
-    monkeypatch.setattr(_fallback, "_device_name", {})
+    monkeypatch.setattr(_dispatch, "_announced", set())
+    monkeypatch.setattr(_dispatch, "_device_name", {})
     fake = install_fake_torch_npu(monkeypatch, release=release, **fake_options)
-    for module in KERNEL_MODULES:
-        monkeypatch.setattr(module, "_on_npu", lambda x: True)
+    monkeypatch.setattr(_dispatch, "_on_npu", lambda x: True)
     return fake
 
 
@@ -412,11 +411,51 @@ def test_swiglu_rejects_an_odd_last_dimension():
         swiglu(torch.randn(2, 5))
 
 
+# ---------------------------------------------------------------- fallback switch
+
+
+def test_disabled_kernels_run_their_reference_path_and_say_why_once(npu, monkeypatch, caplog):
+    """Catches a LIGHTNING_NPU_DISABLE_FUSED that is ignored (the fused op still runs), that turns off more than it
+    names, or whose fallback is silent or logged on every call."""
+    monkeypatch.setenv(_dispatch.DISABLE_FUSED_ENV, "rms_norm, rotary")
+    x = torch.randn(1, 3, 2, 4, generator=torch.Generator().manual_seed(7))
+    cos, sin = rotary_tables(3, 4)
+    with caplog.at_level(logging.WARNING, logger="lightning_npu.kernels"):
+        for _ in range(2):
+            torch.testing.assert_close(rms_norm(x, torch.ones(4)).double(), rms_norm_math(x.double(), 1.0, 1e-6))
+            torch.testing.assert_close(apply_rotary(x, cos, sin), rotary_math(x, cos, sin).float())
+            swiglu(x)
+    assert npu.calls_to("npu_rms_norm") == [] and npu.calls_to("npu_rotary_mul") == []
+    assert len(npu.calls_to("npu_swiglu")) == 2
+    messages = [r.getMessage() for r in caplog.records]
+    for function in ("rms_norm", "apply_rotary"):
+        said = [m for m in messages if m.startswith(f"{function} falls back")]
+        assert said == [f"{function} falls back to the PyTorch reference path on NPU: turned off by"
+                        " LIGHTNING_NPU_DISABLE_FUSED=rms_norm, rotary"]
+
+
+def test_disable_all_turns_off_every_fused_kernel(npu, monkeypatch):
+    monkeypatch.setenv(_dispatch.DISABLE_FUSED_ENV, "all")
+    q, k, v = _qkv(1, 3, 3, 2, 2, 4)
+    x = torch.randn(1, 3, 2, 4)
+    causal_attention(q, k, v), rms_norm(x, torch.ones(4)), apply_rotary(x, *rotary_tables(3, 4)), swiglu(x)
+    assert {name for name, _ in npu.calls} <= {"npu.get_device_name"}
+
+
+def test_an_unknown_name_in_the_disable_switch_is_an_error_naming_the_valid_ones(monkeypatch):
+    """Catches a misspelt kernel name (rmsnorm) silently disabling nothing: the user would believe the failing
+    kernel is off. Raised on CPU tensors too, so the mistake shows before any NPU run."""
+    monkeypatch.setenv(_dispatch.DISABLE_FUSED_ENV, "rmsnorm")
+    with pytest.raises(ValueError, match=r"names 'rmsnorm', which is not a fused kernel; use comma-separated names"
+                                         r" from attention, rms_norm, rotary, swiglu"):
+        rms_norm(torch.randn(2, 4), torch.ones(4))
+
+
 # ---------------------------------------------------------------- house rules
 
 
 def test_kernels_import_torch_npu_only_inside_functions_and_never_spell_cuda():
-    for module in (kernels, *KERNEL_MODULES, _fallback):
+    for module in (kernels, *KERNEL_MODULES, _dispatch):
         source = Path(module.__file__).read_text()
         assert "cuda" not in source.lower(), module.__name__
         tree = ast.parse(source)

@@ -34,6 +34,10 @@ COMMANDS: dict[str, Command] = {
         "lightning_npu.cli.plan",
         "per-device memory of a model (a recipe config or decoder shapes) under npu_fsdp (ZeRO-2/3): fit and largest micro-batch",
     ),
+    "selftest": Command(
+        "lightning_npu.cli.selftest",
+        "check fused kernels, collectives and a short sharded training on this machine's NPUs, with a report",
+    ),
     "run": Command(
         "lightning_npu.cli.run",
         "launch a Lightning Fabric script on N NPUs per node (fabric run with accelerator npu, through torchrun)",

@@ -10,6 +10,9 @@ from __future__ import annotations
 # ----------------------------------------------------------------------------------------- lightning-npu's own
 #: ``<n>``: run accelerator="npu" on the CPU as n simulated NPUs (gloo); unset, "" or "0": real NPUs.
 SIMULATE_ENV = "LIGHTNING_NPU_SIMULATE"
+#: Comma-separated fused kernels (attention, rms_norm, rotary, swiglu, or all) run on their PyTorch reference path
+#: instead (``kernels/_dispatch.py``; the switch ``lightning-npu selftest`` names for a failing kernel).
+DISABLE_FUSED_ENV = "LIGHTNING_NPU_DISABLE_FUSED"
 
 # ------------------------------------------------------------------------------------------ torch / torch_npu
 #: The device ids the NPU runtime shows this process (CANN's mask, parsed by ``facts.devices``).
@@ -60,6 +63,9 @@ ASCEND_GLOBAL_EVENT_ENABLE = "ASCEND_GLOBAL_EVENT_ENABLE"
 SLURM_JOB_ID = "SLURM_JOB_ID"
 SLURM_ARRAY_JOB_ID = "SLURM_ARRAY_JOB_ID"
 SLURM_ARRAY_TASK_ID = "SLURM_ARRAY_TASK_ID"
+#: Set in processes srun / torchrun started: ``lightning-npu selftest`` then runs its checks in place (one rank of many).
+SLURM_NTASKS = "SLURM_NTASKS"
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 #: What ``lightning-npu run`` sets for ``Fabric()`` in place of its arguments (lightning/fabric/connector.py).
 LT_CLI_USED = "LT_CLI_USED"
 LT_ACCELERATOR = "LT_ACCELERATOR"

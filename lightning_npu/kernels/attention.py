@@ -16,12 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_npu.kernels._fallback import chip_unsupported_reason, log_fallback_once
+from lightning_npu.kernels._dispatch import chip_unsupported_reason, note_fallback, unavailable_reason
 
 # npu_fusion_attention's documented limits (Atlas A2 training series).
 _FUSED_MAX_HEAD_DIM = 768
 _FUSED_MAX_Q_HEADS = 256
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Causal sparse modes (2, 3) take this fixed "compressed" mask instead of a full [Sq, Skv] one.
 _COMPRESSED_MASK_SIZE = 2048
 # sparse_mode 3 = right-down causal: the bottom-right alignment documented above.
@@ -38,16 +37,16 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] 
     _check_inputs(q, k, v)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if _on_npu(q):
-        reason = _fused_unsupported_reason(q)
-        if reason is None:
-            return _npu_attention(q, k, v, scale)
-        log_fallback_once("causal_attention", reason)
-    return _reference_attention(q, k, v, scale)
+    reason = why_not_fused(q, k, v)
+    if reason is None:
+        return _npu_attention(q, k, v, scale)
+    note_fallback("attention", q, reason)
+    return reference_attention(q, k, v, scale=scale)
 
 
-def _on_npu(x: Tensor) -> bool:
-    return x.device.type == "npu"
+def why_not_fused(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
+    """Why :func:`causal_attention` would run the reference path on these inputs; None when it runs the fused op."""
+    return unavailable_reason("attention", q, lambda: _fused_limits(q))
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -82,10 +81,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
 
 
-def _fused_unsupported_reason(q: Tensor) -> Optional[str]:
+def _fused_limits(q: Tensor) -> Optional[str]:
     head_dim, q_heads = q.shape[-1], q.shape[2]
-    if q.dtype not in _FUSED_DTYPES:
-        return f"dtype {q.dtype} is not one of fp16/bf16/fp32"
     if head_dim > _FUSED_MAX_HEAD_DIM:
         return f"head_dim={head_dim} exceeds npu_fusion_attention's limit of {_FUSED_MAX_HEAD_DIM}"
     if q_heads > _FUSED_MAX_Q_HEADS:
@@ -115,7 +112,10 @@ def _compressed_causal_mask(device: torch.device) -> Tensor:
     return torch.triu(ones, diagonal=1)
 
 
-def _reference_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None) -> Tensor:
+    """:func:`causal_attention` on its PyTorch path (SDPA) whatever the device: what the fused op must match."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
     sq, skv = q.shape[1], k.shape[1]
     q_heads, kv_heads = q.shape[2], k.shape[2]
     # SDPA wants BNSD.

@@ -7,9 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_npu.kernels._fallback import log_fallback_once
+from lightning_npu.kernels._dispatch import FUSED_DTYPES, note_fallback, unavailable_reason
 
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # npu_rms_norm's documented input ranks.
 _FUSED_MIN_DIMS, _FUSED_MAX_DIMS = 2, 8
 
@@ -30,29 +29,30 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
             f"weight shape {tuple(weight.shape)} must be ({x.shape[-1]},), the size of x's last dimension "
             f"(x shape {tuple(x.shape)})."
         )
-    if _on_npu(x):
-        reason = _fused_unsupported_reason(x, weight)
-        if reason is None:
-            import torch_npu
+    reason = why_not_fused(x, weight)
+    if reason is None:
+        import torch_npu
 
-            return torch_npu.npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)[0]
-        log_fallback_once("rms_norm", reason)
-    return _reference_rms_norm(x, weight, eps)
-
-
-def _on_npu(x: Tensor) -> bool:
-    return x.device.type == "npu"
+        return torch_npu.npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)[0]
+    note_fallback("rms_norm", x, reason)
+    return reference_rms_norm(x, weight, eps)
 
 
-def _fused_unsupported_reason(x: Tensor, weight: Tensor) -> Optional[str]:
-    if x.dtype not in _FUSED_DTYPES or weight.dtype not in _FUSED_DTYPES:
+def why_not_fused(x: Tensor, weight: Tensor) -> Optional[str]:
+    """Why :func:`rms_norm` would run the reference path on these inputs; None when it runs the fused op."""
+    return unavailable_reason("rms_norm", x, lambda: _fused_limits(x, weight))
+
+
+def _fused_limits(x: Tensor, weight: Tensor) -> Optional[str]:
+    if weight.dtype not in FUSED_DTYPES:
         return f"(x, weight) dtypes ({x.dtype}, {weight.dtype}) are not fp16/bf16/fp32"
     if not _FUSED_MIN_DIMS <= x.dim() <= _FUSED_MAX_DIMS:
         return f"x has {x.dim()} dimensions; npu_rms_norm takes {_FUSED_MIN_DIMS} to {_FUSED_MAX_DIMS}"
     return None
 
 
-def _reference_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def reference_rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """:func:`rms_norm` on its PyTorch path whatever the device: what the fused op must match."""
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (normed * weight.float()).to(x.dtype)

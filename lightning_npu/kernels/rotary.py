@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_npu.kernels._fallback import chip_unsupported_reason, log_fallback_once
+from lightning_npu.kernels._dispatch import chip_unsupported_reason, note_fallback, unavailable_reason
 
 # npu_rotary_mul's documented limits (half mode, torch_npu 2.6.0 .. 2.14.0 _op_plugin_docs.py): head_dim < 896,
 # batch and heads < 1000 each, and "when the cos/sin gradients are computed, B*N <= 1024". Its backward
@@ -21,7 +21,6 @@ from lightning_npu.kernels._fallback import chip_unsupported_reason, log_fallbac
 _FUSED_MAX_HEAD_DIM = 895
 _FUSED_MAX_BATCH_OR_HEADS = 999
 _FUSED_MAX_BACKWARD_BATCH_X_HEADS = 1024
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def rotary_tables(
@@ -54,6 +53,28 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
     The tables are cast to x's dtype first (as HF LLaMA does), so the output keeps x's dtype.
     """
+    reason = why_not_fused(x, cos, sin)
+    if reason is None:
+        import torch_npu
+
+        return torch_npu.npu_rotary_mul(x, *_broadcast_tables(x, cos, sin))
+    note_fallback("rotary", x, reason)
+    return reference_rotary(x, cos, sin)
+
+
+def reference_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """:func:`apply_rotary` on its PyTorch path whatever the device: what the fused op must match."""
+    cos, sin = _broadcast_tables(x, cos, sin)
+    return x * cos + _rotate_half(x) * sin
+
+
+def why_not_fused(x: Tensor, cos: Tensor, sin: Tensor) -> Optional[str]:
+    """Why :func:`apply_rotary` would run the reference path on these inputs; None when it runs the fused op."""
+    return unavailable_reason("rotary", x, lambda: _fused_limits(x, cos, sin))
+
+
+def _broadcast_tables(x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Check x against [seq, head_dim] tables; return them in x's dtype, shaped 1S1D to broadcast over BSND."""
     if x.dim() != 4:
         raise ValueError(f"apply_rotary expects a 4-D BSND tensor [batch, seq, heads, head_dim]; got {tuple(x.shape)}.")
     expected = (x.shape[1], x.shape[3])
@@ -65,26 +86,10 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         )
     if x.shape[-1] % 2 != 0:
         raise ValueError(f"head_dim must be even for rotary embedding; got x shape {tuple(x.shape)}.")
-    # 1S1D: broadcast over batch and heads in BSND.
-    cos = cos.to(x.dtype)[None, :, None, :]
-    sin = sin.to(x.dtype)[None, :, None, :]
-    if _on_npu(x):
-        reason = _fused_unsupported_reason(x, cos, sin)
-        if reason is None:
-            import torch_npu
-
-            return torch_npu.npu_rotary_mul(x, cos, sin)
-        log_fallback_once("apply_rotary", reason)
-    return x * cos + _rotate_half(x) * sin
+    return cos.to(x.dtype)[None, :, None, :], sin.to(x.dtype)[None, :, None, :]
 
 
-def _on_npu(x: Tensor) -> bool:
-    return x.device.type == "npu"
-
-
-def _fused_unsupported_reason(x: Tensor, cos: Tensor, sin: Tensor) -> Optional[str]:
-    if x.dtype not in _FUSED_DTYPES:
-        return f"dtype {x.dtype} is not one of fp16/bf16/fp32"
+def _fused_limits(x: Tensor, cos: Tensor, sin: Tensor) -> Optional[str]:
     if x.shape[-1] > _FUSED_MAX_HEAD_DIM:
         return f"head_dim={x.shape[-1]} exceeds npu_rotary_mul's limit (< 896)"
     batch, heads = x.shape[0], x.shape[2]

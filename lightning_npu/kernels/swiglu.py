@@ -8,9 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_npu.kernels._fallback import chip_unsupported_reason, log_fallback_once
-
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from lightning_npu.kernels._dispatch import chip_unsupported_reason, note_fallback, unavailable_reason
 
 
 def swiglu(x: Tensor) -> Tensor:
@@ -23,27 +21,22 @@ def swiglu(x: Tensor) -> Tensor:
             f"swiglu splits the last dimension into two equal halves, but it has odd size {x.shape[-1]} "
             f"(x shape {tuple(x.shape)}); concatenate the gate and up projections, which have equal widths."
         )
-    if _on_npu(x):
-        reason = _fused_unsupported_reason(x)
-        if reason is None:
-            import torch_npu
+    reason = why_not_fused(x)
+    if reason is None:
+        import torch_npu
 
-            # npu_swiglu documents contiguous input only; .contiguous() is free when it already is.
-            return torch_npu.npu_swiglu(x.contiguous(), dim=-1)
-        log_fallback_once("swiglu", reason)
-    return _reference_swiglu(x)
-
-
-def _on_npu(x: Tensor) -> bool:
-    return x.device.type == "npu"
+        # npu_swiglu documents contiguous input only; .contiguous() is free when it already is.
+        return torch_npu.npu_swiglu(x.contiguous(), dim=-1)
+    note_fallback("swiglu", x, reason)
+    return reference_swiglu(x)
 
 
-def _fused_unsupported_reason(x: Tensor) -> Optional[str]:
-    if x.dtype not in _FUSED_DTYPES:
-        return f"dtype {x.dtype} is not one of fp16/bf16/fp32"
-    return chip_unsupported_reason("npu_swiglu")
+def why_not_fused(x: Tensor) -> Optional[str]:
+    """Why :func:`swiglu` would run the reference path on this input; None when it runs the fused op."""
+    return unavailable_reason("swiglu", x, lambda: chip_unsupported_reason("npu_swiglu"))
 
 
-def _reference_swiglu(x: Tensor) -> Tensor:
+def reference_swiglu(x: Tensor) -> Tensor:
+    """:func:`swiglu` on its PyTorch path whatever the device: what the fused op must match."""
     a, b = x.chunk(2, dim=-1)
     return F.silu(a) * b

@@ -1,0 +1,76 @@
+"""What every selftest process runs: kernels (on global rank 0), collectives and the short training (on all ranks).
+
+Started by ``lightning-npu selftest`` through ``lightning-npu run``'s launcher (one process per device, torchrun),
+run in the command's own process for a single device, or started by the user's torchrun / srun across nodes. The
+accelerator, devices and strategy come from the ``LT_*`` variables the launcher sets, as for any ``fabric run``
+script. Global rank 0 gathers every rank's results and returns (or writes) them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_npu.selftest.report import CheckResult, merge_ranks
+
+
+def run_checks(*, quick: bool, workdir: Path, steps: int) -> Optional[dict[str, Any]]:
+    """Run every check in this process; the results (JSON-ready) on global rank 0, None on the other ranks."""
+    import torch
+    from lightning.fabric import Fabric
+
+    import lightning_npu  # noqa: F401 -- registers accelerator="npu" and the NPU strategies
+    from lightning_npu.runtime import get_runtime
+    from lightning_npu.selftest.collectives import FULL_SIZES, QUICK_SIZES, check_collectives
+    from lightning_npu.selftest.kernels import check_kernels
+    from lightning_npu.selftest.training import check_training
+
+    runtime = get_runtime()
+    # bf16 where the chip has it (the NPU default); fp32 on the CPU simulation, whose bf16 matmuls are slow.
+    precision = "bf16-mixed" if runtime.chip().supports_bf16 and not runtime.simulated else "32-true"
+    # The launcher's LT_* variables make Fabric() set up the processes itself (no fabric.launch()).
+    fabric = Fabric(precision=precision)
+    device = fabric.device
+    kernel_results = check_kernels(runtime, device, quick=quick) if fabric.global_rank == 0 else []
+    shared = check_collectives(runtime, device, sizes=QUICK_SIZES if quick else FULL_SIZES,
+                               iterations=5 if quick else 20)
+    shared += check_training(fabric, runtime, workdir, steps=steps, precision=precision)
+    per_rank = [shared]
+    if fabric.world_size > 1:
+        per_rank = [None] * fabric.world_size
+        torch.distributed.all_gather_object(per_rank, shared)
+    if fabric.global_rank != 0:
+        return None
+    chip = runtime.chip()
+    return {
+        "chip": {**asdict(chip), "devices_per_node": runtime.device_count(),
+                 "memory_gib": runtime.total_memory(device) / 1024**3, "simulated": runtime.simulated},
+        "settings": {"ranks": fabric.world_size, "nodes": getattr(fabric.strategy, "num_nodes", 1),
+                     "strategy": type(fabric.strategy).__name__, "precision": precision, "quick": quick,
+                     "training_steps": steps},
+        "checks": [asdict(c) for c in kernel_results + merge_ranks(per_rank)],
+    }
+
+
+def results_from(data: dict[str, Any]) -> list[CheckResult]:
+    return [CheckResult.from_dict(check) for check in data["checks"]]
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description="one process of lightning-npu selftest")
+    parser.add_argument("--results", required=True, help="where global rank 0 writes the results (JSON)")
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    data = run_checks(quick=args.quick, workdir=Path(args.workdir), steps=args.steps)
+    if data is not None:
+        Path(args.results).write_text(json.dumps(data))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,239 @@
+"""lightning-npu selftest: the whole command on two simulated NPUs, and each check family made to fail on purpose
+(a wrong fused kernel through the strict fake, a wrong collective, a resume that does not reproduce the run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_npu import runtime as runtime_pkg
+from lightning_npu.cli import main
+from lightning_npu.kernels import _dispatch
+from lightning_npu.runtime.npu import NPURuntime
+from lightning_npu.selftest import collectives, kernels, report, training
+from tests.helpers import REPO, run_python
+from tests.npu_fake import install_fake_torch_npu
+
+E2E_TIMEOUT_S = 180
+
+
+def _by_label(data):
+    return {f"{check['family']}/{check['name']}": check for check in data["checks"]}
+
+
+def test_quick_selftest_on_two_simulated_npus_passes_and_reports_fused_kernels_not_available(tmp_path):
+    """Catches a selftest that cannot run end to end here (launch, collectives over gloo, sharded save and resume
+    on two processes), one that counts a fused kernel it never ran as passed, and a missing table or JSON."""
+    out = tmp_path / "selftest.json"
+    proc = run_python(["-m", "lightning_npu.cli", "selftest", "--quick", "--json", str(out)], simulate=2,
+                      timeout=E2E_TIMEOUT_S)
+    data = json.loads(out.read_text())
+    checks = _by_label(data)
+    assert data["exit_code"] == 0 and data["failures"] == []
+    kernel_checks = [c for label, c in checks.items() if label.startswith("kernels/")]
+    assert len(kernel_checks) == 12  # 4 kernels x fp32/bf16/fp16
+    for check in kernel_checks:
+        assert check["verdict"] == "not available" and "cpu tensors run the PyTorch reference path" in check["detail"]
+        assert check["figures"]["reference_s"] > 0
+    for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"):
+        check = checks[f"collectives/{name}"]
+        assert check["verdict"] == "pass" and check["figures"]["ranks"] == 2
+        assert check["figures"]["busbw_1MiB_gbps"] > 0 and check["figures"]["busbw_8MiB_gbps"] > 0
+    assert checks["training/loss"]["verdict"] == "pass"
+    assert checks["training/resume"]["verdict"] == "pass" and checks["training/resume"]["figures"]["steps_compared"] == 4
+    assert checks["training/memory"]["verdict"] == "info" and checks["training/memory"]["figures"]["planned_tensors_gib"] > 0
+    assert data["versions"]["torch"] == torch.__version__ and data["settings"]["ranks"] == 2
+    assert "kernels/rms_norm bf16" in proc.stdout and "summary: " in proc.stdout and "FAILED" not in proc.stdout
+
+
+# ---------------------------------------------------------------- kernels, through the strict fake
+
+
+def _wrong_attention(original):
+    def call(*args, **kwargs):
+        return original(*args, **{**kwargs, "scale": 1.0})  # the op's default scale, not 1/sqrt(head_dim)
+    return call
+
+
+def _wrong_rms_norm(original):
+    def call(x, gamma, epsilon=1e-6):
+        return original(x, torch.ones_like(gamma), epsilon=epsilon)  # gamma ignored
+    return call
+
+
+def _wrong_rotary(original):
+    def call(x, r1, r2):
+        return original(x, r1, r2, rotary_mode="interleave")  # the other pairing of channels
+    return call
+
+
+def _wrong_swiglu(original):
+    def call(x, dim=-1):
+        a, b = x.chunk(2, dim=dim)
+        return original(torch.cat((b, a), dim=dim), dim=dim)  # gate and up swapped
+    return call
+
+
+WRONG = {"attention": ("npu_fusion_attention", _wrong_attention), "rms_norm": ("npu_rms_norm", _wrong_rms_norm),
+         "rotary": ("npu_rotary_mul", _wrong_rotary), "swiglu": ("npu_swiglu", _wrong_swiglu)}
+
+
+def _tiny_cases():
+    return [case for case in kernels.kernel_cases(quick=True) if case.name.startswith("tiny")]
+
+
+@pytest.fixture
+def fake_npu(monkeypatch):
+    """The strict fake torch_npu with the kernels treating CPU tensors as NPU tensors (as tests/test_kernels.py)."""
+    monkeypatch.setattr(_dispatch, "_announced", set())
+    monkeypatch.setattr(_dispatch, "_device_name", {})
+    fake = install_fake_torch_npu(monkeypatch)
+    monkeypatch.setattr(_dispatch, "_on_npu", lambda x: True)
+    return fake
+
+
+def test_fused_kernels_that_match_the_reference_pass_with_errors_and_timings(fake_npu):
+    """Catches a check that never calls the fused op, compares nothing, or times without synchronising the
+    device through the runtime (every torch_npu call here goes through the strict fake)."""
+    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=_tiny_cases())
+    assert [r.name for r in results] == [f"{op} {dt}" for op in WRONG for dt in ("fp32", "bf16", "fp16")]
+    for result in results:
+        assert result.verdict == "pass", result
+        assert result.figures["max_err"] <= kernels.TOLERANCES[torch.float32 if "fp32" in result.name else
+                                                               torch.bfloat16].max_err
+        assert result.figures["fused_s"] > 0 and result.figures["reference_s"] > 0
+    for op, (npu_op, _) in WRONG.items():
+        assert len(fake_npu.calls_to(npu_op)) >= 3 * 4  # each dtype: checked run, warm-up, 3 timed runs
+    assert len(fake_npu.calls_to("npu.synchronize")) > 0
+
+
+@pytest.mark.parametrize("op", list(WRONG))
+def test_a_wrong_fused_kernel_fails_its_check_and_names_its_fallback_switch(fake_npu, monkeypatch, op):
+    """Catches a kernel check blind to a wrong kernel (a realistic bug per op: attention without its scale, RMSNorm
+    ignoring gamma, rotary pairing channels the other way, SwiGLU with gate and up swapped), and a report that does
+    not fail the run or does not say how to train around it."""
+    npu_op, make_wrong = WRONG[op]
+    monkeypatch.setattr(fake_npu.torch_npu, npu_op, make_wrong(getattr(fake_npu.torch_npu, npu_op)))
+    cases = [case for case in _tiny_cases() if case.op == op]
+    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=cases)
+    assert [r.verdict for r in results] == ["fail"] * 3
+    assert all(r.fallback == f"LIGHTNING_NPU_DISABLE_FUSED={op}" for r in results)
+    full = report.Report(versions={"torch": torch.__version__}, chip={"name": "Ascend910B2"}, checks=results)
+    text = report.render(full)
+    assert full.exit_code == 1
+    assert f"FAILED kernels/{op} fp32: {npu_op} differs from the PyTorch reference" in text
+    assert f"to train meanwhile, set LIGHTNING_NPU_DISABLE_FUSED={op}" in text
+
+
+def test_bf16_is_not_available_on_a_chip_without_it(monkeypatch):
+    """Catches bf16 kernels run (and failed) on a 910A, which has no bf16 units."""
+    install_fake_torch_npu(monkeypatch, device_name="Ascend910A")
+    monkeypatch.setattr(_dispatch, "_device_name", {})
+    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=_tiny_cases()[:1])
+    verdicts = {r.name: r.verdict for r in results}
+    assert verdicts["attention bf16"] == "not available"
+    assert verdicts["attention fp32"] == "not available"  # CPU tensors: the reference path, never "pass"
+
+
+# ---------------------------------------------------------------- collectives
+
+
+class _WrongAllGather:
+    """torch.distributed with an all_gather_into_tensor that corrupts the last element it writes."""
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    def all_gather_into_tensor(self, output, input, group=None):
+        work = dist.all_gather_into_tensor(output, input, group=group)
+        output[-1] += 1
+        return work
+
+
+@pytest.fixture
+def one_rank_group(simulate):
+    simulate(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield runtime_pkg.get_runtime()
+    dist.destroy_process_group()
+
+
+def test_a_wrong_collective_result_fails_only_that_collective(one_rank_group):
+    """Catches a collective check that does not compare results exactly (one wrong element of a million)."""
+    sizes = (64 * 1024,)
+    right = collectives.check_collectives(one_rank_group, torch.device("cpu"), sizes=sizes, iterations=1)
+    assert [r.verdict for r in right] == ["pass"] * 4
+    wrong = collectives.check_collectives(one_rank_group, torch.device("cpu"), sizes=sizes, iterations=1,
+                                          ops=_WrongAllGather())
+    assert {r.name: r.verdict for r in wrong} == {"all_reduce": "pass", "all_gather_into_tensor": "fail",
+                                                  "reduce_scatter_tensor": "pass", "broadcast": "pass"}
+    assert "rank 0: 1 of 16384 elements differ from the exact result at 64KiB" in wrong[1].detail
+
+
+def test_a_rank_whose_collective_failed_fails_the_merged_result():
+    ok = report.CheckResult("collectives", "all_reduce", "pass", "exact on 2 rank(s)", {"ranks": 2})
+    bad = report.CheckResult("collectives", "all_reduce", "fail", "rank 1: 3 of 8 elements differ")
+    (merged,) = report.merge_ranks([[ok], [bad]])
+    assert merged.verdict == "fail" and merged.detail == "rank 1: 3 of 8 elements differ" and merged.figures == {"ranks": 2}
+
+
+# ---------------------------------------------------------------- training
+
+
+_TRAIN_WITH_A_RESUME_THAT_DROPS_THE_OPTIMIZER = textwrap.dedent("""
+    import json, sys
+    from lightning.fabric import Fabric
+    import lightning_npu
+    from lightning_npu.runtime import get_runtime
+    from lightning_npu.selftest.training import check_training
+    original = Fabric.load
+    def load(self, path, state=None, strict=True):
+        # The bug under test: a resume that restores the weights and the step but not AdamW's moments.
+        optimizer = state.pop("optimizer")
+        try:
+            return original(self, path, state, strict=False)
+        finally:
+            state["optimizer"] = optimizer
+    Fabric.load = load
+    fabric = Fabric(accelerator="npu", devices=1, strategy="npu_fsdp")
+    fabric.launch()
+    results = check_training(fabric, get_runtime(), sys.argv[1], steps=6, precision="32-true")
+    print(json.dumps({r.name: [r.verdict, r.detail] for r in results}))
+""")
+
+
+def test_a_resume_that_does_not_reproduce_the_run_fails_the_training_check(tmp_path):
+    """Catches a resume check that compares nothing or too loosely: dropping the optimizer state from the load
+    changes the resumed losses and must fail training/resume (the end-to-end test sees the intact load pass)."""
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_NPU_SIMULATE"}
+    env.update(PYTHONPATH=str(REPO), LIGHTNING_NPU_SIMULATE="1")
+    proc = subprocess.run([sys.executable, "-c", _TRAIN_WITH_A_RESUME_THAT_DROPS_THE_OPTIMIZER, str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=E2E_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    verdicts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert verdicts["loss"][0] == "pass" and verdicts["resume"][0] == "fail"
+    # Step 3's loss comes before the first optimizer step, from the restored weights; step 4 shows the lost moments.
+    assert verdicts["resume"][1].startswith("resuming the sharded checkpoint of step 3 does not reproduce the run:"
+                                            " step 4 gave")
+
+
+def test_a_loss_that_does_not_fall_fails():
+    assert training.loss_result([5.5, 5.5, 5.4]).verdict == "fail"
+    assert training.loss_result([5.5, float("nan"), 1.0]).verdict == "fail"
+    assert training.loss_result([5.5, 4.0, 3.0]).verdict == "pass"
+
+
+# ---------------------------------------------------------------- options
+
+
+def test_an_unknown_kernel_in_the_disable_switch_stops_the_selftest_before_it_starts(monkeypatch, capsys):
+    monkeypatch.setenv("LIGHTNING_NPU_DISABLE_FUSED", "flash")
+    assert main(["selftest", "--quick"]) == 2
+    assert "LIGHTNING_NPU_DISABLE_FUSED='flash' names 'flash', which is not a fused kernel" in capsys.readouterr().err
