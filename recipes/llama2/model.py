@@ -224,12 +224,23 @@ class LLaMA(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = Linear(config.dim, config.vocab_size)
-        if config.tie_embeddings:
-            # One parameter under two names: FSDP2 keeps it in the root unit, which holds both modules.
-            self.output.weight = self.tok_embeddings.weight
+        self._tie_embeddings()
         # fp32 rotary tables keyed by device; per-dtype casts keyed by (device, dtype). A plain dict,
         # not buffers: buffers would be lost on the meta device and sharded/broadcast needlessly.
         self._rope_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def _tie_embeddings(self) -> None:
+        """With ``tie_embeddings``, one parameter under two names (the state dict holds both). FSDP2 keeps it in
+        the root unit, which holds both modules, and swaps sharded parameters in place, so the tie survives."""
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse: bool = True):
+        # Module._apply replaces parameters whose new tensor type differs (meta -> cpu in to_empty()), each module's
+        # separately, which would leave two untied copies: tie again afterwards.
+        module = super()._apply(fn, recurse)
+        self._tie_embeddings()
+        return module
 
     def reset_parameters(self) -> None:
         """Re-initialise every parameter (the same init each module's own ``reset_parameters`` gives)."""
