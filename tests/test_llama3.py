@@ -30,23 +30,27 @@ PARAMETER_COUNTS = {
     "llama3.2-3b": 3_212_749_824,
 }
 
-# Each family's rotary settings (the presets'), at tiny dims: (name, rope_parameters, tied).
+# Each family's rotary settings (the presets'), at tiny dims (head_dim 32): name -> (rope_parameters, tied, heads).
+# 8B and 3.2-1B share 4 query heads per kv head, 3.2-3B 3 (24 / 8), so the 3B case has 6 heads over 2 kv heads.
 LLAMA31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 VARIANTS = {
-    "3-8b": ({"rope_type": "default", "rope_theta": 500000.0}, False),
-    "3.1-8b": ({"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA31}, False),
-    "3.2-1b": ({"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA31, "factor": 32.0}, True),
-    "3.2-3b": ({"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA31, "factor": 32.0}, True),
+    "3-8b": ({"rope_type": "default", "rope_theta": 500000.0}, False, (8, 2)),
+    "3.1-8b": ({"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA31}, False, (8, 2)),
+    "3.2-1b": ({"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA31, "factor": 32.0}, True, (4, 1)),
+    "3.2-3b": ({"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA31, "factor": 32.0}, True, (6, 2)),
     "3.1-short-original": (
         {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA31, "original_max_position_embeddings": SHORT_ORIGINAL},
         False,
+        (4, 2),
     ),
 }
 
 
-def hf_config(rope_parameters: dict, tied: bool) -> LlamaConfig:
+def hf_config(rope_parameters: dict, tied: bool, heads: tuple[int, int] = (4, 2)) -> LlamaConfig:
+    """A tiny LlamaConfig, head_dim 32, ``heads`` = (query heads, kv heads)."""
     return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, hidden_size=32 * heads[0], num_hidden_layers=2, num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
         intermediate_size=96, max_position_embeddings=SEQ, rms_norm_eps=1e-5, rope_parameters=dict(rope_parameters),
         tie_word_embeddings=tied,
     )
@@ -139,7 +143,7 @@ def test_scaled_frequencies_equal_transformers_llama3_rule_and_differ_from_unsca
     """Catches a wrong band (which wavelengths are divided, kept or blended) or blend direction: the frequencies
     must equal transformers' own llama3 initialiser, and with a short original length the scaled tables must differ
     from the plain ones at positions past it."""
-    rope = VARIANTS["3.1-short-original"][0]
+    rope = VARIANTS["3.1-short-original"][0]  # 4 heads: head_dim 32 as small_recipe_config
     config = small_recipe_config(rope_theta=500000.0, rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"})
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config(rope, False), "cpu")
     ours = rotary_frequencies(config)
@@ -197,8 +201,8 @@ def test_hf_to_recipe_to_hf_logits_match_transformers_for_each_family(tmp_path, 
     """HF -> recipe (convert.py from-hf) and recipe -> HF (to-hf, loaded by LlamaForCausalLM) give transformers'
     logits within 1e-5 in fp32 at positions 0..63. Catches a wrong base, missing or wrong llama3 scaling, a tie lost
     on import, an lm_head.weight written for a tied model or a rope_parameters entry transformers misreads."""
-    rope, tied = VARIANTS[variant]
-    hf = wide(LlamaForCausalLM(hf_config(rope, tied)))
+    rope, tied, heads = VARIANTS[variant]
+    hf = wide(LlamaForCausalLM(hf_config(rope, tied, heads)))
     hf.save_pretrained(tmp_path / "hf")
     assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "recipe.ckpt")]) == 0
     config, state_dict = load_recipe_checkpoint(tmp_path / "recipe.ckpt")
@@ -222,7 +226,7 @@ def test_hf_to_recipe_to_hf_logits_match_transformers_for_each_family(tmp_path, 
 def test_meta_llama_config_json_with_legacy_rope_keys_imports_as_transformers_reads_it(tmp_path):
     """Meta's LLaMA-3.1/3.2 downloads carry rope_theta and rope_scaling (no rope_parameters); transformers 5 converts
     them at load. Catches an import that ignores the legacy keys (plain rotary, base 10000)."""
-    rope, _ = VARIANTS["3.1-short-original"]
+    rope, _, _ = VARIANTS["3.1-short-original"]
     hf = wide(LlamaForCausalLM(hf_config(rope, False)))
     hf.save_pretrained(tmp_path / "hf")
     path = tmp_path / "hf" / "config.json"
