@@ -25,14 +25,17 @@ from recipes.llama2.checkpoint_layout import (
     some_names,
     tokenizer_from_metadata,
 )
-from recipes.llama2.config import LLaMAConfig
+from recipes.llama2.config import ROPE_SCALING_KEYS, ROPE_SCALING_TYPE, LLaMAConfig, normalise_rope_scaling
 from recipes.llama2.tokenizer import has_tokenizer, load_tokenizer
 
 # Buffers that old HF LLaMA checkpoints saved and that the recipe recomputes.
 _HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_HF_EMBEDDING, _HF_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# transformers' rotary base when config.json names none (modeling_rope_utils.py).
+DEFAULT_HF_ROPE_THETA = 10000.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -43,7 +46,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 def hf_name_map(config: LLaMAConfig) -> dict[str, tuple[str, ...]]:
     """Recipe parameter name -> the Hugging Face ``LlamaForCausalLM`` names it is made of (two for
     the fused gate/up projection: gate rows first, then up rows)."""
-    names: dict[str, tuple[str, ...]] = {"tok_embeddings.weight": ("model.embed_tokens.weight",)}
+    names: dict[str, tuple[str, ...]] = {"tok_embeddings.weight": (_HF_EMBEDDING,)}
     for i in range(config.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         names.update(
@@ -62,25 +65,31 @@ def hf_name_map(config: LLaMAConfig) -> dict[str, tuple[str, ...]]:
             }
         )
     names["norm.weight"] = ("model.norm.weight",)
-    names["output.weight"] = ("lm_head.weight",)
+    names["output.weight"] = (_HF_HEAD,)
     return names
 
 
-def hf_to_recipe_state_dict(
-    hf_state_dict: Mapping[str, Tensor], config: LLaMAConfig, *, tie_word_embeddings: bool = False
-) -> dict[str, Tensor]:
+def hf_to_recipe_state_dict(hf_state_dict: Mapping[str, Tensor], config: LLaMAConfig) -> dict[str, Tensor]:
     """Rename (and fuse gate/up of) a ``LlamaForCausalLM`` state dict into the recipe's layout.
 
     Rotary buffers (``rotary_emb.inv_freq``) are dropped; any other unknown name, a missing tensor or
-    a shape that disagrees with ``config`` raises ``CheckpointError`` naming the Hugging Face tensor.
+    a shape that disagrees with ``config`` raises ``CheckpointError`` naming the Hugging Face tensor. With
+    ``config.tie_embeddings`` the checkpoint may omit ``lm_head.weight`` (Hugging Face saves tied weights once);
+    one that has it must hold the embedding matrix there.
     """
     name_map = hf_name_map(config)
     shapes = expected_shapes(config)
     hf_state_dict = dict(hf_state_dict)
-    if tie_word_embeddings and "lm_head.weight" not in hf_state_dict and "model.embed_tokens.weight" in hf_state_dict:
-        # Tied checkpoints omit lm_head; the recipe keeps an untied output layer, initialised equal. A copy,
-        # not the same tensor: safetensors refuses to write tensors that share memory.
-        hf_state_dict["lm_head.weight"] = hf_state_dict["model.embed_tokens.weight"].clone()
+    embedding, head = hf_state_dict.get(_HF_EMBEDDING), hf_state_dict.get(_HF_HEAD)
+    if config.tie_embeddings and embedding is not None:
+        if head is None:
+            # The recipe's state dict names the tied matrix twice (see model.py); loading copies into one parameter.
+            hf_state_dict[_HF_HEAD] = embedding
+        elif head.shape != embedding.shape or not torch.equal(head, embedding):
+            raise CheckpointError(
+                f"config.json sets tie_word_embeddings=true but {_HF_HEAD!r} differs from {_HF_EMBEDDING!r}; "
+                "a tied model has one matrix. Set tie_word_embeddings=false if the checkpoint is untied."
+            )
     known = {hf for parts in name_map.values() for hf in parts}
     unknown = [k for k in hf_state_dict if k not in known and not k.endswith(_HF_IGNORED_SUFFIXES)]
     if unknown:
@@ -111,12 +120,15 @@ def hf_to_recipe_state_dict(
 
 
 def recipe_to_hf_state_dict(state_dict: Mapping[str, Tensor], config: LLaMAConfig) -> dict[str, Tensor]:
-    """Inverse of ``hf_to_recipe_state_dict``: split gate/up and rename, after ``check_state_dict``.
-    The gate/up halves are copies, not views: safetensors refuses tensors that share a buffer."""
+    """Inverse of ``hf_to_recipe_state_dict``: split gate/up and rename, after ``check_state_dict``; a tied model
+    gets no ``lm_head.weight``. The gate/up halves are copies, not views: safetensors refuses tensors that share a
+    buffer."""
     check_state_dict(state_dict, config, source="The recipe checkpoint")
     out: dict[str, Tensor] = {}
     for ours, theirs in hf_name_map(config).items():
         tensor = state_dict[ours]
+        if config.tie_embeddings and theirs == (_HF_HEAD,):
+            continue  # tied: Hugging Face stores the matrix once, as the embedding (and ties lm_head at load)
         if len(theirs) == 1:
             out[theirs[0]] = tensor.contiguous()
         else:
@@ -137,7 +149,7 @@ def is_hf_directory(path: PathLike) -> bool:
 
 def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json") -> LLaMAConfig:
     """``LLaMAConfig`` from the fields of an HF ``config.json``; architectures the recipe cannot hold exactly
-    (biases, scaled rotary, other activations, head_dim != hidden_size / heads) are refused."""
+    (biases, rotary scaling other than "llama3", other activations, head_dim != hidden_size / heads) are refused."""
     model_type = hf_config.get("model_type")
     if model_type != "llama":
         raise CheckpointError(f"{source}: model_type={model_type!r}; only 'llama' checkpoints can be converted.")
@@ -146,13 +158,7 @@ def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json")
     for flag in ("attention_bias", "mlp_bias"):
         if hf_config.get(flag):
             raise CheckpointError(f"{source}: {flag}=true; the recipe's projections have no bias.")
-    rope = hf_config.get("rope_parameters") or {}
-    scaling = hf_config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise CheckpointError(
-            f"{source}: rope_type={rope_type!r}; the recipe implements plain rotary embeddings (rope_type 'default')."
-        )
+    rope_theta, rope_scaling = rope_from_hf(hf_config, source=source)
     hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
     head_dim = hf_config.get("head_dim") or hidden // heads
     if head_dim * heads != hidden:
@@ -169,14 +175,49 @@ def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json")
         ffn_hidden_dim=hf_config["intermediate_size"],
         max_seq_len=hf_config.get("max_position_embeddings", 4096),
         norm_eps=hf_config.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", hf_config.get("rope_theta", 10000.0))),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
     )
+
+
+def rope_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json") -> tuple[float, Optional[dict[str, Any]]]:
+    """(rope_theta, rope_scaling) of an HF ``config.json``: transformers 5 writes ``rope_parameters`` (theta and
+    the scaling in one mapping), older ones ``rope_theta`` and ``rope_scaling`` (``type`` before ``rope_type``),
+    which is what Meta's LLaMA-3.1/3.2 downloads carry; transformers 5 converts those at load, and so does this."""
+    rope = dict(hf_config.get("rope_parameters") or {})
+    legacy = dict(hf_config.get("rope_scaling") or {})
+    if not rope:
+        rope = dict(legacy)
+        if "type" in rope:
+            rope.setdefault("rope_type", rope.pop("type"))
+    theta = float(rope.pop("rope_theta", hf_config.get("rope_theta", DEFAULT_HF_ROPE_THETA)))
+    rope_type = rope.pop("rope_type", "default")
+    if rope_type == "default":
+        return theta, None
+    if rope_type != ROPE_SCALING_TYPE:
+        raise CheckpointError(
+            f"{source}: rope_type={rope_type!r}; the recipe implements plain rotary embeddings (rope_type 'default') "
+            f"and LLaMA-3.1's {ROPE_SCALING_TYPE!r} scaling."
+        )
+    try:
+        return theta, normalise_rope_scaling({key: rope[key] for key in ROPE_SCALING_KEYS if key in rope})
+    except ValueError as error:
+        raise CheckpointError(f"{source}: rope_parameters: {error}") from None
+
+
+def rope_to_hf(config: LLaMAConfig) -> dict[str, Any]:
+    """The config.json entries of the rotary embedding: ``rope_parameters`` (transformers 5) and the
+    ``rope_theta`` / ``rope_scaling`` pair older transformers read."""
+    scaling = dict(config.rope_scaling) if config.rope_scaling is not None else None
+    parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": config.rope_theta}
+    return {"rope_theta": config.rope_theta, "rope_scaling": scaling, "rope_parameters": parameters}
 
 
 def hf_config_dict(
     config: LLaMAConfig, *, dtype: torch.dtype, extra: Optional[Mapping[str, Any]] = None
 ) -> dict[str, Any]:
-    """The ``config.json`` of a ``LlamaForCausalLM`` equal to ``LLaMA(config)``. Rotary theta and dtype are
+    """The ``config.json`` of a ``LlamaForCausalLM`` equal to ``LLaMA(config)``. The rotary settings and dtype are
     written under both the transformers 4 and 5 names so either version reads them."""
     dtype_name = str(dtype).removeprefix("torch.")
     out: dict[str, Any] = {
@@ -191,13 +232,11 @@ def hf_config_dict(
         "intermediate_size": config.ffn_hidden_dim,
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        **rope_to_hf(config),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": config.tie_embeddings,
         "torch_dtype": dtype_name,
         "dtype": dtype_name,
     }
@@ -237,9 +276,7 @@ def load_hf_checkpoint(hf_dir: PathLike) -> tuple[LLaMAConfig, dict[str, Tensor]
         raise CheckpointError(f"{hf_dir} has no config.json; it is not a Hugging Face model directory.")
     hf_config = json.loads(config_path.read_text())
     config = config_from_hf(hf_config, source=str(config_path))
-    state_dict = hf_to_recipe_state_dict(
-        load_hf_state_dict(hf_dir), config, tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False))
-    )
+    state_dict = hf_to_recipe_state_dict(load_hf_state_dict(hf_dir), config)
     return config, state_dict
 
 

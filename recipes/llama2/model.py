@@ -1,4 +1,5 @@
-"""The LLaMA-2 decoder as a plain ``nn.Module`` on ``lightning_npu.kernels``.
+"""The LLaMA decoder (LLaMA-2, and the LLaMA-3 family: see ``config.py``) as a plain ``nn.Module`` on
+``lightning_npu.kernels``.
 
 The model knows nothing of devices, parallelism or Lightning: sharding and activation checkpointing
 wrap ``TransformerBlock`` from outside. It holds no buffers, so it can be built on the meta device,
@@ -16,11 +17,13 @@ Parameter names (the recipe's state-dict layout; ``hf_checkpoint.py`` maps them 
     layers.{i}.feed_forward.w_gate_up.weight   [2 * ffn_hidden_dim, dim]  (gate rows, then up rows)
     layers.{i}.feed_forward.w_down.weight      [dim, ffn_hidden_dim]
     norm.weight                                [dim]
-    output.weight                              [vocab, dim]
+    output.weight                              [vocab, dim]  (with tie_embeddings: the tok_embeddings parameter;
+                                                              the state dict holds it under both names)
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -182,8 +185,37 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def rotary_frequencies(config: LLaMAConfig, device: Optional[torch.device] = None) -> Tensor:
+    """The rotary inverse frequency of each channel pair [head_dim // 2], fp32: ``rope_theta ** (-2i / head_dim)``,
+    then, with ``config.rope_scaling``, LLaMA-3.1's "llama3" rule with L = original_max_position_embeddings:
+    wavelengths above L / low_freq_factor are stretched by ``factor``, those below L / high_freq_factor are kept,
+    and those between blend the two with weight s = (L / wavelength - low) / (high - low) on the kept one."""
+    exponents = torch.arange(0, config.head_dim, 2, device=device, dtype=torch.float32) / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    length = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    smooth = ((length / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0 above L / low, 1 below L / high
+    return (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rotary_cos_sin(config: LLaMAConfig, device: Optional[torch.device] = None) -> tuple[Tensor, Tensor]:
+    """fp32 cos/sin [max_seq_len, head_dim] for positions 0 .. max_seq_len - 1, in the layout ``apply_rotary``
+    takes. Unscaled, they are ``lightning_npu.kernels.rotary_tables``'s; that kernel takes a base only, so scaled
+    frequencies are turned into tables here, the same way (fp32 angles, both halves)."""
+    if config.rope_scaling is None:
+        return rotary_tables(config.max_seq_len, config.head_dim, theta=config.rope_theta, device=device)
+    positions = torch.arange(config.max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, rotary_frequencies(config, device))
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
 class LLaMA(nn.Module):
-    """LLaMA-2 decoder: token ids [batch, seq] -> next-token logits [batch, seq, vocab] (fp32)."""
+    """LLaMA decoder: token ids [batch, seq] -> next-token logits [batch, seq, vocab] (fp32)."""
 
     def __init__(self, config: LLaMAConfig) -> None:
         super().__init__()
@@ -192,9 +224,23 @@ class LLaMA(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = Linear(config.dim, config.vocab_size)
+        self._tie_embeddings()
         # fp32 rotary tables keyed by device; per-dtype casts keyed by (device, dtype). A plain dict,
         # not buffers: buffers would be lost on the meta device and sharded/broadcast needlessly.
         self._rope_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def _tie_embeddings(self) -> None:
+        """With ``tie_embeddings``, one parameter under two names (the state dict holds both). FSDP2 keeps it in
+        the root unit, which holds both modules, and swaps sharded parameters in place, so the tie survives."""
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse: bool = True):
+        # Module._apply replaces parameters whose new tensor type differs (meta -> cpu in to_empty()), each module's
+        # separately, which would leave two untied copies: tie again afterwards.
+        module = super()._apply(fn, recurse)
+        self._tie_embeddings()
+        return module
 
     def reset_parameters(self) -> None:
         """Re-initialise every parameter (the same init each module's own ``reset_parameters`` gives)."""
@@ -236,9 +282,7 @@ class LLaMA(nn.Module):
         if key not in self._rope_cache:
             base_key = (device, torch.float32)
             if base_key not in self._rope_cache:
-                self._rope_cache[base_key] = rotary_tables(
-                    self.config.max_seq_len, self.config.head_dim, theta=self.config.rope_theta, device=device
-                )
+                self._rope_cache[base_key] = rotary_cos_sin(self.config, device)
             cos, sin = self._rope_cache[base_key]
             self._rope_cache[key] = (cos.to(dtype), sin.to(dtype))
         cos, sin = self._rope_cache[key]

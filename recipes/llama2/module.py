@@ -25,7 +25,7 @@ class LLaMA2(LightningModule):
     """LLaMA-2 causal language model.
 
     Args:
-        preset: named architecture (``tiny``, ``7b``, ``13b``).
+        preset: named architecture (``tiny``, ``7b``, ``13b``; LLaMA-3 family: ``config.LLAMA3_PRESETS``).
         config: LLaMAConfig fields that override the preset (e.g. ``{max_seq_len: 2048}``).
         learning_rate: peak learning rate after warmup.
         min_lr_ratio: the cosine decay's floor as a fraction of ``learning_rate``.
