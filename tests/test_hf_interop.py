@@ -201,7 +201,7 @@ def test_gate_rows_come_first_in_the_fused_projection():
     assert torch.equal(fused[96:], hf.model.layers[1].mlp.up_proj.weight)
 
 
-def test_tied_embeddings_are_untied_on_import(tmp_path):
+def test_a_tied_hf_checkpoint_imports_with_one_embedding_and_exports_again(tmp_path):
     hf = hf_model(2, tie=True)
     hf.save_pretrained(tmp_path / "hf")
     assert "lm_head.weight" not in hf_checkpoint.load_hf_state_dict(tmp_path / "hf")
@@ -210,7 +210,7 @@ def test_tied_embeddings_are_untied_on_import(tmp_path):
     ours = LLaMA(config)
     ours.load_state_dict(state_dict)
     torch.testing.assert_close(logits_of(ours.eval()), logits_of(hf), atol=1e-5, rtol=0)
-    # The untied copy survives a recipe checkpoint and exports again.
+    # The tie survives a recipe checkpoint and exports again.
     checkpoint_layout.save_recipe_checkpoint(tmp_path / "recipe.ckpt", config, state_dict)
     hf_checkpoint.convert_recipe_to_hf(tmp_path / "recipe.ckpt", tmp_path / "hf_again")
     again = LlamaForCausalLM.from_pretrained(tmp_path / "hf_again").eval()
