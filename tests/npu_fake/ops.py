@@ -54,11 +54,11 @@ def npu_fusion_attention(
     seed: int = 0,
     offset: int = 0,
     *,
-    release: str,
+    release: Optional[str] = None,
 ):
     """softmax(mask(scale * q k^T)) with dropout(keep_prob), times v; returns the documented 7-tuple.
 
-    ``release`` (bound by the fake) selects the release's varlen rules (see _varlen_ends).
+    ``release`` (bound by the fake, FakeTorchNPU) selects the release's varlen rules (see _VARLEN_RULES).
     """
     if input_layout not in _LAYOUTS:
         raise ValueError(f"input_layout={input_layout!r} is not one of {_LAYOUTS}")
@@ -97,7 +97,8 @@ def npu_fusion_attention(
         kv_ends = _varlen_ends("actual_seq_kvlen", actual_seq_kvlen, skv, release)
         if len(q_ends) != len(kv_ends):
             raise ValueError(
-                f"actual_seq_qlen has {len(q_ends)} samples but actual_seq_kvlen {len(kv_ends)}: the batch sizes must be equal"
+                f"actual_seq_qlen has {len(q_ends)} samples but actual_seq_kvlen {len(kv_ends)}:"
+                " the batch sizes must be equal"
             )
         masked = _varlen_masked_positions(atten_mask, sparse_mode, q_ends, kv_ends, release)
         q_lens, kv_lens = _lengths(q_ends), _lengths(kv_ends)
@@ -223,13 +224,17 @@ _VARLEN_RULES = {
 _VARLEN_MAX_TOKENS = 1024 * 1024  # "varlen场景下: 要求T(B*S)取值范围1~1M" (1684; 2.6.0: 1292)
 
 
-def _varlen_rules(release: str) -> _VarlenRules:
+def _varlen_rules(release: Optional[str]) -> _VarlenRules:
+    if release is None:
+        raise ValueError("varlen rules differ per release: call npu_fusion_attention through install_fake_torch_npu")
     if release not in _VARLEN_RULES:
-        raise NotImplementedError(f"the fake has not read torch_npu {release}'s varlen (TND) rules; add them to _VARLEN_RULES")
+        raise NotImplementedError(
+            f"the fake has not read torch_npu {release}'s varlen (TND) rules; add them to _VARLEN_RULES"
+        )
     return _VARLEN_RULES[release]
 
 
-def _varlen_ends(name: str, ends, total: int, release: str) -> list[int]:
+def _varlen_ends(name: str, ends, total: int, release: Optional[str]) -> list[int]:
     """``ends`` checked as the documented cumulative sample ends over ``total`` tokens (1619-1622).
 
     "比如真正的S长度列表为: 2 2 2 2 2, 则actual_seq_qlen传: 2 4 6 8 10": the running sum of the lengths, without the
@@ -258,7 +263,9 @@ def _varlen_ends(name: str, ends, total: int, release: str) -> list[int]:
             )
         previous = end
     if ends[-1] != total:
-        raise ValueError(f"{name}={ends} ends at {ends[-1]}, but the TND tensor holds T={total} tokens: the last end must be T")
+        raise ValueError(
+            f"{name}={ends} ends at {ends[-1]}, but the TND tensor holds T={total} tokens: the last end must be T"
+        )
     return ends
 
 
@@ -266,18 +273,23 @@ def _lengths(ends: list[int]) -> list[int]:
     return [end - start for start, end in zip([0, *ends[:-1]], ends)]
 
 
-def _varlen_masked_positions(mask, sparse_mode: int, q_ends: list[int], kv_ends: list[int], release: str) -> Tensor:
+def _varlen_masked_positions(
+    mask, sparse_mode: int, q_ends: list[int], kv_ends: list[int], release: Optional[str]
+) -> Tensor:
     """Bool [1, 1, Tq, Tkv], True where a score is masked out: always across samples, and within a sample as
     ``sparse_mode`` says (0 without a mask: full attention; 2: left-up causal; 3: right-down causal)."""
     if sparse_mode == 5:
-        raise ValueError("sparse_mode=5 (prefix, uncompressed) is not supported with varlen TND ('varlen场景不支持', 1632, 1693)")
+        raise ValueError(
+            "sparse_mode=5 (prefix, uncompressed) is not supported with varlen TND ('varlen场景不支持', 1632, 1693)"
+        )
     if sparse_mode not in range(9):
         raise ValueError(f"sparse_mode must be one of 0..8, got {sparse_mode}")
     q_lens, kv_lens = _lengths(q_ends), _lengths(kv_ends)
     if mask is None:
         if sparse_mode != 0:
-            # The op itself would run full attention ("当atten_mask输入为None时, sparse_mode...不生效, 固定为全计算"),
-            # which the docs call a wrong result for modes 1..8 ("应传入对应正确的atten_mask, 否则将导致计算结果错误", 1689).
+            # The op itself would run full attention ("当atten_mask输入为None时, sparse_mode...不生效,
+            # 固定为全计算"), which the docs call a wrong result for modes 1..8 ("应传入对应正确的atten_mask,
+            # 否则将导致计算结果错误", 1689).
             raise ValueError(
                 f"sparse_mode={sparse_mode} without atten_mask: torch_npu ignores the mode and computes full attention"
                 " (1689); pass the mask the mode takes (2, 3: torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1))"
@@ -290,7 +302,9 @@ def _varlen_masked_positions(mask, sparse_mode: int, q_ends: list[int], kv_ends:
         if sparse_mode in (0, 1):
             ss = (max(q_lens), max(kv_lens))
             if tuple(mask.shape) != ss:
-                raise ValueError(f"varlen takes an SS atten_mask of [maxSq, maxSkv] = {list(ss)} only (1610), got {tuple(mask.shape)}")
+                raise ValueError(
+                    f"varlen takes an SS atten_mask of [maxSq, maxSkv] = {list(ss)} only (1610), got {tuple(mask.shape)}"
+                )
             if _varlen_rules(release).empty_samples and bool(mask.all(dim=-1).any()):
                 raise ValueError("varlen atten_mask must not mask a whole row ('不能存在某一行全1', 1685)")
             raise NotImplementedError("the fake does not model how a varlen SS atten_mask applies to each sample")
@@ -303,7 +317,9 @@ def _varlen_masked_positions(mask, sparse_mode: int, q_ends: list[int], kv_ends:
     masked = q_sample[:, None] != kv_sample[None, :]
     if causal is not None:
         # 2: left-up causal (key j <= query i); 3: right-down, shifted by each sample's Skv - Sq.
-        shift = torch.tensor(kv_lens) - torch.tensor(q_lens) if causal == 3 else torch.zeros(len(q_lens), dtype=torch.long)
+        shift = torch.tensor(kv_lens) - torch.tensor(q_lens)
+        if causal == 2:
+            shift = torch.zeros_like(shift)
         masked = masked | (kv_pos[None, :] > q_pos[:, None] + shift[q_sample][:, None])
     return masked[None, None]
 
