@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_npu.kernels import _dispatch, causal_attention, packed_causal_attention, reference_attention
-from tests.npu_fake import RELEASES
-from tests.test_kernels import _take_npu_branch
+# path: the reference path (None) and the NPU branch against each release's fake; npu: the NPU branch only.
+from tests.test_kernels import _take_npu_branch, npu, path  # noqa: F401 -- fixtures
 
 packed_mod = importlib.import_module("lightning_npu.kernels.packed_attention")
 
@@ -27,19 +27,6 @@ CASES = {
     "gqa": ([0, 3, 10, 12], 4, 2, 8),
     "one_sample": ([0, 7], 4, 1, 8),
 }
-
-
-@pytest.fixture(params=["reference", *(f"npu-{release}" for release in RELEASES)])
-def path(request, monkeypatch):
-    """The reference path (None), and the NPU branch against the fake of each recorded torch_npu release."""
-    if request.param == "reference":
-        return None
-    return _take_npu_branch(monkeypatch, release=request.param.removeprefix("npu-"))
-
-
-@pytest.fixture(params=RELEASES)
-def npu(monkeypatch, request):
-    return _take_npu_branch(monkeypatch, release=request.param)
 
 
 def _packed_qkv(cu_seqlens, hq, hkv, d, seed=0):

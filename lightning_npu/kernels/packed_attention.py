@@ -38,7 +38,9 @@ _FUSED_MAX_SAMPLES = 1024
 SeqLens = Union[Sequence[int], Tensor]
 
 
-def packed_causal_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: SeqLens, *, scale: Optional[float] = None) -> Tensor:
+def packed_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: SeqLens, *, scale: Optional[float] = None
+) -> Tensor:
     """Per-sample causal attention over packed TND tensors; returns [T, q_heads, head_dim] in q's dtype.
 
     ``q_heads`` must be a multiple of ``kv_heads`` (grouped-query attention). ``cu_seqlens`` starts at 0, rises
@@ -62,7 +64,9 @@ def why_not_fused(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: SeqLens) -> Optio
     return _dispatch.unavailable_reason("attention", q, lambda: _fused_limits_packed(q, bounds))
 
 
-def reference_packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: SeqLens, *, scale: Optional[float] = None) -> Tensor:
+def reference_packed_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: SeqLens, *, scale: Optional[float] = None
+) -> Tensor:
     """:func:`packed_causal_attention` on its PyTorch path whatever the device: each sample alone through SDPA.
 
     Exact by construction (no cross-sample term is ever computed) and O(sum of squared sample lengths), where one
@@ -113,8 +117,8 @@ def _check_packed_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: SeqLens) -
     empty = [i for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b <= a]
     if empty:
         raise ValueError(
-            f"cu_seqlens={bounds} must rise strictly: sample {empty[0]} has length {bounds[empty[0] + 1] - bounds[empty[0]]}. "
-            "Drop empty samples (repeated boundaries) before packing."
+            f"cu_seqlens={bounds} must rise strictly: sample {empty[0]} has length "
+            f"{bounds[empty[0] + 1] - bounds[empty[0]]}. Drop empty samples (repeated boundaries) before packing."
         )
     return bounds
 
