@@ -267,7 +267,11 @@ class FakeTorchNPU:
         for name, entry in self.api["ops"].items():
             sig = signature_from_params(entry["params"])
             types_ = {p["name"]: p["type"] for p in entry["params"]}
-            setattr(mod, name, self._callable(name, sig, getattr(ops, name), types_))
+            impl = getattr(ops, name)
+            if "release" in inspect.signature(impl).parameters:
+                # Rules that differ between releases (npu_fusion_attention's varlen limits) are told the release.
+                impl = functools.partial(impl, release=self.release)
+            setattr(mod, name, self._callable(name, sig, impl, types_))
         return mod
 
     def _member(self, prefix: str, name: str, entry: dict[str, Any]) -> Any:

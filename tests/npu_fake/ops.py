@@ -10,6 +10,7 @@ features these fakes do not model raise ``NotImplementedError`` instead of compu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Optional
@@ -52,16 +53,22 @@ def npu_fusion_attention(
     dropout_mask: Optional[Tensor] = None,
     seed: int = 0,
     offset: int = 0,
+    *,
+    release: Optional[str] = None,
 ):
-    """softmax(mask(scale * q k^T)) with dropout(keep_prob), times v; returns the documented 7-tuple."""
+    """softmax(mask(scale * q k^T)) with dropout(keep_prob), times v; returns the documented 7-tuple.
+
+    ``release`` (bound by the fake, FakeTorchNPU) selects the release's varlen rules (see _VARLEN_RULES).
+    """
     if input_layout not in _LAYOUTS:
         raise ValueError(f"input_layout={input_layout!r} is not one of {_LAYOUTS}")
-    if input_layout == "TND":
-        raise NotImplementedError("the fake does not model the varlen TND layout")
+    varlen = input_layout == "TND"
     if padding_mask is not None:
         raise ValueError("padding_mask is documented as not supported by npu_fusion_attention ('暂不支持该传参')")
-    for name, val in (("pse", pse), ("prefix", prefix), ("actual_seq_qlen", actual_seq_qlen),
-                      ("actual_seq_kvlen", actual_seq_kvlen), ("sink", sink), ("dropout_mask", dropout_mask)):
+    unmodelled = [("pse", pse), ("prefix", prefix), ("sink", sink), ("dropout_mask", dropout_mask)]
+    if not varlen:
+        unmodelled += [("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen)]
+    for name, val in unmodelled:
         if val is not None:
             raise NotImplementedError(f"the fake does not model npu_fusion_attention's {name} argument")
     if not (query.dtype == key.dtype == value.dtype):
@@ -85,12 +92,25 @@ def npu_fusion_attention(
     if not 1 <= nq <= 256 or nq % nkv != 0:
         raise ValueError(f"query heads ({nq}) must be in 1..256 and a multiple of key/value heads ({nkv})")
 
-    masked = _masked_positions(atten_mask, sparse_mode, pre_tockens, next_tockens, b, nq, sq, skv, q.device)
+    if varlen:
+        q_ends = _varlen_ends("actual_seq_qlen", actual_seq_qlen, sq, release)
+        kv_ends = _varlen_ends("actual_seq_kvlen", actual_seq_kvlen, skv, release)
+        if len(q_ends) != len(kv_ends):
+            raise ValueError(
+                f"actual_seq_qlen has {len(q_ends)} samples but actual_seq_kvlen {len(kv_ends)}:"
+                " the batch sizes must be equal"
+            )
+        masked = _varlen_masked_positions(atten_mask, sparse_mode, q_ends, kv_ends, release)
+        q_lens, kv_lens = _lengths(q_ends), _lengths(kv_ends)
+        auto_invalid_rows = sparse_mode == 3 and any(a > b for a, b in zip(q_lens, kv_lens))
+    else:
+        masked = _masked_positions(atten_mask, sparse_mode, pre_tockens, next_tockens, b, nq, sq, skv, q.device)
+        auto_invalid_rows = sparse_mode == 3 and sq > skv
     dead_rows = None
     if masked is not None:
         dead_rows = masked.all(dim=-1, keepdim=True)
         # Documented: fully masked rows need inner_precise=2, which the op enables itself for sparse_mode 3, Sq > Skv.
-        if bool(dead_rows.any()) and inner_precise != 2 and not (sparse_mode == 3 and sq > skv):
+        if bool(dead_rows.any()) and inner_precise != 2 and not auto_invalid_rows:
             raise ValueError("atten_mask masks out whole query rows; npu_fusion_attention needs inner_precise=2 for that")
 
     group = nq // nkv
@@ -112,8 +132,10 @@ def npu_fusion_attention(
         numels = probs.numel()
     out = torch.matmul(probs, vf).to(query.dtype)
 
-    softmax_max = row_max.detach().expand(b, nq, sq, 8).contiguous()
-    softmax_sum = row_sum.detach().expand(b, nq, sq, 8).contiguous()
+    # _meta_registrations.py: [B, N, Sq, 8], and [T, N, 8] for TND.
+    stats_shape = (sq, nq, 8) if varlen else (b, nq, sq, 8)
+    softmax_max = _softmax_stat(row_max, varlen).expand(stats_shape).contiguous()
+    softmax_sum = _softmax_stat(row_sum, varlen).expand(stats_shape).contiguous()
     softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
     return _from_bnsd(out, input_layout), softmax_max, softmax_sum, softmax_out, 0, 0, numels
 
@@ -121,6 +143,12 @@ def npu_fusion_attention(
 def _inputs_to_bnsd(query: Tensor, key: Tensor, value: Tensor, head_num: int, layout: str):
     """Return q, k, v as [B, N, S, D]. For BSH/SBH, D = H_q / head_num and key/value heads = H_kv / D."""
     tensors = (("query", query), ("key", key), ("value", value))
+    if layout == "TND":
+        for name, t in tensors:
+            if t.dim() != 3:
+                raise ValueError(f"{name} must be 3-D [T, N, D] for layout TND, got shape {tuple(t.shape)}")
+        # All packed samples as one batch row; _varlen_masked_positions keeps them apart.
+        return [t.transpose(0, 1)[None] for _, t in tensors]
     if layout in ("BSND", "BNSD"):
         for name, t in tensors:
             if t.dim() != 4:
@@ -160,18 +188,159 @@ def _masked_positions(mask, sparse_mode, pre, nxt, b, n, sq, skv, device) -> Opt
             full = full | (cols - rows > nxt) | (rows - cols > pre)
         return full
     if sparse_mode in (2, 3):
-        expected = torch.triu(torch.ones(_COMPRESSED, _COMPRESSED, dtype=torch.bool, device=mask.device), diagonal=1)
-        if tuple(mask.shape) != (_COMPRESSED, _COMPRESSED) or not torch.equal(mask, expected):
-            raise ValueError(
-                f"sparse_mode={sparse_mode} needs the compressed mask torch.triu(torch.ones(2048, 2048, dtype=torch.bool), "
-                f"diagonal=1); got a mask of shape {tuple(mask.shape)} that is not it"
-            )
+        _check_compressed_mask(mask, sparse_mode)
         shift = 0 if sparse_mode == 2 else skv - sq  # 2: left-up causal, 3: right-down causal
         return (cols > rows + shift)[None, None]
     raise NotImplementedError(f"the fake does not model sparse_mode={sparse_mode}")
 
 
+def _check_compressed_mask(mask: Tensor, sparse_mode: int) -> None:
+    expected = torch.triu(torch.ones(_COMPRESSED, _COMPRESSED, dtype=torch.bool, device=mask.device), diagonal=1)
+    if tuple(mask.shape) != (_COMPRESSED, _COMPRESSED) or not torch.equal(mask, expected):
+        raise ValueError(
+            f"sparse_mode={sparse_mode} needs the compressed mask torch.triu(torch.ones(2048, 2048, dtype=torch.bool), "
+            f"diagonal=1); got a mask of shape {tuple(mask.shape)} that is not it"
+        )
+
+
+# ---------------------------------------------------------------- npu_fusion_attention, varlen (TND)
+# Lines cited are torch_npu/_op_plugin_docs.py of the 2.13.0 wheel (2.14.0: the same lines, byte-identical text);
+# "2.6.0:" cites that wheel's file. All three document TND with actual_seq_qlen / actual_seq_kvlen (1607; 2.6.0: 1217).
+
+
+@dataclasses.dataclass(frozen=True)
+class _VarlenRules:
+    #: A sample of length 0 ("支持actual_seq_qlen中某个Batch上的S长度为0", 1694); 2.6.0 documents S in 1..1M only (1290).
+    empty_samples: bool
+    #: How many samples: "varlen场景下长度最大支持1K" (1694); 2.6.0: "varlen场景B取值范围1~2K" (1284).
+    max_samples: int
+
+
+_VARLEN_RULES = {
+    "2.6.0": _VarlenRules(empty_samples=False, max_samples=2048),
+    "2.13.0": _VarlenRules(empty_samples=True, max_samples=1024),
+    "2.14.0": _VarlenRules(empty_samples=True, max_samples=1024),
+}
+_VARLEN_MAX_TOKENS = 1024 * 1024  # "varlen场景下: 要求T(B*S)取值范围1~1M" (1684; 2.6.0: 1292)
+
+
+def _varlen_rules(release: Optional[str]) -> _VarlenRules:
+    if release is None:
+        raise ValueError("varlen rules differ per release: call npu_fusion_attention through install_fake_torch_npu")
+    if release not in _VARLEN_RULES:
+        raise NotImplementedError(
+            f"the fake has not read torch_npu {release}'s varlen (TND) rules; add them to _VARLEN_RULES"
+        )
+    return _VARLEN_RULES[release]
+
+
+def _varlen_ends(name: str, ends, total: int, release: Optional[str]) -> list[int]:
+    """``ends`` checked as the documented cumulative sample ends over ``total`` tokens (1619-1622).
+
+    "比如真正的S长度列表为: 2 2 2 2 2, 则actual_seq_qlen传: 2 4 6 8 10": the running sum of the lengths, without the
+    0 that starts a cu_seqlens tensor, so the last entry is the token count T of the TND tensor.
+    """
+    rules = _varlen_rules(release)
+    if ends is None:
+        raise ValueError(f"input_layout='TND' needs {name} ('TND(actual_seq_qlen/actual_seq_kvlen需传值)', 1607)")
+    if not isinstance(ends, (list, tuple)) or not all(isinstance(e, int) and not isinstance(e, bool) for e in ends):
+        raise TypeError(f"{name} must be a host list of ints (int[]), got {type(ends).__name__}")
+    ends = list(ends)
+    if not 1 <= total <= _VARLEN_MAX_TOKENS:
+        raise ValueError(f"TND needs T in 1..{_VARLEN_MAX_TOKENS} tokens (1684), got T={total}")
+    if not 1 <= len(ends) <= rules.max_samples:
+        raise ValueError(f"{name} holds {len(ends)} samples; torch_npu {release} takes 1..{rules.max_samples} in TND")
+    if rules.empty_samples and len(ends) > 1 and ends[-1] == 0:
+        raise NotImplementedError(f"{name}={ends}: the fake does not model trailing samples left out by 0 ends (1695)")
+    previous = 0
+    for i, end in enumerate(ends):
+        if end < previous or (end == previous and not rules.empty_samples):
+            start = " (a leading 0 is cu_seqlens' start, not a sample's end)" if i == 0 and end == 0 else ""
+            kind = "non-decreasing" if rules.empty_samples else "strictly increasing (no empty sample)"
+            raise ValueError(
+                f"{name}={ends} is not {kind} at entry {i}{start}: torch_npu {release} takes each sample's cumulative "
+                f"end, without a leading 0 (lengths 2 2 2 -> [2, 4, 6], 1620)"
+            )
+        previous = end
+    if ends[-1] != total:
+        raise ValueError(
+            f"{name}={ends} ends at {ends[-1]}, but the TND tensor holds T={total} tokens: the last end must be T"
+        )
+    return ends
+
+
+def _lengths(ends: list[int]) -> list[int]:
+    return [end - start for start, end in zip([0, *ends[:-1]], ends)]
+
+
+def _varlen_masked_positions(
+    mask, sparse_mode: int, q_ends: list[int], kv_ends: list[int], release: Optional[str]
+) -> Tensor:
+    """Bool [1, 1, Tq, Tkv], True where a score is masked out: always across samples, and within a sample as
+    ``sparse_mode`` says (0 without a mask: full attention; 2: left-up causal; 3: right-down causal)."""
+    if sparse_mode == 5:
+        raise ValueError(
+            "sparse_mode=5 (prefix, uncompressed) is not supported with varlen TND ('varlen场景不支持', 1632, 1693)"
+        )
+    if sparse_mode not in range(9):
+        raise ValueError(f"sparse_mode must be one of 0..8, got {sparse_mode}")
+    q_lens, kv_lens = _lengths(q_ends), _lengths(kv_ends)
+    if mask is None:
+        if sparse_mode != 0:
+            # The op itself would run full attention ("当atten_mask输入为None时, sparse_mode...不生效,
+            # 固定为全计算"), which the docs call a wrong result for modes 1..8 ("应传入对应正确的atten_mask,
+            # 否则将导致计算结果错误", 1689).
+            raise ValueError(
+                f"sparse_mode={sparse_mode} without atten_mask: torch_npu ignores the mode and computes full attention"
+                " (1689); pass the mask the mode takes (2, 3: torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1))"
+            )
+        causal = None
+    else:
+        if mask.dtype not in _MASK_DTYPES:
+            raise TypeError(f"atten_mask must be bool or uint8, got {mask.dtype}")
+        mask = mask.bool()
+        if sparse_mode in (0, 1):
+            ss = (max(q_lens), max(kv_lens))
+            if tuple(mask.shape) != ss:
+                raise ValueError(
+                    f"varlen takes an SS atten_mask of [maxSq, maxSkv] = {list(ss)} only (1610), got {tuple(mask.shape)}"
+                )
+            if _varlen_rules(release).empty_samples and bool(mask.all(dim=-1).any()):
+                raise ValueError("varlen atten_mask must not mask a whole row ('不能存在某一行全1', 1685)")
+            raise NotImplementedError("the fake does not model how a varlen SS atten_mask applies to each sample")
+        if sparse_mode not in (2, 3):
+            raise NotImplementedError(f"the fake does not model sparse_mode={sparse_mode} with varlen TND")
+        _check_compressed_mask(mask, sparse_mode)
+        causal = sparse_mode
+    q_sample, q_pos = _sample_and_position(q_lens)
+    kv_sample, kv_pos = _sample_and_position(kv_lens)
+    masked = q_sample[:, None] != kv_sample[None, :]
+    if causal is not None:
+        # 2: left-up causal (key j <= query i); 3: right-down, shifted by each sample's Skv - Sq.
+        shift = torch.tensor(kv_lens) - torch.tensor(q_lens)
+        if causal == 2:
+            shift = torch.zeros_like(shift)
+        masked = masked | (kv_pos[None, :] > q_pos[:, None] + shift[q_sample][:, None])
+    return masked[None, None]
+
+
+def _sample_and_position(lengths: list[int]) -> tuple[Tensor, Tensor]:
+    """For each packed token: its sample's index, and its position inside that sample."""
+    lens = torch.tensor(lengths)
+    sample = torch.repeat_interleave(torch.arange(len(lengths)), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    return sample, torch.arange(int(lens.sum())) - starts[sample]
+
+
+def _softmax_stat(stat: Tensor, varlen: bool) -> Tensor:
+    """A [B, N, S, 1] softmax statistic, as [B, N, S, 1] or (TND, B == 1) [T, N, 1]."""
+    stat = stat.detach()
+    return stat[0].transpose(0, 1) if varlen else stat
+
+
 def _from_bnsd(out: Tensor, layout: str) -> Tensor:
+    if layout == "TND":
+        return out[0].transpose(0, 1)
     if layout == "BNSD":
         return out
     if layout == "BSND":
