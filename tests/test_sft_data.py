@@ -224,16 +224,20 @@ def test_a_bad_jsonl_sample_fails_in_prepare_data_naming_the_file_and_line(tmp_p
     assert not dm.is_prepared()
 
 
-@pytest.mark.parametrize("fmt", ["parquet", "save_to_disk"])
-def test_a_bad_sample_in_parquet_or_save_to_disk_is_named_by_its_row(tmp_path, fmt):
-    """Catches a row index that is off or missing for the columnar formats."""
+@pytest.mark.parametrize("fmt", ["parquet", "save_to_disk", "json-list"])
+def test_a_bad_sample_in_parquet_save_to_disk_or_a_json_list_is_named_by_its_row(tmp_path, fmt):
+    """Catches a row (or list item) index that is off or missing for the formats without lines per sample."""
     import datasets
 
     records = [_instruction(0), _instruction(1), {"instruction": "x", "output": ""}]
     table = datasets.Dataset.from_list(records)
-    where = tmp_path / ("s.parquet" if fmt == "parquet" else "saved")
-    table.to_parquet(str(where)) if fmt == "parquet" else table.save_to_disk(str(where))
-    with pytest.raises(BadSampleError, match=rf"row 2 of {where}: 'output' is empty"):
+    where = tmp_path / {"parquet": "s.parquet", "save_to_disk": "saved", "json-list": "s.json"}[fmt]
+    if fmt == "json-list":
+        where.write_text(json.dumps(records, indent=1))
+    else:
+        table.to_parquet(str(where)) if fmt == "parquet" else table.save_to_disk(str(where))
+    unit = "item" if fmt == "json-list" else "row"
+    with pytest.raises(BadSampleError, match=rf"{unit} 2 of {where}: 'output' is empty"):
         _module(str(where), tmp_path).prepare_data()
 
 
