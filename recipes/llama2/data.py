@@ -38,7 +38,7 @@ import json
 import lzma
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +218,9 @@ class TextDataModule(L.LightningDataModule):
         max_documents: read only the first this-many documents (quick experiments).
         tokenize_num_proc: processes used to tokenise (``datasets.map(num_proc=...)``); None = one.
     """
+
+    # Turns a list of samples into a batch; None = torch's default (stacks the equal-length blocks).
+    collate_fn: Callable[[list[Any]], dict[str, torch.Tensor]] | None = None
 
     def __init__(
         self,
@@ -402,6 +405,7 @@ class TextDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             worker_init_fn=_ignore_termination if self.num_workers > 0 else None,
+            collate_fn=self.collate_fn,
         )
 
     def _rank_and_world(self) -> tuple[int, int]:
@@ -461,20 +465,14 @@ class TextDataModule(L.LightningDataModule):
         when the cache is already complete, returns its manifest without reading the data."""
         if self.is_prepared():
             return json.loads((self.cache_path / _MANIFEST).read_text())
-        import datasets
-
         begin = time.perf_counter()
         documents = self._load_documents()
         train_rows, val_rows = _split_documents(len(documents), self.val_fraction, self.seed)
         train_documents = documents.select(train_rows, keep_in_memory=True)
-        if not _has_text(train_documents, self.text_column):
-            raise ValueError(
-                f"The dataset at {self.path!r} has no document with text in column {self.text_column!r} "
-                "(all are empty or null) in its training split."
-            )
+        self._check_trainable(train_documents)
         out_dir = self.cache_path
         out_dir.mkdir(parents=True, exist_ok=True)
-        features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
+        encode, encode_kwargs, features = self._encoding()
         manifest: dict[str, Any] = {"path": self.path, "tokenize_num_proc": self.tokenize_num_proc or 1, "splits": {}}
         tokenise_s = 0.0
         for name, rows in (("train", train_rows), ("val", val_rows)):
@@ -484,11 +482,11 @@ class TextDataModule(L.LightningDataModule):
             subset = train_documents if name == "train" else documents.select(rows, keep_in_memory=True)
             started = time.perf_counter()
             tokens = subset.map(
-                _encode_documents,
+                encode,
                 batched=True,
                 remove_columns=subset.column_names,
                 features=features,
-                fn_kwargs={"tokenizer": self.tokenizer, "text_column": self.text_column, "eos_id": self.eos_id},
+                fn_kwargs=encode_kwargs,
                 cache_file_name=str(out_dir / f"{name}.arrow"),
                 new_fingerprint=_fingerprint(out_dir.name, name),
                 load_from_cache_file=True,
@@ -508,11 +506,28 @@ class TextDataModule(L.LightningDataModule):
         scratch.write_text(json.dumps(manifest, indent=1))
         os.replace(scratch, out_dir / _MANIFEST)  # the cache counts as complete only once this exists
         rank_zero_info(
-            f"TextDataModule: prepared {sum(s['documents'] for s in manifest['splits'].values())} documents,"
+            f"{type(self).__name__}: prepared {sum(s['documents'] for s in manifest['splits'].values())} documents,"
             f" {total} tokens in {manifest['seconds']:.1f} s ({manifest['tokens_per_s']:,} tokens/s tokenising with"
             f" {manifest['tokenize_num_proc']} process(es)) into {out_dir}"
         )
         return manifest
+
+    def _check_trainable(self, train_documents: Any) -> None:
+        """Fail when the training split holds nothing to train on (a hook: SFT data checks its own samples)."""
+        if not _has_text(train_documents, self.text_column):
+            raise ValueError(
+                f"The dataset at {self.path!r} has no document with text in column {self.text_column!r} "
+                "(all are empty or null) in its training split."
+            )
+
+    def _encoding(self) -> tuple[Callable[..., dict[str, list]], dict[str, Any], Any]:
+        """The batched ``datasets.map`` function that tokenises documents, its keyword arguments and the
+        features of the cache it writes (a hook: SFT data also stores which tokens are trained on)."""
+        import datasets
+
+        features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
+        kwargs = {"tokenizer": self.tokenizer, "text_column": self.text_column, "eos_id": self.eos_id}
+        return _encode_documents, kwargs, features
 
     def _tokenized_splits(self) -> tuple[Any, Any | None]:
         """Token datasets (``input_ids`` per document) of the train and validation splits, from the cache.
