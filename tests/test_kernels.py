@@ -22,7 +22,8 @@ attention_mod = importlib.import_module("lightning_npu.kernels.attention")
 rms_norm_mod = importlib.import_module("lightning_npu.kernels.rms_norm")
 rotary_mod = importlib.import_module("lightning_npu.kernels.rotary")
 swiglu_mod = importlib.import_module("lightning_npu.kernels.swiglu")
-KERNEL_MODULES = (attention_mod, rms_norm_mod, rotary_mod, swiglu_mod)
+packed_attention_mod = importlib.import_module("lightning_npu.kernels.packed_attention")
+KERNEL_MODULES = (attention_mod, rms_norm_mod, rotary_mod, swiglu_mod, packed_attention_mod)
 
 # fp32 paths must agree with fp64 plain math to float32 round-off.
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
