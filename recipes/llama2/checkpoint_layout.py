@@ -137,20 +137,26 @@ def load_recipe_checkpoint(path: PathLike) -> tuple[LLaMAConfig, dict[str, Tenso
     """Read a recipe checkpoint (a consolidated file or a sharded DCP directory) on the CPU, without a
     process group. Returns its ``LLaMAConfig`` and the ``LLaMA``'s own state dict (prefix removed),
     checked against the config."""
+    metadata, state_dict = read_model_tensors(path)
+    config = config_from_hparams(metadata.get("hyper_parameters"), source=str(path))
+    check_state_dict(state_dict, config, source=f"Recipe checkpoint {path}")
+    return config, state_dict
+
+
+def read_model_tensors(path: PathLike) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A recipe checkpoint's metadata (everything but the tensors) and the ``LLaMA``'s tensors in it (prefix
+    removed), unchecked: a LoRA checkpoint holds adapters only (see ``lora.py``)."""
     path = existing_path(path, "recipe checkpoint")
     if path.is_dir():
         _check_sharded_dir(path)
         metadata = _torch_load(path / LIGHTNING_METADATA_FILE)
         full_state_dict = _load_dcp_state_dict(path)
     else:
-        checkpoint = _torch_load(path, mmap=True)
-        _check_is_checkpoint(checkpoint, path)
-        full_state_dict = checkpoint["state_dict"]
-        metadata = checkpoint
-    config = config_from_hparams(metadata.get("hyper_parameters"), source=str(path))
-    state_dict = _model_state_dict(full_state_dict, source=str(path))
-    check_state_dict(state_dict, config, source=f"Recipe checkpoint {path}")
-    return config, state_dict
+        metadata = _torch_load(path, mmap=True)
+        _check_is_checkpoint(metadata, path)
+        full_state_dict = metadata.pop("state_dict")
+        metadata.pop("optimizer_states", None)
+    return metadata, _model_state_dict(full_state_dict, source=str(path))
 
 
 def config_from_hparams(hparams: Optional[Mapping[str, Any]], *, source: str = "the checkpoint") -> LLaMAConfig:

@@ -1,8 +1,14 @@
 """The LLaMA-2 recipe as a LightningModule: next-token loss, AdamW without weight decay on norms and
-biases, linear warmup then cosine decay to a floor, optional initialisation from Hugging Face weights.
+biases, linear warmup then cosine decay to a floor, optional initialisation from Hugging Face weights, optional LoRA adapters.
 
 The model is built in ``configure_model``, under ``npu_fsdp`` on the meta device: it is initialised shard by
 shard (``reset_parameters``) after the strategy has sharded it, so no rank ever holds the full 7B model.
+
+With ``lora`` the base weights are frozen and only the adapters train (``lora.py``). A LoRA checkpoint is small:
+its ``state_dict`` holds the adapter weights only (``model.layers.N.attention.wq.lora_a.q.weight`` ...), next to
+the optimizer state (adapters only), the LR schedule, the loop counters, the data position and the
+hyper-parameters (``lora`` and ``init_from`` included). The base is never saved: it comes from ``init_from`` at
+every start, fresh or resumed, which is why LoRA needs ``init_from``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from recipes.llama2.config import LLaMAConfig
+from recipes.llama2.lora import LoRAConfig, add_lora, check_adapter_state, initial_adapter_state, is_adapter_name
 from recipes.llama2.model import LLaMA
 
 
@@ -34,6 +41,8 @@ class LLaMA2(LightningModule):
         betas, eps: AdamW moments.
         init_from: a local Hugging Face LLaMA directory or a recipe checkpoint to start from (fine-tuning).
         tokenizer_path: recorded in checkpoints so generation finds the tokenizer.
+        lora: ``{rank, alpha, dropout, targets}`` (see ``lora.LoRAConfig``) to train LoRA adapters on a frozen base
+            loaded from ``init_from``; None trains every weight.
     """
 
     def __init__(
@@ -48,9 +57,18 @@ class LLaMA2(LightningModule):
         eps: float = 1e-8,
         init_from: Optional[str] = None,
         tokenizer_path: Optional[str] = None,
+        lora: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         self.config = LLaMAConfig.from_preset(preset, **(config or {}))
+        self.lora = LoRAConfig.from_value(lora)
+        if self.lora is not None and not init_from:
+            raise ValueError(
+                f"model.lora={self.lora.to_dict()} needs model.init_from, but init_from={init_from!r}: a LoRA run "
+                "trains adapters on a frozen base, and its checkpoints hold the adapters only, so the base weights "
+                "must come from init_from at every start, a resume included. Pass --model.init_from with the base "
+                "(a Hugging Face LLaMA directory or a recipe checkpoint), the same one the run started from."
+            )
         if not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio={min_lr_ratio!r} must lie in [0, 1]: the LR floor as a fraction of the peak")
         if warmup_steps < 0:
@@ -58,12 +76,15 @@ class LLaMA2(LightningModule):
         self.save_hyperparameters()
         # The full architecture, so checkpoints are self-describing whatever the preset table becomes.
         self.hparams["config"] = self.config.to_dict()
+        self.hparams["lora"] = None if self.lora is None else self.lora.to_dict()
         self.model: Optional[LLaMA] = None
 
     def configure_model(self) -> None:
         if self.model is None:
             with torch.device("meta") if _shards_parameters(self) else nullcontext():
                 self.model = LLaMA(self.config)
+                if self.lora is not None:
+                    add_lora(self.model, self.lora)  # before the strategy wraps it: FSDP2 copies requires_grad
 
     @property
     def flops_per_token(self) -> int:
@@ -92,13 +113,37 @@ class LLaMA2(LightningModule):
         self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
 
     def on_fit_start(self) -> None:
-        # A resumed run restores its own weights; only a fresh run starts from init_from.
-        if self.hparams.init_from and self.trainer.ckpt_path is None:
+        fresh = self.trainer.ckpt_path is None
+        if self.lora is not None:
+            # A LoRA checkpoint holds no base weights: they come from init_from on a resume too. A fresh run also
+            # gets its first adapters here, drawn from the seed alone (identical under every strategy).
+            load_pretrained(self.model, self.hparams.init_from, self.config, lora=self.lora, fresh_adapters=fresh)
+        elif self.hparams.init_from and fresh:  # a resumed full fine-tune restores its own weights
             load_pretrained(self.model, self.hparams.init_from, self.config)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The module's state; with LoRA only the adapters' (the frozen base comes from ``init_from``)."""
+        state = super().state_dict(*args, **kwargs)
+        if self.lora is not None:
+            for name in [name for name in state if not is_adapter_name(name)]:
+                del state[name]
+        return state
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """With LoRA, ``state_dict`` holds the adapters only (a LoRA checkpoint): with ``strict`` it must hold
+        exactly this run's adapters; the base weights are left alone."""
+        if self.lora is None:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if strict:
+            check_adapter_state(_without_prefix(state_dict, "model."), self.config, self.lora,
+                                source="The checkpoint being resumed")
+        return super().load_state_dict(state_dict, strict=False, assign=assign)
 
     def configure_optimizers(self) -> dict[str, Any]:
         decay, no_decay = [], []
         for param in self.model.parameters():
+            if not param.requires_grad:  # the frozen base of a LoRA run: no gradients, no optimizer state
+                continue
             # Matrices (linear and embedding weights) decay; norm gains and biases (vectors) do not.
             (decay if param.ndim >= 2 else no_decay).append(param)
         # One fused kernel per step where the runtime backs it (NPUs: torch_npu's _fused_adamw_, which also runs on
@@ -140,8 +185,17 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
     return multiplier
 
 
-def load_pretrained(model: LLaMA, path: str, config: LLaMAConfig) -> None:
+def _without_prefix(state_dict: Any, prefix: str) -> dict[str, Any]:
+    return {key[len(prefix):] if key.startswith(prefix) else key: value for key, value in state_dict.items()}
+
+
+def load_pretrained(
+    model: LLaMA, path: str, config: LLaMAConfig, *, lora: Optional[LoRAConfig] = None, fresh_adapters: bool = False
+) -> None:
     """Copy weights from a Hugging Face directory or a recipe checkpoint into ``model`` (sharded or not).
+
+    With ``lora`` (a model with adapters) only the base weights are loaded, and with ``fresh_adapters`` the
+    adapters get their first values too (``lora.initial_adapter_state`` from rank 0's seed).
 
     Only rank 0 reads the weights (a full host copy: 13.5 GB for 7B in bf16); every rank receives its shard from
     rank 0. Rank 0's checks (shapes, config) reach every rank, so all fail together with the same message.
@@ -155,13 +209,17 @@ def load_pretrained(model: LLaMA, path: str, config: LLaMAConfig) -> None:
     if not distributed or dist.get_rank() == 0:
         try:
             state_dict = read_pretrained(path, config)
+            if lora is not None and fresh_adapters:
+                state_dict.update(initial_adapter_state(config, lora, seed=torch.initial_seed()))
         except ValueError as error:  # CheckpointError included
             problem = [error]
     if distributed:
         dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
         raise problem[0]
-    options = StateDictOptions(full_state_dict=True, strict=True, broadcast_from_rank0=distributed)
+    # Strict unless the adapters are left as they are (a resumed LoRA run: they come from its checkpoint).
+    strict = lora is None or fresh_adapters
+    options = StateDictOptions(full_state_dict=True, strict=strict, broadcast_from_rank0=distributed)
     set_model_state_dict(model, state_dict, options=options)
 
 

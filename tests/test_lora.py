@@ -1,0 +1,180 @@
+"""LoRA in the recipe: the adapters (lora.py), their training under npu_ddp and npu_fsdp (module.py), and their
+export to PEFT and to a merged Hugging Face model (lora_export.py via convert.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from recipes.llama2 import convert
+from recipes.llama2.checkpoint_layout import read_model_tensors, save_recipe_checkpoint
+from recipes.llama2.config import LLaMAConfig
+from recipes.llama2.lora import LoRAConfig, add_lora, is_adapter_name
+from recipes.llama2.model import LLaMA
+from recipes.llama2.module import LLaMA2
+from tests.helpers import SCRIPTS, read_json, run_python
+
+ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"targets": ("q", "wq")}, r"unknown name\(s\) \['wq'\]"),
+        ({"targets": ()}, "is empty"),
+        ({"targets": ("q", "q")}, "names a target twice"),
+        ({"rank": 0}, "rank=0 must be an integer >= 1"),
+        ({"alpha": 0}, "alpha=0 must be a number > 0"),
+        ({"dropout": 1.0}, r"dropout=1.0 must lie in \[0, 1\)"),
+    ],
+)
+def test_lora_config_rejects_bad_values_naming_them(fields, message):
+    """Catches a LoRAConfig that accepts an unknown target, an empty or repeated target list, rank < 1, alpha <= 0 or
+    a dropout of 1, which would fail later (or silently train nothing) instead of naming the bad value."""
+    with pytest.raises(ValueError, match=message):
+        LoRAConfig(**fields)
+
+
+def test_fresh_adapters_change_no_logit_and_leave_only_adapters_trainable():
+    """Catches a B not initialised to zero (a fresh adapter would move the logits), an A not initialised as PEFT's
+    Kaiming uniform (bound 1/sqrt(in)), and a base weight left trainable."""
+    torch.manual_seed(0)
+    model = LLaMA(LLaMAConfig.from_preset("tiny", n_layers=2))
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16))
+    before = model(tokens)
+    add_lora(model, LoRAConfig(rank=4, targets=ALL_TARGETS))
+    assert torch.equal(model(tokens), before)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(is_adapter_name(name) for name in trainable)
+    assert len(trainable) == 2 * len(ALL_TARGETS) * 2  # A and B per target per layer
+    a = model.layers[0].attention.wq.lora_a["q"].weight
+    assert a.abs().max() <= 1 / math.sqrt(model.config.dim) and a.std() > 0.5 / math.sqrt(3 * model.config.dim)
+    assert all(torch.equal(b.weight, torch.zeros_like(b.weight)) for b in model.layers[0].attention.wq.lora_b.values())
+
+
+def test_gate_adapter_changes_only_the_gate_rows_of_the_fused_projection_by_scaled_BA():
+    """Catches an adapter on the fused gate/up matrix that lands on the wrong rows (up instead of gate), one that
+    spans both halves, or a wrong scaling (alpha / rank): each would break the exact PEFT mapping."""
+    torch.manual_seed(0)
+    model = LLaMA(LLaMAConfig.from_preset("tiny", n_layers=1))
+    base = model.layers[0].feed_forward.w_gate_up.weight.detach().clone()
+    add_lora(model, LoRAConfig(rank=2, alpha=6.0, targets=("gate",)))
+    layer = model.layers[0].feed_forward.w_gate_up
+    torch.nn.init.normal_(layer.lora_b["gate"].weight)
+    x = torch.randn(3, model.config.dim)
+    hidden = model.config.ffn_hidden_dim
+    update = x @ (layer.lora_b["gate"].weight @ layer.lora_a["gate"].weight).T * 3.0
+    expected = x @ base.T + torch.cat([update, torch.zeros(3, hidden)], dim=-1)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_without_init_from_is_refused_before_training():
+    """Catches a LoRA run (or resume) accepted without init_from: its checkpoints hold no base weights, so the
+    base would silently be random."""
+    with pytest.raises(ValueError, match=r"model.lora=.* needs model.init_from, but init_from=None.*--model.init_from"):
+        LLaMA2(lora={"rank": 4, "targets": ["q"]})
+
+
+def test_lora_resume_with_other_adapters_is_refused(tmp_path):
+    """Catches a resume whose lora settings differ from the checkpoint's being accepted with its adapters half
+    loaded (strict loading must compare against this run's adapters, not the base)."""
+    module = LLaMA2(preset="tiny", init_from=str(tmp_path / "base.ckpt"), lora={"rank": 4, "targets": ["q", "v"]})
+    module.configure_model()
+    state = module.state_dict()
+    assert state and all(is_adapter_name(k) for k in state)
+    other = LLaMA2(preset="tiny", init_from=str(tmp_path / "base.ckpt"), lora={"rank": 4, "targets": ["q"]})
+    other.configure_model()
+    with pytest.raises(ValueError, match="does not hold the adapters of lora=.*unexpected"):
+        other.load_state_dict(state)
+
+
+def _base_checkpoint(path, config):
+    torch.manual_seed(0)
+    return save_recipe_checkpoint(path, config, LLaMA(config).state_dict())
+
+
+def test_lora_trains_only_adapters_equally_under_ddp_and_fsdp_and_resumes_exactly(tmp_path):
+    """On 2 simulated NPUs, 32-true, for npu_ddp and npu_fsdp: only adapters change (the base is bit-identical
+    after training, the optimizer holds adapters only), the checkpoint holds adapters only, a resume from it
+    (base from init_from) reproduces the uninterrupted losses, and both strategies give the same losses (1e-5).
+    Breakage seen: a fresh adapter initialised per shard under FSDP (losses differ between strategies), a resume
+    that does not reload the base (resumed losses differ), checkpoints holding the base (keys check)."""
+    base = _base_checkpoint(tmp_path / "base.ckpt", LLaMAConfig.from_preset("tiny"))
+    results = {}
+    for strategy in ("npu_ddp", "npu_fsdp"):
+        out = tmp_path / strategy
+        run_python([str(SCRIPTS / "lora_run.py"), str(out), str(base), strategy], timeout=200)
+        results[strategy] = result = read_json(out / "result.json")
+        assert result["base_identical"] and result["base_keys"] == 35, strategy
+        assert result["adapters_moved"] and result["trained_keys"] and result["adapter_keys"] == 4 * 7 * 2, strategy
+        assert result["optimizer_holds_only_adapters"], strategy
+        assert len(result["checkpoint_keys"]) == result["adapter_keys"]
+        assert all(is_adapter_name(k) for k in result["checkpoint_keys"]), strategy
+        assert result["checkpoint_lora"]["targets"] == list(ALL_TARGETS)
+        resumed = [result["resumed_losses"][str(step)] for step in (3, 4, 5)]
+        assert resumed == pytest.approx(result["losses"][3:], abs=1e-6), strategy
+    ddp, fsdp = results["npu_ddp"]["losses"], results["npu_fsdp"]["losses"]
+    assert len(ddp) == 6 and ddp[-1] < ddp[0] - 0.05  # it learns
+    assert fsdp == pytest.approx(ddp, abs=1e-5)
+
+
+def _lora_checkpoint(tmp_path, config, lora):
+    """A LoRA checkpoint as the LightningModule writes it (its state_dict: adapters only), with nonzero adapters."""
+    base = _base_checkpoint(tmp_path / "base.ckpt", config)
+    module = LLaMA2(preset="tiny", config=config.to_dict(), init_from=str(base), lora=lora)
+    module.configure_model()
+    module.model.load_state_dict(read_model_tensors(base)[1], strict=False)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in module.model.named_parameters():
+            if ".lora_b." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    path = tmp_path / "lora.ckpt"
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    return base, path, module.model
+
+
+def test_peft_adapter_and_merged_export_reproduce_the_recipe_logits(tmp_path, monkeypatch):
+    """`to-peft` loaded by peft.PeftModel onto the `to-hf` export of the base, and `to-hf --merge-lora`, give the
+    recipe's logits within 1e-5 (fp32), and differ from the base's. Breakage seen: gate/up adapters swapped,
+    PEFT keys without `base_model.model.` (PEFT then loads nothing, with only a warning), alpha/rank dropped."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    config = LLaMAConfig.from_preset("tiny", n_layers=2)
+    lora = {"rank": 4, "alpha": 12.0, "dropout": 0.1, "targets": ["q", "v", "o", "gate", "up", "down"]}
+    base, checkpoint, recipe = _lora_checkpoint(tmp_path, config, lora)
+    assert os.path.getsize(checkpoint) < os.path.getsize(base) / 5
+    for argv in (["to-hf", str(base), str(tmp_path / "hf_base")], ["to-peft", str(checkpoint), str(tmp_path / "peft")],
+                 ["to-hf", str(checkpoint), str(tmp_path / "merged"), "--merge-lora"]):
+        assert convert.main(argv) == 0, argv
+    adapter_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert adapter_config["r"] == 4 and adapter_config["lora_alpha"] == 12.0
+    assert adapter_config["target_modules"] == ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    tokens = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    recipe.eval()
+    with torch.no_grad():
+        expected = recipe(tokens)
+        hf_base = LlamaForCausalLM.from_pretrained(tmp_path / "hf_base", torch_dtype=torch.float32).eval()
+        base_logits = hf_base(tokens).logits
+        peft_model = PeftModel.from_pretrained(hf_base, tmp_path / "peft").eval()
+        peft_logits = peft_model(tokens).logits
+        merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32).eval()
+        merged_logits = merged(tokens).logits
+    assert (base_logits - expected).abs().max() > 1e-2  # the adapters matter
+    assert (peft_logits - expected).abs().max() < 1e-5
+    assert (merged_logits - expected).abs().max() < 1e-5
+
+
+def test_to_hf_of_a_lora_checkpoint_without_merge_lora_is_refused(tmp_path, capsys):
+    """Catches `to-hf` on a LoRA checkpoint failing with a confusing "lacks N tensors" (or writing a broken model)
+    instead of pointing at --merge-lora / to-peft."""
+    _, checkpoint, _ = _lora_checkpoint(tmp_path, LLaMAConfig.from_preset("tiny", n_layers=1), {"rank": 2, "targets": ["q"]})
+    assert convert.main(["to-hf", str(checkpoint), str(tmp_path / "out")]) == 1
+    assert "is a LoRA checkpoint" in capsys.readouterr().err and not (tmp_path / "out").exists()
