@@ -367,14 +367,18 @@ def convert_recipe_to_hf(
     recorded in the checkpoint, if any and if it still exists."""
     config, state_dict = load_recipe_checkpoint(checkpoint_path)
     if tokenizer_path is None:
-        stored = tokenizer_from_metadata(read_recipe_metadata(checkpoint_path))
-        if stored is not None and has_tokenizer(stored):
-            tokenizer_path = stored
-        elif stored is not None:
-            warnings.warn(
-                f"The tokenizer recorded in {checkpoint_path} ({stored}) is gone; exporting without one.", stacklevel=2
-            )
+        tokenizer_path = recorded_tokenizer(checkpoint_path, read_recipe_metadata(checkpoint_path))
     return save_hf_checkpoint(
         config, state_dict, out_dir, max_shard_bytes=max_shard_bytes, tokenizer_path=tokenizer_path
     )
+
+
+def recorded_tokenizer(checkpoint_path: PathLike, metadata: dict) -> Optional[str]:
+    """The tokenizer a checkpoint's metadata records, if it still exists (a warning says so when it is gone)."""
+    stored = tokenizer_from_metadata(metadata)
+    if stored is not None and not has_tokenizer(stored):
+        warnings.warn(f"The tokenizer recorded in {checkpoint_path} ({stored}) is gone; exporting without one.",
+                      stacklevel=3)
+        return None
+    return stored
 

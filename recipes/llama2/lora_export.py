@@ -20,12 +20,10 @@ from recipes.llama2.checkpoint_layout import (
     PathLike,
     config_from_hparams,
     read_model_tensors,
-    tokenizer_from_metadata,
 )
 from recipes.llama2.config import LLaMAConfig
-from recipes.llama2.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES, save_hf_checkpoint
+from recipes.llama2.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES, recorded_tokenizer, save_hf_checkpoint
 from recipes.llama2.lora import TARGETS, LoRAConfig, adapter_name, check_adapter_state, merged_state_dict
-from recipes.llama2.tokenizer import has_tokenizer
 
 #: Recipe target -> the ``LlamaDecoderLayer`` submodule PEFT adapts (its ``target_modules`` name is the last part).
 HF_TARGETS = {
@@ -128,6 +126,5 @@ def export_merged_hf(
         )
     merged = merged_state_dict(read_pretrained(str(base), config), adapters, config, lora)
     if tokenizer_path is None:
-        stored = tokenizer_from_metadata(metadata)
-        tokenizer_path = stored if stored is not None and has_tokenizer(stored) else None
+        tokenizer_path = recorded_tokenizer(checkpoint, metadata)
     return save_hf_checkpoint(config, merged, out_dir, max_shard_bytes=max_shard_bytes, tokenizer_path=tokenizer_path)
