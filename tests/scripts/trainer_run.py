@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import torch
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -68,6 +68,17 @@ class Regression(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+class SaveAfterFirstEpoch(Callback):
+    """Checkpoint at the end of epoch 0 (after its validation), as ModelCheckpoint does, inside an uninterrupted run."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.path)
+
+
 def sharded_fraction(module: nn.Module) -> float | None:
     """Local parameter elements over global parameter elements on this rank (None without parameters).
 
@@ -100,7 +111,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--resume", default=None)
-    parser.add_argument("--save", default=None)
+    parser.add_argument("--save", default=None, help="checkpoint written at the end of the first epoch")
     parser.add_argument("--state-dict-type", default="sharded")
     parser.add_argument("--zero-stage", type=int, default=3)
     args = parser.parse_args()
@@ -116,11 +127,10 @@ def main() -> None:
         accelerator="npu", devices=2, strategy=strategy, precision=args.precision, max_epochs=args.epochs,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=2, num_sanity_val_steps=0, deterministic=True,
+        callbacks=[SaveAfterFirstEpoch(args.save)] if args.save else [],
     )
     model = Regression()
     trainer.fit(model, train_dataloaders=data(), val_dataloaders=data(16), ckpt_path=args.resume)
-    if args.save:
-        trainer.save_checkpoint(args.save)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     # Each rank reports the share of parameter elements it holds.
     (Path(args.out) / f"fraction_rank{trainer.global_rank}.json").write_text(json.dumps(sharded_fraction(model)))
