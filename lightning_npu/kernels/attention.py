@@ -91,17 +91,25 @@ def _fused_limits(q: Tensor) -> Optional[str]:
 
 
 def _npu_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    return npu_causal_fusion_attention(q, k, v, scale, layout="BSND", heads=q.shape[2])
+
+
+def npu_causal_fusion_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, *, layout: str, heads: int,
+                                **varlen: list[int]) -> Tensor:
+    """Right-down causal ``npu_fusion_attention`` in ``layout`` (BSND; or TND with ``actual_seq_qlen`` /
+    ``actual_seq_kvlen`` for packed samples): the one call both attention kernels make; the output only."""
     import torch_npu
 
     return torch_npu.npu_fusion_attention(
         q,
         k,
         v,
-        head_num=q.shape[2],
-        input_layout="BSND",
+        head_num=heads,
+        input_layout=layout,
         atten_mask=_compressed_causal_mask(q.device),
         scale=scale,
         sparse_mode=_SPARSE_MODE_RIGHT_DOWN_CAUSAL,
+        **varlen,
     )[0]
 
 

@@ -22,10 +22,9 @@ from torch import Tensor
 
 from lightning_npu.kernels import _dispatch
 from lightning_npu.kernels.attention import (
-    _SPARSE_MODE_RIGHT_DOWN_CAUSAL,
     _check_inputs,
-    _compressed_causal_mask,
     _fused_limits,
+    npu_causal_fusion_attention,
     reference_attention,
 )
 
@@ -133,19 +132,7 @@ def _fused_limits_packed(q: Tensor, bounds: list[int]) -> Optional[str]:
 
 
 def _npu_packed_attention(q: Tensor, k: Tensor, v: Tensor, bounds: list[int], scale: float) -> Tensor:
-    import torch_npu
-
     # Cumulative ends without cu_seqlens' leading 0, as host ints (int[] in the op schema).
     ends = bounds[1:]
-    return torch_npu.npu_fusion_attention(
-        q,
-        k,
-        v,
-        head_num=q.shape[1],
-        input_layout="TND",
-        atten_mask=_compressed_causal_mask(q.device),
-        scale=scale,
-        actual_seq_qlen=ends,
-        actual_seq_kvlen=ends,
-        sparse_mode=_SPARSE_MODE_RIGHT_DOWN_CAUSAL,
-    )[0]
+    return npu_causal_fusion_attention(q, k, v, scale, layout="TND", heads=q.shape[1], actual_seq_qlen=ends,
+                                       actual_seq_kvlen=ends)
