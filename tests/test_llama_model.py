@@ -220,3 +220,72 @@ def test_backward_reaches_every_parameter():
     loss.backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def _packed_batch(config: LLaMAConfig, lengths: list[list[int]], seq: int):
+    """Rows of ``seq`` random tokens holding samples of ``lengths`` (a row's last one may pad it out), and the
+    boundaries over the flattened batch."""
+    tokens = torch.randint(0, config.vocab_size, (len(lengths), seq), generator=torch.Generator().manual_seed(1))
+    bounds = [0]
+    for row in lengths:
+        assert sum(row) == seq
+        for length in row:
+            bounds.append(bounds[-1] + length)
+    return tokens, bounds
+
+
+def test_packed_rows_give_every_sample_the_logits_and_gradients_it_gets_alone():
+    """Catches attention across sample boundaries (within a row or from the previous row), rotary positions that do
+    not restart per sample, and gradients that differ from those of the samples run one by one (fp32, 1e-5)."""
+    config = small_config(n_heads=4, n_kv_heads=2)
+    model = random_model(config).train()
+    lengths = [[5, 7, 4], [9, 1, 6]]
+    tokens, bounds = _packed_batch(config, lengths, seq=16)
+    packed = model(tokens, cu_seqlens=bounds)
+    packed.square().sum().backward()
+    packed_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    total = 0.0
+    for b, row in enumerate(lengths):
+        start = 0
+        for length in row:
+            alone = model(tokens[b, start : start + length][None])[0]
+            torch.testing.assert_close(packed[b, start : start + length], alone, atol=1e-5, rtol=1e-5)
+            total = total + alone.square().sum()
+            start += length
+    total.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], p.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_packed_forward_takes_boundaries_as_a_tensor_and_explicit_positions_alike():
+    """Catches cu_seqlens tensors read differently from lists, and position_ids ignored (shifted positions must
+    change the logits) or refused when they are the samples' own."""
+    from recipes.llama2.model import positions_in_samples
+
+    config = small_config()
+    model = random_model(config)
+    tokens, bounds = _packed_batch(config, [[3, 5], [8]], seq=8)
+    with torch.no_grad():
+        reference = model(tokens, cu_seqlens=bounds)
+        positions = positions_in_samples(bounds).view(2, 8)
+        assert positions.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4], list(range(8))]
+        torch.testing.assert_close(model(tokens, cu_seqlens=torch.tensor(bounds, dtype=torch.int32)), reference)
+        torch.testing.assert_close(model(tokens, cu_seqlens=bounds, position_ids=positions), reference)
+        assert not torch.allclose(model(tokens, cu_seqlens=bounds, position_ids=positions + 1), reference)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"position_ids": torch.zeros(2, 8, dtype=torch.long)}, "position_ids are read only with cu_seqlens"),
+        ({"cu_seqlens": [0, 3, 3, 16]}, "rise strictly"),
+        ({"cu_seqlens": [0, 8, 12]}, "end at the token count T=16"),
+        ({"cu_seqlens": [0, 16], "position_ids": torch.zeros(16, dtype=torch.long)}, "must match tokens"),
+    ],
+)
+def test_bad_packing_arguments_are_clear_errors(kwargs, message):
+    config = small_config()
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=message):
+        random_model(config)(tokens, **kwargs)

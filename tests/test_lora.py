@@ -134,7 +134,10 @@ def _lora_checkpoint(tmp_path, config, lora):
             if ".lora_b." in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
     path = tmp_path / "lora.ckpt"
-    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    import lightning
+
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
+                "pytorch-lightning_version": lightning.__version__}, path)
     return base, path, module.model
 
 
@@ -178,3 +181,33 @@ def test_to_hf_of_a_lora_checkpoint_without_merge_lora_is_refused(tmp_path, caps
     _, checkpoint, _ = _lora_checkpoint(tmp_path, LLaMAConfig.from_preset("tiny", n_layers=1), {"rank": 2, "targets": ["q"]})
     assert convert.main(["to-hf", str(checkpoint), str(tmp_path / "out")]) == 1
     assert "is a LoRA checkpoint" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("stage", ["validate", "predict"])
+def test_a_lora_checkpoint_evaluated_without_fit_runs_on_its_base_and_adapters(tmp_path, stage):
+    """`trainer.validate` / `trainer.predict` with a LoRA checkpoint and no `fit` before: the base comes from
+    init_from and the adapters from the checkpoint, so the module computes the merged model (generate.py's view of
+    the checkpoint). Breakage seen: the base loaded only in on_fit_start, leaving randomly initialised base weights
+    under evaluation."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    from recipes.llama2.generate import load_model
+
+    config = LLaMAConfig.from_preset("tiny", n_layers=2)
+    lora = {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "down"]}
+    base, checkpoint, _ = _lora_checkpoint(tmp_path, config, lora)
+    tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        merged = load_model(checkpoint)[0]
+        expected = merged(tokens)
+    module = LLaMA2(preset="tiny", config=config.to_dict(), init_from=str(base), lora=lora)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    if stage == "predict":
+        (logits,) = trainer.predict(module, DataLoader(tokens, batch_size=2), ckpt_path=str(checkpoint))
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    else:
+        batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+        (result,) = trainer.validate(module, DataLoader([batch], batch_size=None), ckpt_path=str(checkpoint))
+        loss = torch.nn.functional.cross_entropy(expected[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        assert result["val_loss"] == pytest.approx(float(loss), abs=1e-5)

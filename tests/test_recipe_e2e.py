@@ -1,5 +1,6 @@
 """The LLaMA-2 recipe end to end on 2 simulated NPUs with npu_fsdp: fit, checkpoint, resume, generate,
-export to Hugging Face, and HF's model reproduces the recipe's logits. Bad input fails before workers start."""
+export to Hugging Face, and HF's model reproduces the recipe's logits; a LoRA SFT run on the pretrained checkpoint,
+exported as a PEFT adapter and as a merged model. Bad input fails before workers start."""
 
 import json
 
@@ -10,6 +11,7 @@ from tests.helpers import REPO, run_python
 
 TRAIN = str(REPO / "recipes/llama2/train.py")
 TINY = str(REPO / "recipes/llama2/configs/tiny.yaml")
+TINY_SFT_LORA = str(REPO / "recipes/llama2/configs/tiny_sft_lora.yaml")
 SMALL = ["--data.seq_len", "64", "--data.max_documents", "60", "--data.batch_size", "4",
          "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "4", "--trainer.log_every_n_steps", "2",
          "--trainer.enable_progress_bar", "false", "--model.warmup_steps", "2"]
@@ -24,14 +26,21 @@ def _last_checkpoint(root, version):
     return root / "lightning_logs" / f"version_{version}" / "checkpoints" / "last.ckpt"
 
 
-def test_fit_resume_generate_export_roundtrip(tmp_path):
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """(run directory, last.ckpt, stdout) of an 8-step tiny pretraining run, shared by the tests that start from it."""
+    root = tmp_path_factory.mktemp("pretrain")
+    first = _train(root, "--trainer.max_steps", "8")
+    return root, _last_checkpoint(root, 0), first.stdout
+
+
+def test_fit_resume_generate_export_roundtrip(pretrained):
     from recipes.llama2.checkpoint_layout import load_recipe_checkpoint, read_recipe_metadata
 
-    first = _train(tmp_path, "--trainer.max_steps", "8")
-    ckpt = _last_checkpoint(tmp_path, 0)
+    tmp_path, ckpt, stdout = pretrained
     assert ckpt.is_dir() and (ckpt / ".metadata").is_file()  # sharded DCP checkpoint
-    assert "train loss: first" in first.stdout and f"checkpoint: {ckpt}" in first.stdout
-    assert f"recipes/llama2/generate.py {ckpt} --prompt" in first.stdout
+    assert "train loss: first" in stdout and f"checkpoint: {ckpt}" in stdout
+    assert f"recipes/llama2/generate.py {ckpt} --prompt" in stdout
     assert read_recipe_metadata(ckpt)["global_step"] == 8
 
     _train(tmp_path, "--trainer.max_steps", "12", "--ckpt_path", str(ckpt))
@@ -56,6 +65,52 @@ def test_fit_resume_generate_export_roundtrip(tmp_path):
     tokens = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, recipe(tokens), atol=1e-5, rtol=1e-5)
+
+
+def _size(path):
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def test_pretrain_then_lora_sft_then_peft_adapter_and_merged_model_agree(pretrained, tmp_path, monkeypatch):
+    """The README's fine-tuning path: tiny_sft_lora.yaml on the embedded instruction set with --model.init_from the
+    pretraining run's last.ckpt, then `to-peft` and `to-hf --merge-lora`. The PEFT adapter on the HF export of the
+    base and the merged model give the same logits (fp32, 1e-5), which differ from the base's, and which the
+    generate script's model (the LoRA checkpoint merged onto its init_from) also gives. The LoRA checkpoint is a
+    small fraction of the full one. Breakage seen: the printed export command wrong, generate.py unable to read a
+    LoRA checkpoint, adapters that never train (logits equal to the base's)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from recipes.llama2 import convert
+    from recipes.llama2.generate import load_model
+
+    _, base, _ = pretrained
+    root = tmp_path / "sft"
+    run = run_python([TRAIN, "fit", "--config", TINY_SFT_LORA, "--model.init_from", str(base),
+                      "--data.init_args.seq_len", "128", "--data.init_args.max_samples", "400",
+                      "--trainer.max_steps", "8", "--model.warmup_steps", "2", "--trainer.val_check_interval", "4",
+                      "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "2",
+                      "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root)])
+    lora = _last_checkpoint(root, 0)
+    assert f"export the adapter: python recipes/llama2/convert.py to-peft {lora} lora-adapter" in run.stdout
+    assert "SFTDataModule:" in run.stdout + run.stderr and "train loss: first" in run.stdout
+    assert _size(lora) * 10 < _size(base)
+
+    for argv in (["to-hf", str(base), str(tmp_path / "hf_base")], ["to-peft", str(lora), str(tmp_path / "adapter")],
+                 ["to-hf", str(lora), str(tmp_path / "merged"), "--merge-lora"]):
+        assert convert.main(argv) == 0, argv
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hf_base = LlamaForCausalLM.from_pretrained(tmp_path / "hf_base", torch_dtype=torch.float32).eval()
+        base_logits = hf_base(tokens).logits
+        adapter_logits = PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()(tokens).logits
+        merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32).eval()
+        merged_logits = merged(tokens).logits
+        generate_logits = load_model(lora)[0](tokens)
+    torch.testing.assert_close(adapter_logits, merged_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(generate_logits, merged_logits, atol=1e-5, rtol=1e-5)
+    assert (merged_logits - base_logits).abs().max() > 1e-3
 
 
 def _tiny_checkpoint(tmp_path):
@@ -132,8 +187,25 @@ def test_bad_input_fails_before_workers_and_writes_nothing(tmp_path, args, messa
     """Catches each configuration error surfacing only inside the workers (both ranks' tracebacks), after a
     checkpoint is half-restored (extra keys ignored), or buried in jsonargparse's Union report."""
     args = [a(tmp_path) if callable(a) else a for a in args]
+    _assert_fails_before_workers(tmp_path, lambda: _train(tmp_path / "run", "--trainer.max_steps", "2", *args), message)
+
+
+def test_a_bad_sft_sample_stops_the_lora_run_before_workers_naming_its_line(tmp_path):
+    """Catches a sample with no assistant turn surfacing inside the workers, or without its file and line."""
+    data = tmp_path / "in" / "chat.jsonl"
+    data.parent.mkdir(parents=True)
+    good = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+    bad = {"messages": [{"role": "user", "content": "Anyone there?"}]}
+    data.write_text("\n".join(json.dumps(sample) for sample in (good, bad, good)) + "\n")
+    argv = [TRAIN, "fit", "--config", TINY_SFT_LORA, "--model.init_from", _tiny_checkpoint(tmp_path),
+            "--data.init_args.path", str(data), "--trainer.default_root_dir", str(tmp_path / "run")]
+    _assert_fails_before_workers(tmp_path, lambda: run_python(argv),
+                                 f"Bad SFT sample at line 2 of {data}: it has no assistant turn")
+
+
+def _assert_fails_before_workers(tmp_path, run, message):
     with pytest.raises(AssertionError) as failure:
-        _train(tmp_path / "run", "--trainer.max_steps", "2", *args)
+        run()
     text = str(failure.value)
     assert message in text
     # One message, shown alone: not both ranks' tracebacks, not a line of jsonargparse's Union report.

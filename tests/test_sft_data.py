@@ -174,7 +174,7 @@ def test_packing_keeps_samples_whole_in_order_with_restarting_positions_and_matc
     batch = collate_packed([train[0], train[1]])
     assert batch["input_ids"].shape == batch["labels"].shape == batch["position_ids"].shape == (2, dm.seq_len)
     second = (train[1]["cu_seqlens"][1:] + dm.seq_len).tolist()
-    assert batch["cu_seqlens"].tolist() == train[0]["cu_seqlens"].tolist() + second
+    assert batch["cu_seqlens"] == train[0]["cu_seqlens"].tolist() + second
 
 
 @pytest.mark.parametrize(("overlong", "truncated", "dropped"), [("truncate", 2, 1), ("drop", 0, 3)])

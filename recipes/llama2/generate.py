@@ -3,7 +3,8 @@
     python recipes/llama2/generate.py CHECKPOINT --prompt "Once upon a time" --max-new-tokens 64 \
         [--temperature 0.8 --top-k 50 --top-p 0.95 --seed 1234 --tokenizer DIR --device auto --dtype auto]
 
-``CHECKPOINT`` is a recipe checkpoint file, a sharded checkpoint directory or a Hugging Face LLaMA directory.
+``CHECKPOINT`` is a recipe checkpoint file, a sharded checkpoint directory or a Hugging Face LLaMA directory. A LoRA
+run's checkpoint (adapters only) is merged onto the base it records (its ``init_from``).
 
 ``--temperature 0`` decodes greedily. The tokenizer defaults to the one recorded in a recipe
 checkpoint's hyper-parameters, or to the directory itself for a Hugging Face model.
@@ -26,6 +27,7 @@ from torch import Tensor
 from recipes.llama2.checkpoint_layout import load_recipe_checkpoint, read_recipe_metadata, tokenizer_from_metadata
 from recipes.llama2.config import LLaMAConfig
 from recipes.llama2.hf_checkpoint import is_hf_directory, load_hf_checkpoint
+from recipes.llama2.lora_export import is_lora_checkpoint, read_merged
 from recipes.llama2.model import LLaMA
 from recipes.llama2.tokenizer import has_tokenizer, load_tokenizer
 
@@ -156,6 +158,9 @@ def load_model(
     if is_hf_directory(path):
         config, state_dict = load_hf_checkpoint(path)
         tokenizer = str(path) if has_tokenizer(path) else None
+    elif is_lora_checkpoint(path):  # adapters only: merged onto the base the run started from (its init_from)
+        config, state_dict, metadata = read_merged(path)
+        tokenizer = tokenizer_from_metadata(metadata)
     else:
         config, state_dict = load_recipe_checkpoint(path)
         tokenizer = tokenizer_from_metadata(read_recipe_metadata(path))

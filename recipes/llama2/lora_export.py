@@ -105,6 +105,23 @@ def export_peft(checkpoint: PathLike, out_dir: PathLike) -> Path:
     return out_dir
 
 
+def read_merged(
+    checkpoint: PathLike, *, base: Optional[PathLike] = None
+) -> tuple[LLaMAConfig, dict[str, Tensor], dict[str, Any]]:
+    """The model config, the merged full state dict (base + ``alpha / rank * B @ A``) and the metadata of a LoRA
+    recipe checkpoint. The base defaults to the checkpoint's ``init_from``."""
+    from recipes.llama2.module import read_pretrained
+
+    config, lora, adapters, metadata = read_lora_checkpoint(checkpoint)
+    base = base or (metadata.get("hyper_parameters") or {}).get("init_from")
+    if not base:
+        raise CheckpointError(
+            f"{checkpoint} records no init_from, so its base weights are unknown; pass --base with the base model "
+            "(the Hugging Face directory or recipe checkpoint the LoRA run started from)."
+        )
+    return config, merged_state_dict(read_pretrained(str(base), config), adapters, config, lora), metadata
+
+
 def export_merged_hf(
     checkpoint: PathLike,
     out_dir: PathLike,
@@ -115,16 +132,7 @@ def export_merged_hf(
 ) -> Path:
     """LoRA recipe checkpoint + its base -> HF directory of the merged model. The base defaults to the
     checkpoint's ``init_from``, the tokenizer to the one the checkpoint records (if it still exists)."""
-    from recipes.llama2.module import read_pretrained
-
-    config, lora, adapters, metadata = read_lora_checkpoint(checkpoint)
-    base = base or (metadata.get("hyper_parameters") or {}).get("init_from")
-    if not base:
-        raise CheckpointError(
-            f"{checkpoint} records no init_from, so its base weights are unknown; pass --base with the base model "
-            "(the Hugging Face directory or recipe checkpoint the LoRA run started from)."
-        )
-    merged = merged_state_dict(read_pretrained(str(base), config), adapters, config, lora)
+    config, merged, metadata = read_merged(checkpoint, base=base)
     if tokenizer_path is None:
         tokenizer_path = recorded_tokenizer(checkpoint, metadata)
     return save_hf_checkpoint(config, merged, out_dir, max_shard_bytes=max_shard_bytes, tokenizer_path=tokenizer_path)

@@ -24,12 +24,19 @@ Parameter names (the recipe's state-dict layout; ``hf_checkpoint.py`` maps them 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from lightning_npu.kernels import apply_rotary, causal_attention, rms_norm, rotary_tables, swiglu
+from lightning_npu.kernels import (
+    apply_rotary,
+    causal_attention,
+    packed_causal_attention,
+    rms_norm,
+    rotary_tables,
+    swiglu,
+)
 from recipes.llama2.config import LLaMAConfig
 
 INIT_STD = 0.02
@@ -116,7 +123,12 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary position embeddings."""
+    """Causal grouped-query self-attention with rotary position embeddings.
+
+    With ``cu_seqlens`` (packed rows, see ``LLaMA.forward``) the batch is one packed sequence of batch x seq tokens:
+    rotary runs on it as a batch of one ([1, T, heads, head_dim], with per-token tables [T, head_dim]) and attention
+    is per sample (``packed_causal_attention``, TND), so no token attends to another sample's.
+    """
 
     def __init__(self, config: LLaMAConfig) -> None:
         super().__init__()
@@ -136,11 +148,13 @@ class Attention(nn.Module):
         cache: Optional[KVCache] = None,
         layer: int = 0,
         start_pos: int = 0,
+        cu_seqlens: Optional[list[int]] = None,
     ) -> Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        rows, length = (1, batch * seq) if cu_seqlens is not None else (batch, seq)
+        q = self.wq(x).view(rows, length, self.n_heads, self.head_dim)
+        k = self.wk(x).view(rows, length, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(rows, length, self.n_kv_heads, self.head_dim)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         if cache is not None:
@@ -148,7 +162,10 @@ class Attention(nn.Module):
             # Under autocast q comes out in the autocast dtype while a cache allocated from the
             # parameters is fp32; the fused attention kernel needs one dtype.
             k, v = k.to(q.dtype), v.to(q.dtype)
-        out = causal_attention(q, k, v)
+        if cu_seqlens is not None:
+            out = packed_causal_attention(q[0], k[0], v[0], cu_seqlens)
+        else:
+            out = causal_attention(q, k, v)
         return self.wo(out.reshape(batch, seq, self.n_heads * self.head_dim))
 
 
@@ -179,10 +196,25 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cache: Optional[KVCache] = None, start_pos: int = 0
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: Optional[KVCache] = None,
+        start_pos: int = 0,
+        cu_seqlens: Optional[list[int]] = None,
     ) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache, self.layer_id, start_pos)
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, self.layer_id, start_pos, cu_seqlens)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def positions_in_samples(cu_seqlens: Sequence[int], device: Optional[torch.device] = None) -> Tensor:
+    """Each token's position inside its sample, [cu_seqlens[-1]] int64, for the sample boundaries ``cu_seqlens``."""
+    if not cu_seqlens or cu_seqlens[0] != 0 or any(b <= a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        raise ValueError(f"cu_seqlens={list(cu_seqlens)} must start at 0 and rise strictly: the sample boundaries.")
+    lengths = torch.tensor([b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])])
+    starts = torch.tensor(cu_seqlens[:-1]).repeat_interleave(lengths)
+    return (torch.arange(cu_seqlens[-1]) - starts).to(device)
 
 
 def rotary_frequencies(config: LLaMAConfig, device: Optional[torch.device] = None) -> Tensor:
@@ -278,6 +310,16 @@ class LLaMA(nn.Module):
     def rotary(self, start_pos: int, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos/sin [seq_len, head_dim] for positions ``start_pos .. start_pos + seq_len - 1``: computed in
         fp32 once per device for ``max_seq_len`` positions, cast once per dtype, then sliced."""
+        cos, sin = self._rotary_tables(device, dtype)
+        return cos[start_pos : start_pos + seq_len], sin[start_pos : start_pos + seq_len]
+
+    def rotary_at(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos/sin [len(positions), head_dim] for the 1-D ``positions`` (each in ``0 .. max_seq_len - 1``), from
+        the same tables as :meth:`rotary`."""
+        cos, sin = self._rotary_tables(positions.device, dtype)
+        return cos[positions], sin[positions]
+
+    def _rotary_tables(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         key = (device, dtype)
         if key not in self._rope_cache:
             base_key = (device, torch.float32)
@@ -285,12 +327,26 @@ class LLaMA(nn.Module):
                 self._rope_cache[base_key] = rotary_cos_sin(self.config, device)
             cos, sin = self._rope_cache[base_key]
             self._rope_cache[key] = (cos.to(dtype), sin.to(dtype))
-        cos, sin = self._rope_cache[key]
-        return cos[start_pos : start_pos + seq_len], sin[start_pos : start_pos + seq_len]
+        return self._rope_cache[key]
 
-    def forward(self, tokens: Tensor, *, cache: Optional[KVCache] = None, start_pos: int = 0) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        *,
+        cache: Optional[KVCache] = None,
+        start_pos: int = 0,
+        cu_seqlens: Optional[Sequence[int] | Tensor] = None,
+        position_ids: Optional[Tensor] = None,
+    ) -> Tensor:
         """Logits [batch, seq, vocab] in fp32 for ``tokens`` [batch, seq] (int64) at positions
-        ``start_pos ..``. With ``cache``, earlier positions come from it and the new ones are added."""
+        ``start_pos ..``. With ``cache``, earlier positions come from it and the new ones are added.
+
+        Packed rows (several samples per row, as ``sft_data.collate_packed`` gives them): ``cu_seqlens`` are the
+        sample boundaries over the batch flattened to batch x seq tokens (``[0, ..., batch * seq]``; a list of ints,
+        or an integer tensor, read on the host once), and each sample is attended to alone, with rotary positions
+        ``position_ids`` [batch, seq] (by default each sample's positions from 0). Every sample then gets the logits
+        it would get run on its own.
+        """
         if tokens.dim() != 2:
             raise ValueError(
                 f"LLaMA expects token ids of shape [batch, seq]; got shape {tuple(tokens.shape)}. "
@@ -311,8 +367,31 @@ class LLaMA(nn.Module):
             )
         if cache is not None:
             cache.check(batch, start_pos, seq)
+        if position_ids is not None and cu_seqlens is None:
+            raise ValueError(
+                "position_ids are read only with cu_seqlens (packed rows); without them positions are start_pos .., "
+                "so pass cu_seqlens with the sample boundaries, or drop position_ids."
+            )
         h = self.tok_embeddings(tokens)
-        cos, sin = self.rotary(start_pos, seq, h.device, h.dtype)
+        if cu_seqlens is None:
+            bounds = None
+            cos, sin = self.rotary(start_pos, seq, h.device, h.dtype)
+        else:
+            if cache is not None:
+                raise ValueError("Packed rows (cu_seqlens) are for training and scoring; decode without cu_seqlens.")
+            bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
+            if not bounds or bounds[-1] != batch * seq:
+                raise ValueError(
+                    f"cu_seqlens={bounds} must end at the token count T={batch * seq} (batch x seq of tokens "
+                    f"{tuple(tokens.shape)}): they are the sample boundaries over the batch flattened to one sequence."
+                )
+            if position_ids is None:
+                position_ids = positions_in_samples(bounds, device=tokens.device)
+            elif tuple(position_ids.shape) != (batch, seq):
+                raise ValueError(
+                    f"position_ids have shape {tuple(position_ids.shape)}; they must match tokens {(batch, seq)}."
+                )
+            cos, sin = self.rotary_at(position_ids.flatten(), h.dtype)
         for block in self.layers:
-            h = block(h, cos, sin, cache, start_pos)
+            h = block(h, cos, sin, cache, start_pos, bounds)
         return self.output(self.norm(h)).float()

@@ -78,6 +78,7 @@ class LLaMA2(LightningModule):
         self.hparams["config"] = self.config.to_dict()
         self.hparams["lora"] = None if self.lora is None else self.lora.to_dict()
         self.model: Optional[LLaMA] = None
+        self._initial_weights_loaded = False
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -98,8 +99,11 @@ class LLaMA2(LightningModule):
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids)
 
-    def _loss(self, batch: dict[str, Tensor]) -> Tensor:
-        logits = self.model(batch["input_ids"])
+    def _loss(self, batch: dict[str, Any]) -> Tensor:
+        """Mean cross-entropy over the labelled tokens (-100 marks the others: prompts and padding in SFT rows).
+        Packed rows (``cu_seqlens``, ``position_ids``: ``sft_data.collate_packed``) attend within each sample."""
+        logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
+                            position_ids=batch.get("position_ids"))
         return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -113,6 +117,24 @@ class LLaMA2(LightningModule):
         self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
 
     def on_fit_start(self) -> None:
+        self._load_initial_weights()
+
+    def on_validation_start(self) -> None:
+        self._load_initial_weights()
+
+    def on_test_start(self) -> None:
+        self._load_initial_weights()
+
+    def on_predict_start(self) -> None:
+        self._load_initial_weights()
+
+    def _load_initial_weights(self) -> None:
+        """Once, when the module first runs (``fit``, ``validate``, ``test`` or ``predict``, after the strategy has
+        set it up and restored any checkpoint): the weights ``init_from`` gives. A LoRA model always needs its base
+        from there, since its checkpoints hold the adapters only; a full model only when no checkpoint was restored."""
+        if self._initial_weights_loaded:
+            return
+        self._initial_weights_loaded = True
         fresh = self.trainer.ckpt_path is None
         if self.lora is not None:
             # A LoRA checkpoint holds no base weights: they come from init_from on a resume too. A fresh run also

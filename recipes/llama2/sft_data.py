@@ -34,9 +34,11 @@ Rows (built in ``setup`` from the cached tokens, so ``seq_len`` and ``overlong``
     -100: no label crosses a sample boundary); ``position_ids`` [seq_len], restarting at 0 for each sample and for
     the padding segment; ``cu_seqlens`` int32, the cumulative segment lengths ``[0, l1, l1 + l2, ..., seq_len]``
     (the padding segment, if any, is the last one, so the list always ends at ``seq_len``).
-  * :func:`collate_packed` stacks rows into a batch and joins their ``cu_seqlens`` into one list over the batch
-    flattened to ``batch_size * seq_len`` tokens (row ``b``'s offsets shifted by ``b * seq_len``), the layout a
-    document-masked (varlen) attention kernel takes. Each segment, padding included, attends only to itself, so no
+  * :func:`collate_packed` stacks rows into a batch and joins their ``cu_seqlens`` into one list of ints over the
+    batch flattened to ``batch_size * seq_len`` tokens (row ``b``'s offsets shifted by ``b * seq_len``), the layout a
+    document-masked (varlen) attention kernel takes. A list, not a tensor: it stays on the host when the batch moves
+    to the device, where the kernel reads it (npu_fusion_attention takes the boundaries as host ints; reading a
+    device tensor back would stall the NPU every step). Each segment, padding included, attends only to itself, so no
     attention row is fully masked.
 
 Sharding, shuffling and the exact mid-epoch resume are the text pipeline's (:class:`TextDataModule`): the rows are
@@ -56,6 +58,7 @@ from torch.utils.data import Dataset
 
 from recipes.llama2.data import (
     _OPENERS,
+    ASSETS_DIR,
     DEFAULT_TOKENIZER,
     TextDataModule,
     _fingerprint,
@@ -63,6 +66,8 @@ from recipes.llama2.data import (
     _source_fingerprint,
 )
 
+#: The embedded instruction set (built from the embedded corpus: assets/build_assets.py), the default ``path``.
+DEFAULT_INSTRUCTIONS = str(ASSETS_DIR / "instructions.jsonl")
 # Bump when the formatting or the cached columns change, so old caches are not reused.
 _SFT_CACHE_FORMAT = 1
 IGNORE_INDEX = -100  # the label torch's cross_entropy skips
@@ -343,13 +348,12 @@ class PackedSamples(Dataset):
         }
 
 
-def collate_packed(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def collate_packed(rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     """A batch of packed rows: ``input_ids`` / ``labels`` / ``position_ids`` LongTensor[batch, seq_len] and
-    ``cu_seqlens`` int32 over the batch flattened to ``batch * seq_len`` tokens (``[0, ..., batch * seq_len]``)."""
-    batch = {key: torch.stack([row[key] for row in rows]) for key in ("input_ids", "labels", "position_ids")}
+    ``cu_seqlens``, a list of ints over the batch flattened to ``batch * seq_len`` tokens (``[0, ..., batch * seq_len]``)."""
+    batch: dict[str, Any] = {key: torch.stack([row[key] for row in rows]) for key in ("input_ids", "labels", "position_ids")}
     seq_len = batch["input_ids"].shape[1]
-    ends = [row["cu_seqlens"][1:] + b * seq_len for b, row in enumerate(rows)]
-    batch["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int32)] + ends)
+    batch["cu_seqlens"] = [0] + [b * seq_len + end for b, row in enumerate(rows) for end in row["cu_seqlens"][1:].tolist()]
     return batch
 
 
@@ -361,7 +365,8 @@ class SFTDataModule(TextDataModule):
     ``cu_seqlens``). ``batch_size`` is per rank, in rows.
 
     Args:
-        path: a JSON / JSON Lines / Parquet file, a directory of them, or a ``save_to_disk`` directory of samples.
+        path: a JSON / JSON Lines / Parquet file, a directory of them, or a ``save_to_disk`` directory of samples
+            (default: the embedded instruction set, ``assets/instructions.jsonl``).
         tokenizer: local directory of a Hugging Face tokenizer (its chat template, if any, formats the samples).
         seq_len: tokens per row.
         overlong: what happens to a sample longer than ``seq_len``: ``"truncate"`` (keep its first ``seq_len``
@@ -379,7 +384,7 @@ class SFTDataModule(TextDataModule):
 
     def __init__(
         self,
-        path: str,
+        path: str = DEFAULT_INSTRUCTIONS,
         tokenizer: str = DEFAULT_TOKENIZER,
         seq_len: int = 256,
         overlong: str = "truncate",

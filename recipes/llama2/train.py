@@ -4,6 +4,11 @@
     LIGHTNING_NPU_SIMULATE=2 python recipes/llama2/train.py fit --config recipes/llama2/configs/tiny.yaml
     python recipes/llama2/train.py prepare --config recipes/llama2/configs/llama2_7b.yaml --data.tokenize_num_proc 32
     torchrun --nproc-per-node 8 recipes/llama2/train.py fit --config recipes/llama2/configs/llama2_7b.yaml
+    python recipes/llama2/train.py fit --config recipes/llama2/configs/tiny_sft_lora.yaml --model.init_from BASE
+
+The data is raw text (``data.TextDataModule``, what ``data:`` configures when it names no class) or chat /
+instruction samples for supervised fine-tuning (``data: {class_path: recipes.llama2.sft_data.SFTDataModule,
+init_args: {...}}``).
 
 Every check of the configuration runs before any worker process starts: strategy and callback options (shown alone,
 not inside jsonargparse's report), the resume checkpoint (a recipe checkpoint whose model matches the configured
@@ -33,7 +38,13 @@ from recipes.llama2.data import NotPreparedError, TextDataModule, check_vocab_fi
 from recipes.llama2.config import LLaMAConfig
 from recipes.llama2.module import LLaMA2
 
-GENERATE_SCRIPT = Path(__file__).resolve().parent / "generate.py"
+RECIPE_DIR = Path(__file__).resolve().parent
+
+
+def _script(name: str) -> str:
+    """The recipe's script ``name`` as a user would type it here: relative to the working directory if inside it."""
+    script = RECIPE_DIR / name
+    return str(script.relative_to(Path.cwd()) if script.is_relative_to(Path.cwd()) else script)
 
 
 class RunSummary(Callback):
@@ -59,14 +70,16 @@ class RunSummary(Callback):
         path = getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")
         if path:
             print(f"checkpoint: {path}")
-            script = GENERATE_SCRIPT.relative_to(Path.cwd()) if GENERATE_SCRIPT.is_relative_to(Path.cwd()) else GENERATE_SCRIPT
-            command = ["python", str(script), path, "--prompt", "The", "--max-new-tokens", "40"]
+            command = ["python", _script("generate.py"), path, "--prompt", "The", "--max-new-tokens", "40"]
             print("generate: " + shlex.join(command))
+            if getattr(pl_module, "lora", None) is not None:
+                convert = _script("convert.py")
+                print("export the adapter: " + shlex.join(["python", convert, "to-peft", path, "lora-adapter"]))
 
 
 class LLaMACLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
-        parser.link_arguments("data.tokenizer", "model.tokenizer_path")
+        parser.link_arguments("data.init_args.tokenizer", "model.tokenizer_path")
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         super().parse_arguments(parser, args)
@@ -89,14 +102,15 @@ class LLaMACLI(LightningCLI):
 
 
 def check_class_options(config: Any) -> None:
-    """Build the strategy and the callbacks once from their ``class_path`` / ``init_args``, so a ValueError of theirs
-    is the whole message. jsonargparse would report it as one line of its "Union subtypes" report."""
+    """Build the data module, the strategy and the callbacks once from their ``class_path`` / ``init_args``, so an
+    error of theirs (a bad value, a missing dataset) is the whole message. jsonargparse would report it as one line
+    of its "Union subtypes" report."""
     from jsonargparse import Namespace
     from jsonargparse.typing import import_object
 
     trainer = config.get("trainer") or {}
     callbacks = trainer.get("callbacks") or []
-    entries = [("trainer.strategy", trainer.get("strategy"))]
+    entries = [("data", config.get("data")), ("trainer.strategy", trainer.get("strategy"))]
     entries += [(f"trainer.callbacks[{i}]", c) for i, c in enumerate(callbacks if isinstance(callbacks, list) else [callbacks])]
     for where, value in entries:
         if not isinstance(value, Namespace) or not isinstance(value.get("class_path"), str):
@@ -107,7 +121,7 @@ def check_class_options(config: Any) -> None:
         try:
             cls = import_object(value.class_path)
             cls(**init_args)
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, OSError) as err:
             sys.exit(f"error: {where} ({value.class_path.rsplit('.', 1)[-1]}): {err}")
         except ImportError:
             continue  # jsonargparse names an unknown class_path itself
@@ -180,13 +194,14 @@ def prepare(args: list[str]) -> dict[str, Any]:
     parser = ArgumentParser(prog="train.py prepare", description="Check and tokenise the data of a training config"
                             " into its cache (data.cache_dir), so that multi-rank training starts at once.")
     parser.add_argument("--config", action=ActionConfigFile, help="the training config (only its data section is used)")
-    parser.add_class_arguments(TextDataModule, "data")
+    parser.add_subclass_arguments(TextDataModule, "data", required=True)
     for other in ("model", "trainer", "optimizer", "lr_scheduler"):  # parts of the training config, not used here
         parser.add_argument(f"--{other}", type=Optional[Any], default=None)
     parser.add_argument("--seed_everything", type=Optional[Any], default=None)
     parser.add_argument("--ckpt_path", type=Optional[str], default=None)
     config = parser.parse_args(args)
-    data = TextDataModule(**config.data.as_dict())
+    check_class_options(config)
+    data = parser.instantiate(config).data
     if data.is_prepared():
         print(f"already prepared: {data.cache_path}")
     return data.prepare()
@@ -199,6 +214,7 @@ def main(args: Optional[list[str]] = None) -> Any:
     return LLaMACLI(
         LLaMA2,
         TextDataModule,
+        subclass_mode_data=True,  # SFTDataModule too; a data: section without class_path is a TextDataModule
         trainer_defaults={"callbacks": [TokenThroughputMonitor(), RunSummary(), ModelCheckpoint(save_last=True),
                                        GracefulPreemption(save_on_preemption=True), NonFiniteLossGuard()]},
         save_config_kwargs={"overwrite": False},

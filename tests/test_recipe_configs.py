@@ -1,0 +1,34 @@
+"""Every YAML config the recipe ships parses through the recipe's own CLI and builds its LightningModule, so a typo
+in a config (an unknown key, a bad LoRA target, a data class that does not take an option) fails here, not on a
+cluster after the job was queued."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from recipes.llama2 import train
+from recipes.llama2.module import LLaMA2
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "recipes" / "llama2" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.name)
+def test_every_shipped_config_parses_and_builds_its_module(config, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # LightningCLI warns when pytest's own arguments are there too
+    with pytest.raises(SystemExit) as exited:
+        train.main(["fit", "--config", str(config), "--print_config"])
+    assert exited.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    model = dict(printed["model"])
+    if model.get("lora") and not model.get("init_from"):
+        model["init_from"] = "given on the command line"  # tiny_sft_lora.yaml: --model.init_from <pretrained ckpt>
+    module = LLaMA2(**model)
+    assert module.config.max_seq_len >= printed["data"]["init_args"]["seq_len"]
+    assert printed["data"]["class_path"].startswith("recipes.llama2.")
+
+
+def test_the_fine_tuning_configs_are_the_ones_the_readme_names():
+    names = {path.name for path in CONFIGS}
+    assert {"tiny_sft_lora.yaml", "llama2_7b_sft.yaml", "llama2_7b_lora.yaml", "llama3_8b_lora.yaml"} <= names
