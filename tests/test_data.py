@@ -613,10 +613,13 @@ def _load_build_script():
     return module
 
 
+def _committed_corpus() -> list[dict[str, str]]:
+    return [json.loads(line) for line in (ASSETS_DIR / "corpus.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
 def test_build_script_retrains_the_committed_tokenizer_byte_for_byte(tmp_path):
     build = _load_build_script()
-    records = [json.loads(line) for line in (ASSETS_DIR / "corpus.jsonl").read_text(encoding="utf-8").splitlines()]
-    build.train_tokenizer([r["text"] for r in records]).save(str(tmp_path / "tokenizer.json"), pretty=True)
+    build.train_tokenizer([r["text"] for r in _committed_corpus()]).save(str(tmp_path / "tokenizer.json"), pretty=True)
     assert (tmp_path / "tokenizer.json").read_bytes() == (ASSETS_DIR / "tokenizer" / "tokenizer.json").read_bytes()
 
 
@@ -638,6 +641,103 @@ def test_build_script_takes_docstrings_in_source_order_and_skips_tests_and_forei
         {"text": f"Pkg m {words}.", "source": "Lib/pkg/m.py"},
     ]
     assert records == build.build_corpus(tmp_path)
+
+
+def test_build_script_rebuilds_the_committed_instruction_set_byte_for_byte(tmp_path):
+    """Catches an instructions.jsonl edited by hand or left stale after a change of the rule in build_assets.py."""
+    build = _load_build_script()
+    build.write_jsonl(tmp_path / "instructions.jsonl", build.build_instructions(_committed_corpus()))
+    committed = (ASSETS_DIR / "instructions.jsonl").read_bytes()
+    assert (tmp_path / "instructions.jsonl").read_bytes() == committed
+    assert "instructions.jsonl" in build.OUTPUTS  # so build_assets.py --check compares it too
+
+
+def test_committed_instructions_are_short_trainable_samples_of_both_formats():
+    """Catches an instruction set SFTDataModule would refuse, one mostly longer than the tiny recipe's 256-token rows,
+    or one that no longer exercises instruction samples (with and without input) and chats (system, two turns)."""
+    from recipes.llama2.sft_data import to_messages, tokenize_conversation
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER)
+    path = ASSETS_DIR / "instructions.jsonl"
+    samples = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert 1000 <= len(samples) <= 3000 and path.stat().st_size <= 600_000
+    lengths = []
+    for sample in samples:
+        ids, mask = tokenize_conversation(tok, to_messages(sample))
+        assert sum(mask) > 0 and tok.unk_token_id not in ids
+        lengths.append(len(ids))
+    assert sum(n <= 256 for n in lengths) >= 0.95 * len(samples)
+    chats = [s["messages"] for s in samples if "messages" in s]
+    instructions = [s for s in samples if "instruction" in s]
+    assert any(m[0]["role"] == "system" for m in chats) and any(m[0]["role"] == "user" for m in chats)
+    assert any(sum(t["role"] == "assistant" for t in m) >= 2 for m in chats)
+    assert any("input" in s for s in instructions) and any("input" not in s for s in instructions)
+
+
+def test_build_script_turns_hand_made_records_into_exactly_the_instructions_of_its_rule(monkeypatch):
+    """Catches a change of the instruction rule: which paragraphs count as prose, where sentences end (not after
+    "e.g."), the cut at SHOWN_CHARS, the ANSWER_CHARS limit, the per-module cap, repeated inputs left out, the system
+    message on every second module, and the module and file names."""
+    build = _load_build_script()
+    monkeypatch.setattr(build, "SHOWN_CHARS", 60)
+    monkeypatch.setattr(build, "ANSWER_CHARS", 45)
+    records = [
+        {
+            "source": "Lib/nothing.py",
+            "text": "lower-case start is not taken as prose here.\n\n"
+            "    Indented code is never taken as prose here either.\n\n"
+            "Steps to follow, in order:\n- heat the pan well.\n- add the spam.\n\n"
+            "Or the other way round:\n* add the spam.\n* heat the pan well.",
+        },
+        {
+            "source": "Lib/pkg/__init__.py",
+            "text": "Tools for frying spam in a pan. Spam is best served hot, e.g. With eggs.\n\n"
+            "Fry it so:\n>>> fry('spam')\nFried spam is ready.\n\nThe pan must be hot before the\nspam goes in.",
+        },
+        {
+            "source": "Lib/pkg/eggs.py",
+            "text": "The pan must be hot before the spam goes in.\n\nEggs are laid by hens. Hens live on farms.\n\n"
+            "Boil the eggs for nine minutes. Then cool them. Then peel them.\n\n"
+            "Serve the eggs with spam and toast on a plate. Pour a large mug of strong black tea to go with it.\n\n"
+            "Never serve eggs that smell of sulphur or worse.",
+        },
+        {"source": "Lib/toast.py", "text": "Toast is bread that has been browned on both sides by heat. Butter it."},
+    ]
+    which, go_on = build.ASK_MODULE, build.ASK_CONTINUE
+    toast = "Toast is bread that has been browned on both sides by heat."
+
+    def chat(module: str, first: str, source: str) -> list[dict[str, str]]:
+        return [
+            {"role": "user", "content": f"Give the first sentence of the documentation of module {module}."},
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "Which file of the standard library defines that module?"},
+            {"role": "assistant", "content": source},
+        ]
+
+    assert build.build_instructions(records) == [
+        {"messages": [{"role": "system", "content": build.SYSTEM_PROMPT}]
+         + chat("pkg", "Tools for frying spam in a pan.", "Lib/pkg/__init__.py")},
+        {"instruction": "Which module does the standard-library file Lib/pkg/__init__.py define? Give its import name.",
+         "output": "pkg"},
+        {"instruction": which, "input": "Tools for frying spam in a pan.", "output": "pkg"},
+        {"instruction": which, "input": "The pan must be hot before the spam goes in.", "output": "pkg"},
+        {"instruction": go_on, "input": "Tools for frying spam in a pan.",
+         "output": "Spam is best served hot, e.g. With eggs."},
+        {"messages": chat("pkg.eggs", "The pan must be hot before the spam goes in.", "Lib/pkg/eggs.py")},
+        {"instruction": "Which module does the standard-library file Lib/pkg/eggs.py define? Give its import name.",
+         "output": "pkg.eggs"},
+        # Its first paragraph was pkg's input already; its last one is past PARAGRAPHS_PER_TASK (3).
+        {"instruction": which, "input": "Eggs are laid by hens. Hens live on farms.", "output": "pkg.eggs"},
+        {"instruction": which, "input": "Boil the eggs for nine minutes. Then cool them.", "output": "pkg.eggs"},
+        {"instruction": which, "input": "Serve the eggs with spam and toast on a plate.", "output": "pkg.eggs"},
+        {"instruction": go_on, "input": "Eggs are laid by hens.", "output": "Hens live on farms."},
+        {"instruction": go_on, "input": "Boil the eggs for nine minutes. Then cool them.", "output": "Then peel them."},
+        # Its first sentence is longer than ANSWER_CHARS: no chat.
+        {"instruction": "Which module does the standard-library file Lib/toast.py define? Give its import name.",
+         "output": "toast"},
+        {"instruction": which, "input": toast, "output": "toast"},
+        {"instruction": go_on, "input": toast, "output": "Butter it."},
+    ]
 
 
 def test_parallel_tokenisation_gives_the_same_blocks(tmp_path):

@@ -1,4 +1,4 @@
-"""Rebuild the embedded corpus and tokenizer of the LLaMA-2 recipe, byte for byte.
+"""Rebuild the embedded corpus, instruction set and tokenizer of the LLaMA-2 recipe, byte for byte.
 
     python recipes/llama2/assets/build_assets.py            # rewrite the files next to this script
     python recipes/llama2/assets/build_assets.py --check    # rebuild in a temp dir, compare, exit 1 on a difference
@@ -10,6 +10,9 @@ path order, leaving out modules whose header names a copyright holder other than
 Docstrings differ between Python versions, so a byte-identical corpus needs the version in
 ``BUILT_WITH``; the tokenizer is a function of the corpus (and of the ``tokenizers`` version).
 
+Instruction set: short question/answer samples read off the corpus alone (``build_instructions``), so it
+is the same on every Python version given the same corpus: SFT data for the tiny recipe.
+
 Tokenizer: byte-level BPE, 2048 tokens (<s>, </s>, <unk>, the 256 byte symbols, 1789 merges), trained
 with HF ``tokenizers`` and written as a ``PreTrainedTokenizerFast`` directory. The two JSON configs are
 written here rather than by ``save_pretrained`` so they do not depend on the transformers version.
@@ -20,8 +23,10 @@ from __future__ import annotations
 import argparse
 import ast
 import filecmp
+import itertools
 import json
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -53,6 +58,7 @@ MIN_WORDS = 8  # shorter docstrings ("Return self.") add repetition, not languag
 HEADER_CHARS = 5000  # where modules put their copyright notices
 OUTPUTS = (
     "corpus.jsonl",
+    "instructions.jsonl",
     "PSF-LICENSE.txt",
     "tokenizer/tokenizer.json",
     "tokenizer/tokenizer_config.json",
@@ -107,6 +113,120 @@ def build_corpus(root: Path) -> list[dict[str, str]]:
     return records
 
 
+def module_name(source: str) -> str:
+    """The import name of a corpus record's module: ``Lib/email/mime/text.py`` -> ``email.mime.text``."""
+    name = source.removeprefix("Lib/").removesuffix(".py").removesuffix("/__init__")
+    return name.replace("/", ".")
+
+
+# Instruction set. The sizes keep a sample well inside the tiny recipe's 256-token rows (about 3
+# characters a token), and the per-module cap keeps the few large modules from being most of the set.
+SHOWN_CHARS = 300  # a paragraph given as input is cut to its leading sentences within this
+ANSWER_CHARS = 250  # a longer sentence is not used as an answer
+PARAGRAPHS_PER_TASK = 3  # per module, for each of the two paragraph tasks
+SYSTEM_PROMPT = "You answer questions about the documentation of the Python 3.11 standard library."
+ASK_MODULE = "Which standard-library module is this documentation from?"
+ASK_CONTINUE = "Continue this documentation."
+ASK_FIRST = "Give the first sentence of the documentation of module {module}."
+ASK_FILE = "Which file of the standard library defines that module?"
+ASK_FILE_MODULE = "Which module does the standard-library file {source} define? Give its import name."
+# A sentence ends at . ! or ? before whitespace and a capital letter, except after these abbreviations.
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
+ABBREVIATIONS = ("e.g.", "i.e.", "cf.", "vs.")
+
+
+def prose_paragraphs(text: str) -> list[str]:
+    """The paragraphs of a document that are plain prose, whitespace collapsed onto one line: code,
+    doctests and lists (a line that is indented or starts with ``>>>``, ``-`` or ``*``), and paragraphs
+    that do not start with a capital letter, do not end a sentence or are shorter than ``MIN_WORDS``
+    words are left out."""
+    paragraphs = []
+    for block in re.split(r"\n\s*\n", text):
+        lines = block.strip("\n").splitlines()
+        if any(line[:1].isspace() or line.startswith((">>>", "-", "*")) for line in lines):
+            continue
+        paragraph = " ".join(block.split())
+        if paragraph[:1].isupper() and paragraph.endswith((".", "!", "?")) and len(paragraph.split()) >= MIN_WORDS:
+            paragraphs.append(paragraph)
+    return paragraphs
+
+
+def sentences(paragraph: str) -> list[str]:
+    """A prose paragraph split at ``SENTENCE_END``, the pieces after an abbreviation joined back."""
+    parts: list[str] = []
+    for part in SENTENCE_END.split(paragraph):
+        if parts and parts[-1].endswith(ABBREVIATIONS):
+            parts[-1] += " " + part
+        else:
+            parts.append(part)
+    return parts
+
+
+def leading(parts: list[str], chars: int) -> list[str]:
+    """The longest run of leading sentences of ``parts`` that is at most ``chars`` characters long."""
+    n = 0
+    while n < len(parts) and len(" ".join(parts[: n + 1])) <= chars:
+        n += 1
+    return parts[:n]
+
+
+def unseen(candidates: list[tuple[str, str, str]], seen: set[tuple[str, str]]) -> Iterator[dict[str, str]]:
+    """Instruction samples of the ``(instruction, input, output)`` candidates whose instruction and input are
+    not in ``seen`` (adding them): the standard library repeats some docstrings in several modules, and an
+    input must have one answer."""
+    for instruction, text, output in candidates:
+        if (instruction, text) not in seen:
+            seen.add((instruction, text))
+            yield {"instruction": instruction, "input": text, "output": output}
+
+
+def build_instructions(records: list[dict[str, str]]) -> list[dict]:
+    """SFT samples made from corpus records, module by module in corpus order; a module without a prose
+    paragraph gives none. For module ``m`` (``module_name``), file ``f`` (its ``source``) and its prose
+    paragraphs split into sentences:
+
+    * a chat: "Give the first sentence of the documentation of module m." -> the first sentence (if at
+      most ``ANSWER_CHARS``), then "Which file of the standard library defines that module?" -> ``f``;
+      every second module's chat (odd record index) starts with ``SYSTEM_PROMPT`` as a system message;
+    * an instruction: "Which module does the standard-library file f define? ..." -> ``m``;
+    * each paragraph whose first sentence fits ``SHOWN_CHARS``: "Which standard-library module is this
+      documentation from?", input: its leading sentences within ``SHOWN_CHARS`` -> ``m``;
+    * each paragraph of two or more sentences whose leading sentences (all but at least the last, within
+      ``SHOWN_CHARS``) are followed by a sentence of at most ``ANSWER_CHARS``: "Continue this
+      documentation.", input: those sentences -> that next sentence.
+
+    Each of the two paragraph tasks takes the module's first ``PARAGRAPHS_PER_TASK`` such paragraphs
+    whose input was not already given for the same instruction (``unseen``).
+    """
+    samples: list[dict] = []
+    seen: set[tuple[str, str]] = set()
+    for index, record in enumerate(records):
+        module, source = module_name(record["source"]), record["source"]
+        paragraphs = [sentences(p) for p in prose_paragraphs(record["text"])]
+        if not paragraphs:
+            continue
+        if len(paragraphs[0][0]) <= ANSWER_CHARS:
+            chat = [
+                {"role": "user", "content": ASK_FIRST.format(module=module)},
+                {"role": "assistant", "content": paragraphs[0][0]},
+                {"role": "user", "content": ASK_FILE},
+                {"role": "assistant", "content": source},
+            ]
+            system = [{"role": "system", "content": SYSTEM_PROMPT}] if index % 2 else []
+            samples.append({"messages": system + chat})
+        samples.append({"instruction": ASK_FILE_MODULE.format(source=source), "output": module})
+        identify, follow = [], []
+        for paragraph in paragraphs:
+            shown, before = leading(paragraph, SHOWN_CHARS), leading(paragraph[:-1], SHOWN_CHARS)
+            if shown:
+                identify.append((ASK_MODULE, " ".join(shown), module))
+            if before and len(paragraph[len(before)]) <= ANSWER_CHARS:
+                follow.append((ASK_CONTINUE, " ".join(before), paragraph[len(before)]))
+        for candidates in (identify, follow):
+            samples += itertools.islice(unseen(candidates, seen), PARAGRAPHS_PER_TASK)
+    return samples
+
+
 def train_tokenizer(texts: list[str]):
     """Byte-level BPE with exactly ``VOCAB_SIZE`` tokens (a ``tokenizers.Tokenizer``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -134,14 +254,19 @@ def write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
+
+
 def build(out: Path, root: Path | None = None) -> None:
-    """Write corpus.jsonl, PSF-LICENSE.txt and tokenizer/ under ``out``."""
+    """Write corpus.jsonl, instructions.jsonl, PSF-LICENSE.txt and tokenizer/ under ``out``."""
     root = root or stdlib_dir()
     records = build_corpus(root)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "corpus.jsonl", "w", encoding="utf-8", newline="\n") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n")
+    write_jsonl(out / "corpus.jsonl", records)
+    write_jsonl(out / "instructions.jsonl", build_instructions(records))
     # The PSF license asks that its notice travel with derived works.
     shutil.copyfile(root / "LICENSE.txt", out / "PSF-LICENSE.txt")
 
