@@ -82,12 +82,15 @@ STEPS = 4  # optimizer steps per run (a case's "steps" overrides it); the first 
 
 
 def case_spec(case: dict[str, Any]):
-    """The planner's PlanSpec for a case, with the CPU's settings."""
-    from lightning_npu.plan import ModelShape, PlanSpec
-    from recipes.llama2.config import LLaMAConfig
+    """The planner's PlanSpec for a case (its ``lora``, if any, as the recipe's profile reads it), with the CPU's
+    settings."""
+    from lightning_npu.plan import PlanSpec
+    from recipes.llama2.memory_profile import lightning_npu_memory_profile
 
+    profile = lightning_npu_memory_profile({"preset": "tiny", "config": case["model"], "lora": case.get("lora")})
     return PlanSpec(
-        model=ModelShape.of(LLaMAConfig.from_preset("tiny", **case["model"])),
+        model=profile.shape,
+        profile=profile,
         seq_len=case["seq"],
         micro_batch=case["batch"],
         devices=case["devices"],
@@ -136,6 +139,11 @@ def worker(case: dict[str, Any], out: Path) -> None:
     torch.manual_seed(0)
     calibrated = calibration()  # in this process, before the run: the profiler must report known sizes exactly
     module = LLaMA2(preset="tiny", config=case["model"], warmup_steps=1)
+    if case.get("lora"):  # LoRA on a base initialised in place: the same tensors as one loaded from init_from
+        from recipes.llama2.lora import LoRAConfig
+
+        module.lora = LoRAConfig.from_value(case["lora"])
+        module.on_fit_start = lambda: None  # nothing to load
     vocab, seq, batch = module.config.vocab_size, case["seq"], case["batch"]
     accumulate = case.get("accumulate", 1)
     steps = case.get("steps", STEPS)

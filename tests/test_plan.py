@@ -50,14 +50,15 @@ def test_shards_pad_each_tensor_to_a_multiple_of_the_group_along_dim_0():
     assert state_bytes(spec)["parameters"] == (38 + 80) * 4
 
 
-def _saved_bytes_per_token(block, dtype, kernels_context, batch_sizes, seq):
-    """What autograd keeps from one forward of ``block``, per token (from two batch sizes, so constants cancel)."""
+def _saved_bytes_per_token(block, dtype, kernels_context, batch_sizes, seq, input_grad=True):
+    """What autograd keeps from one forward of ``block``, per token (from two batch sizes, so constants cancel);
+    ``input_grad=False``: a block whose input needs no gradient (the first, after a frozen embedding)."""
     from lightning_npu.kernels import rotary_tables
 
     cos, sin = (t.to(dtype) for t in rotary_tables(seq, block.attention.head_dim))
     totals = []
     for batch in batch_sizes:
-        x = torch.randn(batch, seq, block.attention_norm.weight.numel(), dtype=dtype, requires_grad=True)
+        x = torch.randn(batch, seq, block.attention_norm.weight.numel(), dtype=dtype, requires_grad=input_grad)
         storages: dict[int, int] = {}
 
         def pack(tensor, storages=storages):
@@ -72,23 +73,12 @@ def _saved_bytes_per_token(block, dtype, kernels_context, batch_sizes, seq):
     return (totals[1] - totals[0]) / ((batch_sizes[1] - batch_sizes[0]) * seq)
 
 
-# Eager attention is checked in fp32 only: on the CPU, SDPA's math backend upcasts bf16 inputs to fp32 copies, which
-# an NPU's eager attention would not do.
-@pytest.mark.parametrize(("precision", "kernels"), [("32-true", "reference"), ("bf16-mixed", "reference"),
-                                                    ("32-true", "eager")])
-def test_block_activation_count_matches_the_tensors_autograd_saves(precision, kernels):
+def _kernels_context(precision, kernels):
+    """The contexts a block's forward runs under for a precision and kernels choice, as one context manager."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from recipes.llama2.model import TransformerBlock
-
-    config = LLaMAConfig.from_preset("tiny")  # grouped-query attention: 4 query heads share 2 kv heads
-    torch.manual_seed(0)
-    block = TransformerBlock(config, 0)
-    dtype = torch.float32
     contexts = [contextlib.nullcontext]
     if precision == "bf16-mixed":
-        block = block.to(torch.bfloat16)  # what FSDP's MixedPrecisionPolicy(param_dtype=bf16) computes with
-        dtype = torch.bfloat16
         contexts.append(lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     if kernels == "eager":
         contexts.append(lambda: sdpa_kernel(SDPBackend.MATH))
@@ -100,11 +90,119 @@ def test_block_activation_count_matches_the_tensors_autograd_saves(precision, ke
                 stack.enter_context(make())
             yield
 
+    return context
+
+
+# Eager attention is checked in fp32 only: on the CPU, SDPA's math backend upcasts bf16 inputs to fp32 copies, which
+# an NPU's eager attention would not do.
+@pytest.mark.parametrize(("precision", "kernels"), [("32-true", "reference"), ("bf16-mixed", "reference"),
+                                                    ("32-true", "eager")])
+def test_block_activation_count_matches_the_tensors_autograd_saves(precision, kernels):
+    from recipes.llama2.model import TransformerBlock
+
+    config = LLaMAConfig.from_preset("tiny")  # grouped-query attention: 4 query heads share 2 kv heads
+    torch.manual_seed(0)
+    block = TransformerBlock(config, 0)
+    dtype = torch.float32
+    if precision == "bf16-mixed":
+        block = block.to(torch.bfloat16)  # what FSDP's MixedPrecisionPolicy(param_dtype=bf16) computes with
+        dtype = torch.bfloat16
     seq = 32
-    measured = _saved_bytes_per_token(block, dtype, context, (2, 4), seq)
+    measured = _saved_bytes_per_token(block, dtype, _kernels_context(precision, kernels), (2, 4), seq)
     act_bytes = 4 if precision == "32-true" else 2
     predicted = sum(lightning_npu_memory_profile({"preset": "tiny"}).block_activations(kernels, act_bytes, seq).values())
     assert measured == predicted
+
+
+LORA_CASES = {
+    "attention": dict(rank=8, targets=["q", "k", "v", "o"]),
+    "gate_and_down": dict(rank=4, targets=["gate", "down"]),
+    "all_with_dropout": dict(rank=8, dropout=0.1, targets=["q", "k", "v", "o", "gate", "up", "down"]),
+    "v_up_with_dropout": dict(rank=8, dropout=0.1, targets=["v", "up"]),
+}
+
+
+@pytest.mark.parametrize("first_block", [False, True], ids=["later_block", "first_block"])
+@pytest.mark.parametrize(("precision", "kernels"), [("32-true", "reference"), ("bf16-mixed", "reference"),
+                                                    ("32-true", "eager")])
+@pytest.mark.parametrize("lora", list(LORA_CASES))
+def test_lora_block_activation_count_matches_the_tensors_autograd_saves(lora, precision, kernels, first_block):
+    """A block of the recipe's LoRA model (add_lora: frozen base, adapters) keeps exactly what the profile counts.
+    Catches counting a frozen projection's input (its weight gets no gradient), the reference RMSNorm's normalised
+    tensor for a frozen gain, missing the rank-r intermediates or the adapters' dropped-out inputs and masks, and,
+    in the first block (frozen embedding: its input needs no gradient), counting tensors kept before its first
+    adapter or dropout masks there."""
+    from recipes.llama2.lora import LoRAConfig, add_lora
+    from recipes.llama2.model import LLaMA
+
+    config = LLaMAConfig.from_preset("tiny", n_layers=1)
+    torch.manual_seed(0)
+    block = add_lora(LLaMA(config), LoRAConfig.from_value(LORA_CASES[lora])).layers[0]
+    dtype = torch.float32
+    if precision == "bf16-mixed":
+        block = block.to(torch.bfloat16)
+        dtype = torch.bfloat16
+    seq = 32
+    measured = _saved_bytes_per_token(block, dtype, _kernels_context(precision, kernels), (2, 4), seq,
+                                      input_grad=not first_block)
+    profile = lightning_npu_memory_profile({"preset": "tiny", "lora": LORA_CASES[lora]})
+    act_bytes = 4 if precision == "32-true" else 2
+    count = profile.saved_by_first_block if first_block else profile.saved_by_block
+    assert measured == sum(count(kernels, act_bytes, seq).all.values())
+
+
+LORA_7B = dict(rank=16, alpha=32, targets=["q", "k", "v", "o"])
+#: Its adapters: 32 blocks x 4 projections x (A [16, 4096] + B [4096, 16]).
+ADAPTERS_7B = 32 * 4 * (16 * 4096 + 4096 * 16)
+
+
+@pytest.fixture
+def lora_7b_config(tmp_path):
+    """llama2_7b.yaml with ``model.lora`` (rank 16 on q, k, v, o)."""
+    import yaml
+
+    document = yaml.safe_load(CONFIG_7B.read_text())
+    document["model"]["lora"] = LORA_7B
+    path = tmp_path / "llama2_7b_lora.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def test_lora_7b_plan_holds_gradients_and_adamw_moments_for_the_adapters_only(lora_7b_config):
+    """Breakage caught: gradients, reduce-scatters or AdamW moments planned for frozen base weights (the sharded
+    parameters still include them, with the adapters), and a LoRA plan whose peak is not below full fine-tuning's."""
+    assert ADAPTERS_7B == 16_777_216
+    lora, full = load_spec(lora_7b_config, devices=8), load_spec(CONFIG_7B, devices=8)
+    assert lora.profile.num_trainable_params() == ADAPTERS_7B
+    assert lora.profile.num_params() == PARAMS_7B + ADAPTERS_7B
+    adapter_shard = ADAPTERS_7B * 4 // 8  # fp32 shards over 8 devices; 16 rows and 4096 rows divide by 8
+    assert state_bytes(lora) == {"parameters": (PARAMS_7B + ADAPTERS_7B) * 4 // 8, "gradients": adapter_shard,
+                                 "optimizer": 2 * adapter_shard}
+    for stage in (2, 3):
+        planned, baseline = estimate(lora, stage), estimate(full, stage)
+        # accumulate_grad_batches=4 keeps the gradients alive at the peak.
+        assert planned.items["gradients"] + planned.items["optimizer"] == 3 * adapter_shard
+        # bf16 adapter gradients and their fp32 reduce-scatter input, at most one block's, plus the previous one's.
+        assert planned.items["unsharded_grads"] <= 2 * ADAPTERS_7B // 32 * (2 + 4)
+        assert planned.total < baseline.total - 3 * (PARAMS_7B * 4 // 8 - adapter_shard)
+
+
+def test_lora_plan_says_it_is_a_lora_run_and_marks_its_gradient_rows_trainable_only(lora_7b_config, capsys):
+    """Breakage caught: a LoRA plan that reads as full fine-tuning (no trainable count), or gradient / optimizer
+    rows that do not say they hold the trainable parameters only."""
+    assert main(["plan", "--config", str(lora_7b_config), "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert (f"LoRA run: trainable parameters {ADAPTERS_7B:,} of {PARAMS_7B + ADAPTERS_7B:,} (0.25%), low-rank"
+            " adapters (rank 16) on q, k, v, o") in out
+    rows = [line.split("  ")[0] for line in out.splitlines()]
+    for row in ("gradients (fp32 shards), trainable only", "optimizer states (AdamW 2 x fp32 shards), trainable only",
+                "unsharded gradients + reduce-scatter buffers, trainable only", "parameters (fp32 shards)"):
+        assert row in rows
+    assert main(["plan", "--config", str(lora_7b_config), "--devices", "8", "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert (model["trainable_params"], model["adapters"]["rank"]) == (ADAPTERS_7B, 16)
+    assert main(["plan", "--config", str(CONFIG_7B), "--devices", "8"]) == 0
+    assert "trainable" not in capsys.readouterr().out
 
 
 def _spec_7b(**changes):
@@ -193,6 +291,9 @@ def test_json_output_and_exit_status_follow_the_verdict(capsys):
         ("model:\n  preset: 7b\ntrainer:\n  strategy: npu_ddp\n", [], "models npu_fsdp"),
         ("model:\n  preset: tiny\ndata:\n  seq_len: 4096\ntrainer:\n  strategy: npu_fsdp\n", [], "max_seq_len=256"),
         ("trainer:\n  devices: auto\n  strategy: npu_fsdp\n", [], "pass --devices N"),
+        ("model:\n  preset: tiny\n  lora: {rank: 0}\ntrainer:\n  strategy: npu_fsdp\n", [], "lora.rank=0 must be"),
+        ("model:\n  preset: tiny\n  lora: {targets: [q, w1]}\ntrainer:\n  strategy: npu_fsdp\n", [],
+         "lora.targets has unknown name(s) ['w1']"),
     ],
 )
 def test_bad_configs_fail_with_the_value_and_the_fix(tmp_path, capsys, yaml_text, flags, message):

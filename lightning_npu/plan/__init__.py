@@ -1,14 +1,22 @@
 """The memory planner behind ``lightning-npu plan``: will a model fit in NPU memory under npu_fsdp (FSDP2)?
 
 Torch-free. Modules: ``spec`` (the model's shape, the run's settings with their validation, the estimate),
-``decoder`` (how a pre-norm decoder on lightning_npu.kernels spends memory: ``DecoderProfile``), ``profile``
+``decoder`` (how a pre-norm decoder on lightning_npu.kernels spends memory, and what trains: ``DecoderProfile``,
+``LowRankAdapters``), ``profile``
 (the protocol by which a model's package supplies its profile, and finding it from a config), ``replay`` (one
 FSDP2 training step replayed as allocations and frees: ``estimate``, ``max_micro_batch``), ``config`` (a
 PlanSpec from a recipe YAML and/or shapes: ``load_spec``), ``render`` (``report`` as data, ``render`` as a table).
 """
 
 from lightning_npu.plan.config import load_spec
-from lightning_npu.plan.decoder import BlockActivations, BlockParameters, DecoderProfile, RootParameters
+from lightning_npu.plan.decoder import (
+    BlockActivations,
+    BlockParameters,
+    DecoderProfile,
+    LowRankAdapters,
+    RootParameters,
+    TrainableParameters,
+)
 from lightning_npu.plan.profile import PROFILE_FUNCTION, PROFILE_MODULE, find_profile
 from lightning_npu.plan.render import render, report
 from lightning_npu.plan.replay import estimate, max_micro_batch, state_bytes
@@ -20,6 +28,7 @@ __all__ = [
     "DecoderProfile",
     "Estimate",
     "GIB",
+    "LowRankAdapters",
     "MIB",
     "ModelShape",
     "PROFILE_FUNCTION",
@@ -27,6 +36,7 @@ __all__ = [
     "PlanError",
     "PlanSpec",
     "RootParameters",
+    "TrainableParameters",
     "estimate",
     "find_profile",
     "load_spec",

@@ -6,15 +6,20 @@ w_gate_up (gate and up fused in one matrix) -> SwiGLU -> w_down -> residual; the
 the final RMSNorm and an untied output projection, and the model returns fp32 logits. That is LLaMA's layout (and
 that of the decoders copied from it); a model that differs subclasses ``DecoderProfile`` and overrides what
 differs (see ``lightning_npu.plan.profile``).
+
+What trains is part of the profile: every parameter (full fine-tuning), or, with ``adapters``
+(``LowRankAdapters``: LoRA), a frozen base with trainable low-rank adapters beside some of the block's
+projections. ``trainable_parameters`` tells the replay which tensors get gradients, reduce-scatters and AdamW
+moments; the saved activations follow from what autograd needs for those gradients.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
-from lightning_npu.plan.spec import ModelShape
+from lightning_npu.plan.spec import ModelShape, PlanError
 
 Shape = tuple[int, ...]
 
@@ -25,22 +30,29 @@ SOFTMAX_STAT_LANES = 8
 #: The rotary cos and sin tables are kept in fp32, plus half-precision copies (half the size) under bf16/fp16.
 ROTARY_TABLES = 2
 HALF_PRECISION_COPY = 0.5
+#: The block's projections, in forward order: the attention's four, then gate and up (the two row halves of the
+#: fused w_gate_up) and down. Low-rank adapters name the ones they sit beside.
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+ATTENTION_PROJECTIONS = ("q", "k", "v", "o")
+#: A dropout mask's bytes per element on the fused (NPU) path: torch's native_dropout keeps a bool mask. The CPU
+#: paths (reference, eager) run torch's unfused dropout, which keeps its scaled noise in the input's dtype.
+FUSED_DROPOUT_MASK_BYTES = 1
 
 
 @dataclass(frozen=True)
 class BlockParameters:
     """Parameter shapes of one block, grouped in the order backward produces their gradients: ``mlp_output``
     first (w_down), then the rest of the MLP (``mlp_input``: ffn_norm, w_gate_up), then ``attention``
-    (attention_norm, wq, wk, wv, wo)."""
+    (attention_norm, wq, wk, wv, wo); adapters join the group of the projection they sit beside."""
 
     attention: tuple[Shape, ...]
     mlp_input: tuple[Shape, ...]
-    mlp_output: Shape
+    mlp_output: tuple[Shape, ...]
 
     @property
     def shapes(self) -> list[Shape]:
         """All of them, in module order."""
-        return [*self.attention, *self.mlp_input, self.mlp_output]
+        return [*self.attention, *self.mlp_input, *self.mlp_output]
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,43 @@ class RootParameters:
     @property
     def shapes(self) -> list[Shape]:
         return [self.embedding, self.final_norm, self.output]
+
+
+@dataclass(frozen=True)
+class TrainableParameters:
+    """The parameters that get gradients (hence reduce-scatters and AdamW moments): ``block``, one block's, in
+    backward's groups; ``root``, the root unit's shapes; ``head`` and ``embedding``, the numel of the root
+    gradients produced by the output projection's (output + final norm) and by the embedding's backward."""
+
+    block: BlockParameters
+    root: tuple[Shape, ...]
+    head: int
+    embedding: int
+
+
+@dataclass(frozen=True)
+class LowRankAdapters:
+    """Low-rank adapters (LoRA) on a frozen decoder: every base parameter, embeddings and norms included, is
+    frozen, and beside each projection named in ``projections`` (among PROJECTIONS) a trainable A [rank, in] and
+    B [rows, rank] add ``B(A(dropout(x)))`` to its output. ``dropout``: whether each adapter drops out its own
+    copy of the input (it then keeps that copy and a mask instead of sharing the projection's input)."""
+
+    rank: int
+    projections: tuple[str, ...]
+    dropout: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise PlanError(f"adapter rank={self.rank!r} is invalid: it must be a positive integer")
+        unknown = [name for name in self.projections if name not in PROJECTIONS]
+        if unknown or not self.projections or len(set(self.projections)) != len(self.projections):
+            raise PlanError(f"adapter projections {list(self.projections)} must name each of some of"
+                            f" {', '.join(PROJECTIONS)} once")
+        object.__setattr__(self, "projections", tuple(p for p in PROJECTIONS if p in self.projections))
+
+    def describe(self) -> str:
+        dropout = ", dropout" if self.dropout else ""
+        return f"low-rank adapters (rank {self.rank}{dropout}) on {', '.join(self.projections)}"
 
 
 @dataclass(frozen=True)
@@ -74,31 +123,72 @@ class DecoderProfile:
     """The memory profile of a decoder of shape ``shape`` (see the module docstring for its layout).
 
     ``name`` heads the plan (``"LLaMA 7b"``); ``block_class`` is the block's class name as a config's FSDP
-    policies name it (``"TransformerBlock"``), ``None`` when the model comes from shapes alone.
+    policies name it (``"TransformerBlock"``), ``None`` when the model comes from shapes alone. ``adapters``:
+    a LoRA run (frozen base, trainable adapters); ``None`` trains every parameter.
     """
 
     shape: ModelShape
     name: str = "decoder"
     block_class: Optional[str] = None
+    adapters: Optional[LowRankAdapters] = None
 
     # ------------------------------------------------------------------------------------------- parameters
 
-    def block_parameters(self) -> BlockParameters:
+    def projection_shapes(self) -> dict[str, Shape]:
+        """Each projection's [rows, in] (gate and up: their halves of w_gate_up)."""
         m = self.shape
-        q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+        q, kv, f = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_hidden_dim
+        return {"q": (q, m.dim), "k": (kv, m.dim), "v": (kv, m.dim), "o": (m.dim, q), "gate": (f, m.dim),
+                "up": (f, m.dim), "down": (m.dim, f)}
+
+    def base_block_parameters(self) -> BlockParameters:
+        """The block's own parameters (without adapters)."""
+        m = self.shape
+        p = self.projection_shapes()
         return BlockParameters(
-            attention=((m.dim,), (q, m.dim), (kv, m.dim), (kv, m.dim), (m.dim, q)),
+            attention=((m.dim,), p["q"], p["k"], p["v"], p["o"]),
             mlp_input=((m.dim,), (2 * m.ffn_hidden_dim, m.dim)),
-            mlp_output=(m.dim, m.ffn_hidden_dim),
+            mlp_output=(p["down"],),
         )
+
+    def adapter_parameters(self) -> BlockParameters:
+        """One block's adapter shapes (A [rank, in], B [rows, rank] per adapted projection), in backward's groups;
+        empty without adapters."""
+        groups: dict[str, list[Shape]] = {"attention": [], "mlp_input": [], "mlp_output": []}
+        if self.adapters is not None:
+            r = self.adapters.rank
+            for name in self.adapters.projections:
+                rows, columns = self.projection_shapes()[name]
+                group = "attention" if name in ATTENTION_PROJECTIONS else "mlp_output" if name == "down" else "mlp_input"
+                groups[group] += [(r, columns), (rows, r)]
+        return BlockParameters(**{group: tuple(shapes) for group, shapes in groups.items()})
+
+    def block_parameters(self) -> BlockParameters:
+        """Every parameter of one block (FSDP shards and gathers them all): its own, then its adapters'."""
+        base, adapters = self.base_block_parameters(), self.adapter_parameters()
+        return BlockParameters(*(getattr(base, f.name) + getattr(adapters, f.name) for f in fields(BlockParameters)))
 
     def root_parameters(self) -> RootParameters:
         m = self.shape
         return RootParameters(embedding=(m.vocab_size, m.dim), final_norm=(m.dim,), output=(m.vocab_size, m.dim))
 
+    def trainable_parameters(self) -> TrainableParameters:
+        """What trains: everything, or (with adapters) the adapters only."""
+        if self.adapters is not None:
+            return TrainableParameters(block=self.adapter_parameters(), root=(), head=0, embedding=0)
+        root = self.root_parameters()
+        return TrainableParameters(block=self.block_parameters(), root=tuple(root.shapes),
+                                   head=math.prod(root.output) + math.prod(root.final_norm),
+                                   embedding=math.prod(root.embedding))
+
     def num_params(self) -> int:
         block = sum(math.prod(shape) for shape in self.block_parameters().shapes)
         return sum(math.prod(shape) for shape in self.root_parameters().shapes) + self.shape.n_layers * block
+
+    def num_trainable_params(self) -> int:
+        trainable = self.trainable_parameters()
+        block = sum(math.prod(shape) for shape in trainable.block.shapes)
+        return sum(math.prod(shape) for shape in trainable.root) + self.shape.n_layers * block
 
     # ------------------------------------------------------------------------------------------ activations
 
@@ -107,59 +197,122 @@ class DecoderProfile:
         return self.saved_by_block(kernels, act_bytes, seq_len).all
 
     def saved_by_block(self, kernels: str, act_bytes: int, seq_len: int) -> BlockActivations:
-        """Each entry is a tensor autograd (or a fused kernel's backward) keeps, from the block's code.
+        """Each entry is a tensor autograd (or a fused kernel's backward) keeps, from the block's code, for a block
+        whose input needs a gradient (every block after the first; the first too when the embedding trains).
 
         ``reference``: the PyTorch paths of lightning_npu.kernels; RMSNorm upcasts its input and keeps the fp32
-        copy and the fp32 normalised tensor; rotary keeps nothing but the tables (its multiplicands need no
-        gradient); grouped-query keys/values are expanded to all heads before SDPA, which keeps q, k, v, its output
-        and an fp32 log-sum-exp per head (no S x S matrix). ``fused``: npu_rms_norm keeps its input and an fp32
-        rstd, npu_rotary_mul its input, npu_fusion_attention q, k, v (at kv heads), its output and softmax max/sum
-        (8 fp32 per head each), npu_swiglu its input. ``eager``: as reference, but attention keeps scaled fp32 q, k,
-        v and the fp32 [heads, seq, seq] probabilities.
+        copy, the fp32 rstd and (for its weight's gradient) the fp32 normalised tensor; rotary keeps nothing but
+        the tables (its multiplicands need no gradient); grouped-query keys/values are expanded to all heads before
+        SDPA, which keeps q, k, v, its output and an fp32 log-sum-exp per head (no S x S matrix). ``fused``:
+        npu_rms_norm keeps its input and an fp32 rstd, npu_rotary_mul its input, npu_fusion_attention q, k, v (at
+        kv heads), its output and softmax max/sum (8 fp32 per head each), npu_swiglu its input. ``eager``: as
+        reference, but attention keeps scaled fp32 q, k, v and the fp32 [heads, seq, seq] probabilities.
+
+        A projection keeps its input only for its weight's gradient: a frozen one keeps none, its adapter's A
+        keeps the same input (or, with dropout, its own dropped-out copy and the mask), its B the rank-r
+        intermediate. A kernel whose inputs need no gradient keeps nothing.
         """
-        m, a = self.shape, act_bytes
+        return self._saved(kernels, act_bytes, seq_len, input_grad=True)
+
+    def saved_by_first_block(self, kernels: str, act_bytes: int, seq_len: int) -> BlockActivations:
+        """``saved_by_block`` for the first block, whose input is the embedding's output: with a frozen embedding
+        nothing before the block's first trainable parameter needs a gradient, so nothing there is kept."""
+        if self.trainable_parameters().embedding > 0:
+            return self.saved_by_block(kernels, act_bytes, seq_len)  # so a subclass's count serves every block
+        return self._saved(kernels, act_bytes, seq_len, input_grad=False)
+
+    def _saved(self, kernels: str, a: int, seq_len: int, input_grad: bool) -> BlockActivations:
+        m = self.shape
         d, f, n = m.dim, m.ffn_hidden_dim, m.n_heads
         kv = m.n_kv_heads * m.head_dim
-        if kernels == "fused":
-            norm = a * d + FP32_BYTES
-            attention = {
-                "attention_norm input + rstd": norm,
-                "wq/wk/wv input": a * d,
-                "rotary inputs (q, k)": a * (d + kv),
-                "attention q, k, v": a * (d + 2 * kv),
-                "attention softmax max + sum": SOFTMAX_STATS * SOFTMAX_STAT_LANES * FP32_BYTES * n,
-                "attention output (wo input)": a * d,
-            }
-            mlp = {
-                "ffn_norm input + rstd": norm,
-                "w_gate_up input": a * d,
-                "swiglu input (gate, up)": 2 * a * f,
-                "swiglu output (w_down input)": a * f,
-            }
-            return BlockActivations(attention, mlp)
-        norm = _upcast_rms_norm_saved(d)
-        attention = {"attention_norm (fp32 input, rstd, normalised)": norm, "wq/wk/wv input": a * d}
-        if kernels == "reference":
-            attention["attention q, k, v (kv expanded to all heads)"] = 3 * a * d
-            attention["attention log-sum-exp"] = FP32_BYTES * n
-        else:
-            attention["attention scaled q, k and v (fp32)"] = 3 * FP32_BYTES * d
-            attention["attention probabilities (fp32, S x S)"] = FP32_BYTES * n * seq_len
-        attention["attention output (wo input)"] = a * d
-        mlp = {
-            "ffn_norm (fp32 input, rstd, normalised)": norm,
-            "w_gate_up input": a * d,
-            "gate/up projection": 2 * a * f,
-            "silu(gate)": a * f,
-            "swiglu output (w_down input)": a * f,
-        }
+        adapters = self.adapters
+        base_trains = adapters is None
+        adapted = set(adapters.projections) if adapters is not None else set()
+
+        def keeps_input(*projections: str) -> bool:  # for a weight gradient of these projections' inputs
+            return base_trains or bool(adapted.intersection(projections)) and not adapters.dropout
+
+        def needs_grad(upstream: bool, *projections: str) -> bool:  # a projection's output
+            return upstream or base_trains or bool(adapted.intersection(projections))
+
+        fused = kernels == "fused"
+        attention: dict[str, float] = {}
+        mlp: dict[str, float] = {}
+        # Attention half.
+        if input_grad:
+            attention.update(self._norm_saved("attention_norm", kernels, a, base_trains))
+        normed_grad = input_grad or base_trains
+        if keeps_input("q", "k", "v"):
+            attention["wq/wk/wv input"] = a * d
+        q_grad, k_grad, v_grad = (needs_grad(normed_grad, p) for p in ("q", "k", "v"))
+        if fused and (q_grad or k_grad):
+            attention["rotary inputs (q, k)"] = a * (d * q_grad + kv * k_grad)
+        attention_grad = q_grad or k_grad or v_grad
+        if attention_grad:
+            if fused:
+                attention["attention q, k, v"] = a * (d + 2 * kv)
+                attention["attention softmax max + sum"] = SOFTMAX_STATS * SOFTMAX_STAT_LANES * FP32_BYTES * n
+            elif kernels == "reference":
+                attention["attention q, k, v (kv expanded to all heads)"] = 3 * a * d
+                attention["attention log-sum-exp"] = FP32_BYTES * n
+            else:  # its matmuls keep q and k (and v) only for the gradients of q or k, the probabilities always
+                if q_grad or k_grad:
+                    attention["attention scaled q, k and v (fp32)"] = 3 * FP32_BYTES * d
+                attention["attention probabilities (fp32, S x S)"] = FP32_BYTES * n * seq_len
+        # The fused and SDPA kernels keep their output, which is also wo's input; eager attention's output is kept
+        # by wo alone.
+        if keeps_input("o") or (attention_grad and kernels != "eager"):
+            attention["attention output (wo input)"] = a * d
+        residual_grad = input_grad or needs_grad(attention_grad, "o")
+        # MLP half.
+        if residual_grad:
+            mlp.update(self._norm_saved("ffn_norm", kernels, a, base_trains))
+        if keeps_input("gate", "up"):
+            mlp["w_gate_up input"] = a * d
+        gate_up_grad = needs_grad(residual_grad, "gate", "up")
+        if gate_up_grad:
+            if fused:
+                mlp["swiglu input (gate, up)"] = 2 * a * f
+            else:
+                mlp["gate/up projection"] = 2 * a * f
+                mlp["silu(gate)"] = a * f
+        if keeps_input("down"):
+            mlp["swiglu output (w_down input)"] = a * f
+        # Whether each adapter's input needs a gradient (its dropout then keeps the mask).
+        input_grads = {"q": normed_grad, "k": normed_grad, "v": normed_grad, "o": attention_grad,
+                       "gate": residual_grad, "up": residual_grad, "down": gate_up_grad}
+        for name in adapters.projections if adapters is not None else ():
+            saved = attention if name in ATTENTION_PROJECTIONS else mlp
+            saved.update(self._adapter_saved(name, kernels, a, input_grads[name]))
         return BlockActivations(attention, mlp)
 
-    def saved_by_final_norm(self, kernels: str, act_bytes: int) -> float:
-        """Bytes per token saved by the final RMSNorm and the output projection's input."""
+    def _norm_saved(self, norm: str, kernels: str, a: int, weight_trains: bool) -> dict[str, float]:
+        """What an RMSNorm whose input needs a gradient keeps (the reference path's normalised tensor only for its
+        weight's gradient)."""
         d = self.shape.dim
-        norm = act_bytes * d + FP32_BYTES if kernels == "fused" else _upcast_rms_norm_saved(d)
-        return norm + act_bytes * d
+        if kernels == "fused":
+            return {f"{norm} input + rstd": a * d + FP32_BYTES}
+        if weight_trains:
+            return {f"{norm} (fp32 input, rstd, normalised)": _upcast_rms_norm_saved(d)}
+        return {f"{norm} (fp32 input, rstd)": FP32_BYTES * d + FP32_BYTES}
+
+    def _adapter_saved(self, name: str, kernels: str, a: int, input_grad: bool) -> dict[str, float]:
+        """An adapter's B keeps the rank-r intermediate; with dropout its A keeps the dropped-out input, and the
+        dropout its mask when its input needs a gradient."""
+        adapters = self.adapters
+        saved = {f"{name} adapter rank-{adapters.rank} intermediate": a * adapters.rank}
+        if adapters.dropout:
+            columns = self.projection_shapes()[name][1]
+            mask = (FUSED_DROPOUT_MASK_BYTES if kernels == "fused" else a) if input_grad else 0
+            saved[f"{name} adapter dropped-out input{' + mask' if mask else ''}"] = (a + mask) * columns
+        return saved
+
+    def saved_by_final_norm(self, kernels: str, act_bytes: int) -> float:
+        """Bytes per token saved by the final RMSNorm and (when it trains) the output projection's input."""
+        d = self.shape.dim
+        trains = self.adapters is None
+        norm = sum(self._norm_saved("norm", kernels, act_bytes, trains).values())
+        return norm + (act_bytes * d if trains else 0)
 
     def forward_scratch(self, kernels: str, act_bytes: int, seq_len: int, checkpointed: bool) -> float:
         """Bytes per token of short-lived tensors inside one block's forward beyond what it saves."""

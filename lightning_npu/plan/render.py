@@ -13,6 +13,8 @@ KIB = 1024
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 STAGES = ("2", "3")
 COLUMN_WIDTH = 12
+#: The rows that hold nothing for frozen parameters (gradients, their reduce-scatters, AdamW's moments).
+FROZEN_FREE_ITEMS = ("gradients", "optimizer", "unsharded_grads")
 
 
 def report(spec: PlanSpec) -> dict[str, Any]:
@@ -31,7 +33,10 @@ def report(spec: PlanSpec) -> dict[str, Any]:
         }
     per_layer = spec.profile.block_activations(spec.kernels, spec.bytes.activation, spec.seq_len)
     return {
-        "model": {"name": spec.profile.name, "params": spec.profile.num_params(), **dataclasses.asdict(spec.model)},
+        "model": {"name": spec.profile.name, "params": spec.profile.num_params(),
+                  "trainable_params": spec.profile.num_trainable_params(),
+                  "adapters": None if spec.profile.adapters is None else dataclasses.asdict(spec.profile.adapters),
+                  **dataclasses.asdict(spec.model)},
         "seq_len": spec.seq_len,
         "micro_batch": spec.micro_batch,
         "devices": spec.devices,
@@ -55,25 +60,34 @@ def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
     model = spec.model
     layout = f"{spec.nodes} node x {spec.devices}" if spec.nodes == 1 else f"{spec.nodes} nodes x {spec.devices}"
     per_token = plan["activation_bytes_per_token_per_layer"]
-    params = spec.profile.num_params()
-    size = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
+    params, trainable = spec.profile.num_params(), spec.profile.num_trainable_params()
     lines = [
-        f"{spec.profile.name}: {size} parameters, {model.n_layers} layers, dim {model.dim}, vocab {model.vocab_size}",
+        f"{spec.profile.name}: {_count(params)} parameters, {model.n_layers} layers, dim {model.dim},"
+        f" vocab {model.vocab_size}",
         f"{spec.world_size} devices ({layout}), shard group {spec.shard_group} ({spec.sharding}), {spec.precision},"
         f" seq {spec.seq_len} x micro-batch {spec.micro_batch}, accumulate {spec.accumulate_grad_batches},"
         f" activation checkpointing {len(spec.checkpointed_layers)}/{model.n_layers} blocks, {spec.kernels} kernels",
         f"activations: {per_token / KIB:.1f} KiB per token per layer"
         f" ({per_token * spec.seq_len * spec.micro_batch / GIB:.2f} GiB per layer at this micro-batch),"
         f" {spec.bytes.activation * model.dim / KIB:.1f} KiB per token per checkpointed layer",
-        "",
     ]
-    label_width = max(len(label.format(**names)) for label in ITEMS.values()) + 2
+    if trainable < params:
+        what = spec.profile.adapters.describe() if spec.profile.adapters is not None else "the rest frozen"
+        lines.append(f"{'LoRA run' if spec.profile.adapters is not None else 'partly frozen'}: trainable parameters"
+                     f" {trainable:,} of {params:,} ({100 * trainable / params:.2f}%), {what}; gradients and"
+                     " optimizer states only for those")
+    lines.append("")
+    labels = {key: label.format(**names) for key, label in ITEMS.items()}
+    if trainable < params:  # no gradients or AdamW moments for frozen weights: say so in their rows
+        for key in FROZEN_FREE_ITEMS:
+            labels[key] += ", trainable only"
+    label_width = max(len(label) for label in labels.values()) + 2
     header = f"{'per-device peak (GiB)':<{label_width}}" + "".join(
         f"{'ZeRO-' + s + ('*' if int(s) == spec.zero_stage else ''):>{COLUMN_WIDTH}}" for s in STAGES)
     lines += [header, "-" * len(header)]
     stages = plan["stages"]
-    for key, label in ITEMS.items():
-        lines.append(f"{label.format(**names):<{label_width}}" + "".join(
+    for key, label in labels.items():
+        lines.append(f"{label:<{label_width}}" + "".join(
             f"{stages[s]['items_gib'][key]:>{COLUMN_WIDTH}.2f}" for s in STAGES))
     lines.append("-" * len(header))
     rows: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
@@ -97,6 +111,10 @@ def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
         lines.append(_advice(spec, plan))
     lines += [f"note: {note}" for note in spec.notes]
     return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
 
 
 def _default_memory(spec: PlanSpec) -> Optional[float]:

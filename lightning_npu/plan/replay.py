@@ -3,7 +3,9 @@ autograd and AdamW make, in their order; the peak of the running total is the es
 
 - parameters, gradients and AdamW's two moments are sharded over the shard group (all devices, or one node's
   devices under hybrid sharding), each tensor padded to a multiple of the group size along dim 0, as FSDP2 does;
-  they stay in the master dtype (fp32 unless the precision is ``*-true`` half precision);
+  they stay in the master dtype (fp32 unless the precision is ``*-true`` half precision); only the parameters the
+  profile's ``trainable_parameters`` names get gradients, reduce-scatters and moments (a LoRA run: the adapters),
+  frozen ones are sharded and gathered all the same;
 - each FSDP unit (a block, and the root: embeddings, final norm, output) is all-gathered in the parameter dtype
   (bf16 under ``bf16-mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``); ZeRO-3 frees a block's copy
   after its forward and gathers it again for backward, one unit ahead (prefetch), and the flat all-gather buffer
@@ -12,8 +14,9 @@ autograd and AdamW make, in their order; the peak of the running total is the es
   (npu_fsdp shards it with reshard_after_forward=False);
 - unsharded gradients of a unit live until its reduce-scatter, whose fp32 input buffer is kept until the next
   unit's reduce-scatter starts; the root's are reduced last;
-- activations are the tensors autograd saves, as the spec's profile counts them; checkpointed blocks keep only
-  their input until backward recomputes them;
+- activations are the tensors autograd saves, as the spec's profile counts them (the first block's apart: after a
+  frozen embedding its input needs no gradient); checkpointed blocks keep only their input until backward
+  recomputes them;
 - logits are fp32 ``[batch, seq, vocab]``; cross-entropy saves its log-softmax, and its backward briefly holds
   three such tensors;
 - HCCL keeps ``2 x HCCL_BUFFSIZE`` per communicator, and a fixed workspace plus a share of the peak is set aside
@@ -90,21 +93,26 @@ def _unit(name: str, shapes: Iterable[tuple[int, ...]], group: int) -> _Unit:
     return _Unit(name, shard, padded, exact, largest)
 
 
-def _units(spec: PlanSpec) -> tuple[_Unit, list[_Unit]]:
-    """(root unit, block units). Without an auto-wrap policy the whole model is the root unit."""
-    group, layers = spec.shard_group, spec.model.n_layers
-    root, block = spec.profile.root_parameters().shapes, spec.profile.block_parameters().shapes
+def _units(spec: PlanSpec, trainable: bool = False) -> tuple[_Unit, list[_Unit]]:
+    """(root unit, block units): all their parameters, or (``trainable``) those that get gradients. Without an
+    auto-wrap policy the whole model is the root unit."""
+    group, layers, profile = spec.shard_group, spec.model.n_layers, spec.profile
+    if trainable:
+        train = profile.trainable_parameters()
+        root, block = list(train.root), train.block.shapes
+    else:
+        root, block = profile.root_parameters().shapes, profile.block_parameters().shapes
     if spec.wrap_blocks:
         return _unit("root", root, group), [_unit("block", block, group)] * layers
     return _unit("root", root + block * layers, group), []
 
 
 def state_bytes(spec: PlanSpec) -> dict[str, float]:
-    """Per-device bytes of the sharded parameters, their gradients and AdamW's two moments (in host memory
-    instead under ``cpu_offload``)."""
-    root, blocks = _units(spec)
-    shard = sum(unit.shard for unit in [root] + blocks) * spec.bytes.master
-    return {"parameters": shard, "gradients": shard, "optimizer": 2 * shard}
+    """Per-device bytes of the sharded parameters, and of the gradients and AdamW's two moments of the trainable
+    ones (in host memory instead under ``cpu_offload``)."""
+    shards, trainable = (sum(unit.shard for unit in [root] + blocks) * spec.bytes.master
+                         for root, blocks in (_units(spec), _units(spec, trainable=True)))
+    return {"parameters": shards, "gradients": trainable, "optimizer": 2 * trainable}
 
 
 class _StepReplay:
@@ -117,7 +125,10 @@ class _StepReplay:
         self.act, self.param, self.master, self.reduced = sizes.activation, sizes.param, sizes.master, sizes.reduce
         self.tokens = batch * spec.seq_len
         self.root, self.blocks = _units(spec)
-        self.shard_total = sum(unit.shard for unit in [self.root] + self.blocks)
+        #: The same units' trainable parameters: what gets gradients, reduce-scatters and AdamW moments.
+        self.trainable = spec.profile.trainable_parameters()
+        self.train_root, self.train_blocks = _units(spec, trainable=True)
+        self.shard_total = sum(unit.shard for unit in [self.train_root] + self.train_blocks)
         self.gathers = spec.shard_group > 1  # a group of one all-gathers nothing: the shard is the parameter
         self.checkpointed = set(spec.checkpointed_layers)
         self.timeline = _Timeline()
@@ -127,8 +138,10 @@ class _StepReplay:
         self.logits = self.act * shape.vocab_size * self.tokens
         self.logits_fp32 = FP32_BYTES * shape.vocab_size * self.tokens
         saved = self.profile.saved_by_block(spec.kernels, self.act, spec.seq_len)
-        self.block_saved = sum(saved.all.values()) * self.tokens
-        self.mlp_saved = sum(saved.mlp.values()) * self.tokens
+        first = self.profile.saved_by_first_block(spec.kernels, self.act, spec.seq_len)
+        #: (all, MLP half) of what block 0 and what every later block saves, in bytes.
+        self.saved = [(sum(kept.all.values()) * self.tokens, sum(kept.mlp.values()) * self.tokens)
+                      for kept in (first, saved)]
         self.final_saved = self.profile.saved_by_final_norm(spec.kernels, self.act) * self.tokens
         #: The flat all-gather buffer of the last unit gathered in forward (freed after the next copy-out).
         self.retained_gather = 0.0
@@ -189,9 +202,10 @@ class _StepReplay:
             if self.blocks:
                 self.gather(self.blocks[i], phase)
             checkpointed = i in self.checkpointed
+            saved = self.saved_by(i)[0]
             scratch = profile.forward_scratch(spec.kernels, self.act, spec.seq_len, checkpointed) * self.tokens
-            t.moment("temporaries", scratch + (0 if checkpointed else self.block_saved), phase)
-            t.alloc("activations", self.residual if checkpointed else self.block_saved, phase)
+            t.moment("temporaries", scratch + (0 if checkpointed else saved), phase)
+            t.alloc("activations", self.residual if checkpointed else saved, phase)
             if self.blocks and self.stage == 3:
                 t.free("gathered", self.blocks[i].padded * self.param)
         t.free("gathered", self.retained_gather)  # the root's post-forward frees the last flat buffer
@@ -209,10 +223,17 @@ class _StepReplay:
             t.free("gradients", self.gradients)  # zero_grad(set_to_none) before the backward
             self.gradients = 0.0
 
+    def saved_by(self, i: int) -> tuple[float, float]:
+        """(all, MLP half) of the bytes block ``i`` saves for backward."""
+        return self.saved[min(i, 1)]
+
     def reduce(self, unit: _Unit, phase: str) -> None:
-        """Copy the unit's unsharded gradients into an fp32 reduce-scatter input (kept until the next unit's),
-        free them, and add the reduced shard to the sharded gradients."""
+        """Copy the unit's unsharded gradients (``unit``: its trainable parameters) into an fp32 reduce-scatter
+        input (kept until the next unit's), free them, and add the reduced shard to the sharded gradients. A unit
+        with nothing trainable reduces nothing."""
         t = self.timeline
+        if not unit.exact:
+            return
         t.free("unsharded_grads", self.retained_reduce)
         t.alloc("unsharded_grads", unit.padded * self.reduced, phase)
         t.free("unsharded_grads", unit.exact * self.param)
@@ -228,10 +249,9 @@ class _StepReplay:
         for i in reversed(range(self.spec.model.n_layers)):
             self.block_backward(i)
         t = self.timeline
-        t.alloc("unsharded_grads", math.prod(self.profile.root_parameters().embedding) * self.param,
-                "backward: embedding")
+        t.alloc("unsharded_grads", self.trainable.embedding * self.param, "backward: embedding")
         t.free("temporaries", self.residual)
-        self.reduce(self.root, "backward: root reduce-scatter")
+        self.reduce(self.train_root, "backward: root reduce-scatter")
         t.free("unsharded_grads", self.retained_reduce)
         t.free("gathered", self.root.padded * self.param)
 
@@ -247,9 +267,7 @@ class _StepReplay:
         if self.stage == 3 and self.blocks and self.gathers:  # the root's pre-backward prefetches the last block
             t.alloc("gathered", self.blocks[-1].padded * self.param, "backward: root prefetch")
         t.alloc("temporaries", self.residual, "backward: output projection")  # the residual stream's gradient
-        root = self.profile.root_parameters()
-        head = math.prod(root.output) + math.prod(root.final_norm)
-        t.alloc("unsharded_grads", head * self.param, "backward: output projection")
+        t.alloc("unsharded_grads", self.trainable.head * self.param, "backward: output projection")
         t.free("logits", self.logits)
         t.free("activations", self.final_saved)
 
@@ -263,20 +281,21 @@ class _StepReplay:
             if i > 0 and self.gathers:  # prefetch the next unit of the backward pass
                 t.alloc("gathered", self.blocks[i - 1].padded * self.param, phase + " prefetch")
         checkpointed = i in self.checkpointed
+        saved, mlp_saved = self.saved_by(i)
         if checkpointed:
-            t.alloc("activations", self.block_saved, phase + " recompute")
-        params = profile.block_parameters()
+            t.alloc("activations", saved, phase + " recompute")
+        params = self.trainable.block
         mlp_scratch, attention_scratch = (
             per_token * self.tokens for per_token in profile.backward_scratch(spec.kernels, self.act, spec.seq_len))
-        t.alloc("unsharded_grads", math.prod(params.mlp_output) * self.param, phase + " (MLP)")
+        t.alloc("unsharded_grads", _numel(params.mlp_output) * self.param, phase + " (MLP)")
         t.moment("temporaries", mlp_scratch, phase + " (MLP)")
         t.alloc("unsharded_grads", _numel(params.mlp_input) * self.param, phase + " (MLP)")
-        t.free("activations", self.mlp_saved)
+        t.free("activations", mlp_saved)
         t.alloc("unsharded_grads", _numel(params.attention) * self.param, phase + " (attention)")
         t.moment("temporaries", attention_scratch, phase + " (attention)")
-        t.free("activations", self.block_saved - self.mlp_saved + (self.residual if checkpointed else 0))
+        t.free("activations", saved - mlp_saved + (self.residual if checkpointed else 0))
         if self.blocks:
-            self.reduce(self.blocks[i], phase + " reduce-scatter")
+            self.reduce(self.train_blocks[i], phase + " reduce-scatter")
             t.free("gathered", self.blocks[i].padded * self.param)
 
     def optimizer_step(self) -> None:
@@ -287,7 +306,7 @@ class _StepReplay:
         if self.spec.optimizer == "foreach":
             scratch = self.shard_total * self.master
         else:
-            largest = max(unit.largest_shard for unit in [self.root] + self.blocks)
+            largest = max(unit.largest_shard for unit in [self.train_root] + self.train_blocks)
             scratch = PER_TENSOR_SCRATCH_TENSORS * largest * self.master
         self.timeline.moment("temporaries", scratch, "optimizer step")
 

@@ -1,4 +1,5 @@
-"""LoRA adapters on the recipe's ``LLaMA``: the configuration, adding them to a built model, their names.
+"""LoRA adapters on the recipe's ``LLaMA``: adding them to a built model, their names, merging them. The
+configuration (``LoRAConfig``, ``TARGETS``) lives in the torch-free ``lora_config.py`` and is re-exported here.
 
 ``add_lora(model, LoRAConfig(...))`` replaces each targeted projection of every ``TransformerBlock`` with a
 ``LoRALinear`` that keeps the base ``weight`` under its old name (so ``init_from`` and the HF name map see the
@@ -21,80 +22,17 @@ initialises it (Kaiming uniform, a=sqrt(5)). Base weights are frozen; the model 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional
+from typing import Mapping
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from recipes.llama2.config import LLaMAConfig
+from recipes.llama2.lora_config import TARGETS, LoRAConfig
 from recipes.llama2.model import LLaMA, Linear
 
-#: Target name -> (module path inside a TransformerBlock, the rows of that weight it adapts: its index among the
-#: weight's equal row blocks, and how many blocks there are). Gate and up share the fused ``w_gate_up`` (gate rows
-#: first), see model.py.
-TARGETS: dict[str, tuple[str, int, int]] = {
-    "q": ("attention.wq", 0, 1),
-    "k": ("attention.wk", 0, 1),
-    "v": ("attention.wv", 0, 1),
-    "o": ("attention.wo", 0, 1),
-    "gate": ("feed_forward.w_gate_up", 0, 2),
-    "up": ("feed_forward.w_gate_up", 1, 2),
-    "down": ("feed_forward.w_down", 0, 1),
-}
 ADAPTER_MARKERS = (".lora_a.", ".lora_b.")
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """LoRA hyper-parameters: ``rank`` (r), ``alpha`` (the update is scaled by alpha / rank), ``dropout`` on the
-    adapters' input, and ``targets`` among ``TARGETS`` (q, k, v, o, gate, up, down)."""
-
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ("q", "v")
-
-    def __post_init__(self) -> None:
-        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
-        object.__setattr__(self, "targets", targets)
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"lora.rank={self.rank!r} must be an integer >= 1 (the adapters' inner dimension)")
-        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0:
-            raise ValueError(f"lora.alpha={self.alpha!r} must be a number > 0 (the update is scaled by alpha / rank)")
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout={self.dropout!r} must lie in [0, 1): the drop probability of the input")
-        unknown = [t for t in targets if t not in TARGETS]
-        if unknown:
-            raise ValueError(f"lora.targets has unknown name(s) {unknown}; choose among {list(TARGETS)}")
-        if not targets:
-            raise ValueError(f"lora.targets is empty; name at least one of {list(TARGETS)}")
-        if len(set(targets)) != len(targets):
-            raise ValueError(f"lora.targets={list(targets)} names a target twice; list each once")
-        # Canonical order, so equal configs compare (and are saved) equal.
-        object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in targets))
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["targets"] = list(self.targets)
-        return out
-
-    @classmethod
-    def from_value(cls, value: Any) -> Optional["LoRAConfig"]:
-        """A ``LoRAConfig`` from a dict of its fields (the LightningCLI / checkpoint form), a config, or None."""
-        if value is None or isinstance(value, LoRAConfig):
-            return value
-        if not isinstance(value, Mapping):
-            raise ValueError(f"model.lora={value!r} must be a mapping {{rank, alpha, dropout, targets}} or null")
-        unknown = set(value) - {"rank", "alpha", "dropout", "targets"}
-        if unknown:
-            raise ValueError(f"model.lora has unknown key(s) {sorted(unknown)}; it takes rank, alpha, dropout, targets")
-        return cls(**value)
 
 
 class LoRAA(nn.Linear):

@@ -4,16 +4,20 @@ Torch-free: the planner imports it to read a config. The recipe's TransformerBlo
 ``lightning_npu.plan.decoder`` counts (RMSNorm, grouped-query attention with rotary, fused gate/up SwiGLU, fp32
 logits: see model.py), so the profile is that decoder at the preset's shape: LLaMA-2's, or the LLaMA-3 family's
 (vocabulary 128256, 8 kv heads). With ``tie_embeddings`` (LLaMA-3.2 1B/3B) the root unit holds one
-[vocab, dim] matrix where the generic decoder has two (``TiedDecoderProfile``).
+[vocab, dim] matrix where the generic decoder has two (``TiedDecoderProfile``). With ``lora`` (validated by the
+recipe's own ``LoRAConfig``) the profile is a LoRA run: the base frozen, adapters of the configured rank beside
+the targeted projections, which are the decoder's projections of the same names (gate and up: the halves of the
+fused w_gate_up, each with its own adapter, as lora.py builds them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
-from lightning_npu.plan import DecoderProfile, ModelShape, RootParameters
+from lightning_npu.plan import DecoderProfile, LowRankAdapters, ModelShape, RootParameters
 from recipes.llama2.config import LLaMAConfig
+from recipes.llama2.lora_config import LoRAConfig
 
 #: The class the recipe's configs shard and checkpoint by (auto_wrap_policy / activation_checkpointing_policy).
 BLOCK_CLASS = "recipes.llama2.model.TransformerBlock"
@@ -42,12 +46,21 @@ class TiedDecoderProfile(DecoderProfile):
         return TiedRootParameters(embedding=(m.vocab_size, m.dim), final_norm=(m.dim,), output=(m.vocab_size, m.dim))
 
 
+def adapters(lora: Any) -> Optional[LowRankAdapters]:
+    """The planner's adapters for a config's ``model.lora`` value (None: full fine-tuning)."""
+    config = LoRAConfig.from_value(lora)
+    if config is None:
+        return None
+    return LowRankAdapters(rank=config.rank, projections=config.targets, dropout=config.dropout > 0)
+
+
 def lightning_npu_memory_profile(model: Mapping[str, Any]) -> DecoderProfile:
-    """The profile of the LLaMA2 module a config's ``model:`` section (``preset``, ``config``) builds."""
+    """The profile of the LLaMA2 module a config's ``model:`` section (``preset``, ``config``, ``lora``) builds."""
     preset = str(model.get("preset", DEFAULT_PRESET))
     overrides = model.get("config") or {}
     if not isinstance(overrides, Mapping):
         raise ValueError(f"model.config must be a mapping of LLaMAConfig fields, not {overrides!r}")
     config = LLaMAConfig.from_preset(preset, **dict(overrides))
     profile = TiedDecoderProfile if config.tie_embeddings else DecoderProfile
-    return profile(ModelShape.of(config), name=f"LLaMA {preset}", block_class=BLOCK_CLASS)
+    return profile(ModelShape.of(config), name=f"LLaMA {preset}", block_class=BLOCK_CLASS,
+                   adapters=adapters(model.get("lora")))
