@@ -260,6 +260,19 @@ def test_yaml_fields_are_read_and_flags_override_them(tmp_path):
     assert overridden.precision == "32-true" and overridden.checkpointed_layers == []
 
 
+def test_the_fine_tuning_configs_are_planned_at_their_data_class_settings_and_lora():
+    """Catches a `data: {class_path, init_args}` section (SFTDataModule) being read at its top level, which plans the
+    model's longest sequence (131072 for LLaMA-3.1) at micro-batch 1 instead of the configured rows; and the shipped
+    LoRA configs planned as full fine-tunes."""
+    configs = REPO / "recipes" / "llama2" / "configs"
+    llama3 = load_spec(configs / "llama3_8b_lora.yaml")
+    assert (llama3.seq_len, llama3.micro_batch) == (8192, 1) and llama3.profile.adapters is not None
+    sft = load_spec(configs / "llama2_7b_sft.yaml")
+    assert (sft.seq_len, sft.profile.adapters) == (4096, None)
+    lora = load_spec(configs / "llama2_7b_lora.yaml")
+    assert state_bytes(lora)["gradients"] * 100 < state_bytes(sft)["gradients"]
+
+
 def test_console_command_plans_the_7b_config_on_8_devices():
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_npu.cli", "plan", "--config", str(CONFIG_7B), "--devices", "8",

@@ -12,7 +12,7 @@ from lightning_npu.facts import env
 from lightning_npu.facts.chips import DEFAULT_PLAN_CHIP
 from lightning_npu.facts.options import FSDPChoices
 from lightning_npu.plan.decoder import DecoderProfile
-from lightning_npu.plan.profile import class_paths, find_profile, load_profile
+from lightning_npu.plan.profile import class_arguments, class_paths, find_profile, load_profile
 from lightning_npu.plan.spec import (
     DEFAULT_HCCL_BUFFSIZE_MB,
     ModelShape,
@@ -56,6 +56,7 @@ def load_spec(
         raise PlanError("nothing to plan: give a recipe config (--config) or the model's shapes (--model-shape)")
     document = _read_yaml(Path(path)) if path is not None else {}
     model_section, data, trainer = (_section(document, name) for name in ("model", "data", "trainer"))
+    data = class_arguments(data)
     if model_shape is not None:
         decoder = DecoderProfile(model_shape, name="decoder (--model-shape)")
     else:

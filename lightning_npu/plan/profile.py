@@ -87,10 +87,21 @@ def find_profile(config: Optional[Path], paths: Iterable[str], explicit: Optiona
     )
 
 
+def class_arguments(section: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A config section's arguments: its ``init_args`` when it is a ``class_path`` + ``init_args`` pair (LightningCLI's
+    form for a subclass, e.g. ``data: {class_path: recipes.llama2.sft_data.SFTDataModule, init_args: {...}}``), else
+    the section itself."""
+    if isinstance(section.get("class_path"), str):
+        arguments = section.get("init_args") or {}
+        if not isinstance(arguments, Mapping):
+            raise PlanError(f"init_args of {section['class_path']} must be a mapping, not {arguments!r}")
+        return arguments
+    return section
+
+
 def load_profile(function: Any, where: str, model: Mapping[str, Any]) -> DecoderProfile:
     """Call a profile function on the config's ``model:`` section; its ValueError becomes a PlanError."""
-    if isinstance(model.get("class_path"), str):
-        model = model.get("init_args") or {}
+    model = class_arguments(model)
     try:
         profile = function(model)
     except (ValueError, TypeError) as error:
