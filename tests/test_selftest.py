@@ -132,6 +132,29 @@ def test_a_wrong_fused_kernel_fails_its_check_and_names_its_fallback_switch(fake
     assert f"to train meanwhile, set LIGHTNING_NPU_DISABLE_FUSED={op}" in text
 
 
+def test_packed_attention_attending_across_samples_fails_the_attention_check(fake_npu, monkeypatch):
+    """Catches a selftest blind to the varlen (document) mask of SFT rows: an npu_fusion_attention that ignores the
+    sample boundaries (TND with one sample of all T tokens) must fail kernels/attention, naming the packed case,
+    although every unpacked case still passes."""
+    original = fake_npu.torch_npu.npu_fusion_attention
+
+    def leaking(*args, **kwargs):
+        if kwargs.get("input_layout") == "TND":
+            everything = [kwargs["actual_seq_qlen"][-1]]
+            kwargs = {**kwargs, "actual_seq_qlen": everything, "actual_seq_kvlen": everything}
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fake_npu.torch_npu, "npu_fusion_attention", leaking)
+    cases = [case for case in _tiny_cases() if case.op == "attention"]
+    assert any("packed" in case.name for case in cases) and any("packed" not in case.name for case in cases)
+    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=cases)
+    assert [r.verdict for r in results] == ["fail"] * 3
+    assert all("differs from the PyTorch reference at tiny packed" in r.detail for r in results)
+    unpacked = [case for case in cases if "packed" not in case.name]
+    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=unpacked)
+    assert [r.verdict for r in results] == ["pass"] * 3
+
+
 def test_bf16_is_not_available_on_a_chip_without_it(monkeypatch):
     """Catches bf16 kernels run (and failed) on a 910A, which has no bf16 units."""
     install_fake_torch_npu(monkeypatch, device_name="Ascend910A")

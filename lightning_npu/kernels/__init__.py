@@ -16,7 +16,7 @@ from lightning_npu.kernels import rotary as _rotary
 from lightning_npu.kernels import swiglu as _swiglu
 from lightning_npu.kernels._dispatch import DISABLE_FUSED_ENV, FUSED_OPS, FusedOp, disabled_ops
 from lightning_npu.kernels.attention import causal_attention, reference_attention
-from lightning_npu.kernels.packed_attention import packed_causal_attention
+from lightning_npu.kernels.packed_attention import packed_causal_attention, reference_packed_attention
 from lightning_npu.kernels.rms_norm import reference_rms_norm, rms_norm
 from lightning_npu.kernels.rotary import apply_rotary, reference_rotary, rotary_tables
 from lightning_npu.kernels.swiglu import reference_swiglu, swiglu
@@ -44,6 +44,7 @@ __all__ = [
     "disabled_ops",
     "packed_causal_attention",
     "reference_attention",
+    "reference_packed_attention",
     "reference_rms_norm",
     "reference_rotary",
     "reference_swiglu",

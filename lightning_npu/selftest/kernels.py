@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_npu import kernels
+from lightning_npu.kernels import packed_attention
 from lightning_npu.selftest.report import FAIL, NOT_AVAILABLE, PASS, CheckResult
 
 FAMILY = "kernels"
@@ -47,13 +48,19 @@ TOLERANCES = {
 @dataclass(frozen=True)
 class KernelCase:
     """One shape of one kernel. ``make(dtype, device)`` returns the kernel's arguments (tensors that need a gradient
-    have requires_grad set); ``fused`` and ``reference`` take them and return the output."""
+    have requires_grad set); ``fused`` and ``reference`` take them and return the output. ``why_not_fused`` (the
+    arguments -> the reason the fused op would not run, or None) defaults to ``kernels.why_not_fused(op, ...)``; a
+    second kernel on the same torch_npu op (packed attention) gives its own."""
 
     op: str
     name: str
     make: Callable[[torch.dtype, torch.device], tuple[Any, ...]]
     fused: Callable[..., Tensor]
     reference: Callable[..., Tensor]
+    why_not_fused: Optional[Callable[..., Optional[str]]] = None
+
+    def unavailable(self, *args: Any) -> Optional[str]:
+        return (self.why_not_fused or (lambda *a: kernels.why_not_fused(self.op, *a)))(*args)
 
 
 def _randn(generator: torch.Generator, *shape: int) -> Tensor:
@@ -68,6 +75,24 @@ def _attention_case(name: str, b: int, sq: int, skv: int, hq: int, hkv: int, d: 
 
     return KernelCase("attention", f"{name} b{b} q{sq} kv{skv} h{hq}/{hkv} d{d}", make,
                       kernels.causal_attention, kernels.reference_attention)
+
+
+def _packed_attention_case(name: str, lengths: Sequence[int], hq: int, hkv: int, d: int) -> KernelCase:
+    """Samples of ``lengths`` packed end to end (TND), each attending only to itself: a kernel that lets one sample
+    see another's tokens differs from the reference, which runs each alone."""
+
+    def make(dtype: torch.dtype, device: torch.device) -> tuple[Any, ...]:
+        g = torch.Generator().manual_seed(5)
+        total = sum(lengths)
+        q, k, v = _randn(g, total, hq, d), _randn(g, total, hkv, d), _randn(g, total, hkv, d)
+        bounds = [0]
+        for length in lengths:
+            bounds.append(bounds[-1] + length)
+        return (*(t.to(device=device, dtype=dtype).requires_grad_(True) for t in (q, k, v)), bounds)
+
+    return KernelCase("attention", f"{name} packed {len(lengths)} samples T{sum(lengths)} h{hq}/{hkv} d{d}", make,
+                      kernels.packed_causal_attention, kernels.reference_packed_attention,
+                      packed_attention.why_not_fused)
 
 
 def _rms_norm_case(name: str, b: int, s: int, dim: int) -> KernelCase:
@@ -103,11 +128,14 @@ def _swiglu_case(name: str, b: int, s: int, ffn: int) -> KernelCase:
 def kernel_cases(quick: bool) -> list[KernelCase]:
     """The shapes checked: the tiny recipe's (GQA 4/2 heads of 32, dim 128, ffn 352), LLaMA-2-7B's per-head and
     per-token shapes (32 heads of 128, dim 4096, ffn 11008) at a small batch, and edge shapes (GQA, head_dim 64,
-    decoding against a KV cache, rotary far into the sequence); long sequences in the full run only."""
+    decoding against a KV cache, rotary far into the sequence, SFT rows of packed samples); long sequences in the full
+    run only."""
     seq = 512 if quick else 4096
     cases = [
         _attention_case("tiny", 2, 128, 128, 4, 2, 32),
+        _packed_attention_case("tiny", (50, 7, 71), 4, 2, 32),
         _attention_case("7b", 1, seq, seq, 32, 32, 128),
+        _packed_attention_case("7b", (seq // 2, 3, seq // 4, seq // 4 - 3), 32, 32, 128),
         _attention_case("gqa", 2, 256, 256, 8, 2, 64),
         _attention_case("decode", 2, 4, 4 + seq, 32, 8, 128),
         _rms_norm_case("tiny", 2, 128, 128),
@@ -158,7 +186,7 @@ class _CaseRun:
 def _run_case(case: KernelCase, dtype: torch.dtype, device: torch.device, runtime: Any, repeats: int) -> _CaseRun:
     args = case.make(dtype, device)
     # Asked with the inputs as the kernel sees them (gradients on), since some limits apply to backward only.
-    unavailable = kernels.why_not_fused(case.op, *args)
+    unavailable = case.unavailable(*args)
     grad_out = _grad_output(case.reference(*args))
     reference_s = _time(lambda: _forward_backward(case.reference, args, grad_out), runtime,
                         repeats if unavailable is None else 1)
