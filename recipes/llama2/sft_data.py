@@ -9,20 +9,21 @@ Samples (one JSON object per JSON Lines line, one row of Parquet / ``save_to_dis
   Every sample is checked in ``prepare_data`` (before any worker starts); a bad one stops the run with its file and
   line (JSON Lines), item (a JSON list) or row (Parquet, ``save_to_disk``).
 
-Formatting, tokenised turn by turn: a sample is a list of text pieces, each either trained on (assistant) or not;
-each piece is tokenised on its own (``add_special_tokens=False``) and the token lists are concatenated, so which
-tokens are the assistant's is known exactly. That concatenation *is* the definition of a sample's tokens (a
-merge across a turn boundary could only join a template's markup to a turn's text); the tests check it equals
-tokenising the whole text for the embedded tokenizer and for a template.
+Formatting: a sample is a list of text pieces, each either trained on (assistant) or not.
   * The tokenizer's own chat template when it has one: the template is rendered as text (``tokenize=False``;
     ``apply_chat_template`` would otherwise return a ``BatchEncoding``) for the conversation up to each turn; an
     assistant piece is what the rendering of ``messages[:k + 1]`` adds to that of ``messages[:k]`` with the
     generation prompt (its content and end-of-turn tokens), the other pieces are what each rendering adds to the
     previous one. A template must therefore render each conversation prefix as a prefix of the next, and must emit
-    BOS itself (rendered text is tokenised without special tokens).
+    BOS itself (rendered text is tokenised without special tokens). The whole rendered conversation is tokenised at
+    once, so the tokens are the ones ``apply_chat_template(tokenize=True)`` and inference give (tokenising piece by
+    piece would differ for SentencePiece-style tokenizers, which prepend "▁" to every text they are given); a token
+    is trained on when its first character belongs to an assistant piece (the fast tokenizer's offsets).
   * Otherwise the LLaMA-2 chat format of Meta's reference (``llama/generation.py``): the system text goes into
     the first user turn as ``<<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user}``, and each user/assistant pair is
     ``BOS "[INST] {user} [/INST]"`` (not trained on) + ``" {assistant} " EOS`` (trained on), contents stripped.
+    As in that reference, each piece is tokenised on its own (``add_special_tokens=False``) and the token lists are
+    concatenated.
 
 Rows (built in ``setup`` from the cached tokens, so ``seq_len`` and ``overlong`` change without re-tokenising):
   * A sample longer than ``seq_len`` tokens is cut to its first ``seq_len`` tokens (``overlong="truncate"``) or left
@@ -69,7 +70,7 @@ from recipes.llama2.data import (
 #: The embedded instruction set (built from the embedded corpus: assets/build_assets.py), the default ``path``.
 DEFAULT_INSTRUCTIONS = str(ASSETS_DIR / "instructions.jsonl")
 # Bump when the formatting or the cached columns change, so old caches are not reused.
-_SFT_CACHE_FORMAT = 1
+_SFT_CACHE_FORMAT = 2
 IGNORE_INDEX = -100  # the label torch's cross_entropy skips
 ROLES = ("system", "user", "assistant")
 OVERLONG = ("truncate", "drop")
@@ -201,12 +202,14 @@ def _read_json(file: str) -> Iterator[tuple[str, Any]]:
 
 # ------------------------------------------------------------------------------------------ tokens
 def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    """Token ids of one conversation and a mask (1 = an assistant token, trained on), tokenised piece by piece
-    (see the module docstring): the tokenizer's chat template if it has one, else the LLaMA-2 chat format."""
-    pieces = _template_pieces(tokenizer, messages) if tokenizer.chat_template else _llama2_pieces(tokenizer, messages)
+    """Token ids of one conversation and a mask (1 = an assistant token, trained on), see the module docstring: the
+    tokenizer's chat template (rendered, tokenised whole) if it has one, else the LLaMA-2 chat format (piece by
+    piece)."""
+    if tokenizer.chat_template:
+        return _tokenize_rendered(tokenizer, _template_pieces(tokenizer, messages))
     ids: list[int] = []
     mask: list[int] = []
-    for piece, trained in pieces:
+    for piece, trained in _llama2_pieces(tokenizer, messages):
         if isinstance(piece, int):
             tokens = [piece]
         else:
@@ -231,13 +234,30 @@ def _llama2_pieces(tokenizer: Any, messages: list[dict[str, str]]) -> list[tuple
     return pieces
 
 
-def _template_pieces(tokenizer: Any, messages: list[dict[str, str]]) -> list[tuple[str | int, bool]]:
+def _tokenize_rendered(tokenizer: Any, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    if not tokenizer.is_fast:
+        raise ValueError(
+            f"The tokenizer {type(tokenizer).__name__} is a slow (Python) tokenizer, which gives no character offsets, "
+            "so the assistant tokens of a chat template cannot be found; save it as a fast tokenizer (tokenizer.json)."
+        )
+    spans, start = [], 0
+    for piece, trained in pieces:
+        if trained:
+            spans.append((start, start + len(piece)))
+        start += len(piece)
+    encoded = tokenizer("".join(piece for piece, _ in pieces), add_special_tokens=False, return_offsets_mapping=True,
+                        verbose=False)
+    mask = [int(any(a <= first < b for a, b in spans)) for first, _ in encoded["offset_mapping"]]
+    return list(encoded["input_ids"]), mask
+
+
+def _template_pieces(tokenizer: Any, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
     def render(upto: int, generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(
             messages[:upto], tokenize=False, add_generation_prompt=generation_prompt
         )
 
-    pieces: list[tuple[str | int, bool]] = []
+    pieces: list[tuple[str, bool]] = []
     done = ""
     for k, message in enumerate(messages):
         steps = [(render(k, True), False)] if message["role"] == "assistant" else []
