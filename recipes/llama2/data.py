@@ -221,6 +221,8 @@ class TextDataModule(L.LightningDataModule):
 
     # Turns a list of samples into a batch; None = torch's default (stacks the equal-length blocks).
     collate_fn: Callable[[list[Any]], dict[str, torch.Tensor]] | None = None
+    # What one record of the source is, in the log.
+    records = "documents"
 
     def __init__(
         self,
@@ -491,7 +493,7 @@ class TextDataModule(L.LightningDataModule):
                 new_fingerprint=_fingerprint(out_dir.name, name),
                 load_from_cache_file=True,
                 num_proc=self.tokenize_num_proc,
-                desc=f"Tokenising {name} documents",
+                desc=f"Tokenising {name} {self.records}",
             )
             tokenise_s += time.perf_counter() - started
             manifest["splits"][name] = {
@@ -506,7 +508,7 @@ class TextDataModule(L.LightningDataModule):
         scratch.write_text(json.dumps(manifest, indent=1))
         os.replace(scratch, out_dir / _MANIFEST)  # the cache counts as complete only once this exists
         rank_zero_info(
-            f"{type(self).__name__}: prepared {sum(s['documents'] for s in manifest['splits'].values())} documents,"
+            f"{type(self).__name__}: prepared {sum(s['documents'] for s in manifest['splits'].values())} {self.records},"
             f" {total} tokens in {manifest['seconds']:.1f} s ({manifest['tokens_per_s']:,} tokens/s tokenising with"
             f" {manifest['tokenize_num_proc']} process(es)) into {out_dir}"
         )

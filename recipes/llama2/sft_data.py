@@ -401,6 +401,7 @@ class SFTDataModule(TextDataModule):
     """
 
     collate_fn = staticmethod(collate_packed)
+    records = "samples"
 
     def __init__(
         self,
