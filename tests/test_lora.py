@@ -175,6 +175,31 @@ def test_peft_adapter_and_merged_export_reproduce_the_recipe_logits(tmp_path, mo
     assert (merged_logits - expected).abs().max() < 1e-5
 
 
+def test_a_full_model_loaded_from_its_checkpoint_is_validated_as_loaded_not_as_its_init_from(tmp_path):
+    """Catches init_from overwriting the weights of a module restored with load_from_checkpoint when it is first
+    run (validate without fit): the fine-tuned model would be scored as its starting point."""
+    import lightning
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    config = LLaMAConfig.from_preset("tiny", n_layers=1)
+    base = _base_checkpoint(tmp_path / "base.ckpt", config)
+    module = LLaMA2(preset="tiny", config=config.to_dict(), init_from=str(base))
+    module.configure_model()
+    torch.manual_seed(5)
+    module.model.reset_parameters()  # "fine-tuned" weights, unlike the base's
+    path = tmp_path / "tuned.ckpt"
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
+                "pytorch-lightning_version": lightning.__version__}, path)
+    tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = module.model(tokens)
+    loaded = LLaMA2.load_from_checkpoint(path)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    (logits,) = trainer.predict(loaded, DataLoader(tokens, batch_size=2))
+    torch.testing.assert_close(logits, expected)
+
+
 def test_to_hf_of_a_lora_checkpoint_without_merge_lora_is_refused(tmp_path, capsys):
     """Catches `to-hf` on a LoRA checkpoint failing with a confusing "lacks N tensors" (or writing a broken model)
     instead of pointing at --merge-lora / to-peft."""
@@ -183,12 +208,14 @@ def test_to_hf_of_a_lora_checkpoint_without_merge_lora_is_refused(tmp_path, caps
     assert "is a LoRA checkpoint" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("stage", ["validate", "predict"])
-def test_a_lora_checkpoint_evaluated_without_fit_runs_on_its_base_and_adapters(tmp_path, stage):
-    """`trainer.validate` / `trainer.predict` with a LoRA checkpoint and no `fit` before: the base comes from
-    init_from and the adapters from the checkpoint, so the module computes the merged model (generate.py's view of
-    the checkpoint). Breakage seen: the base loaded only in on_fit_start, leaving randomly initialised base weights
-    under evaluation."""
+@pytest.mark.parametrize(("stage", "restore"), [("validate", "ckpt_path"), ("predict", "ckpt_path"),
+                                              ("predict", "load_from_checkpoint")])
+def test_a_lora_checkpoint_evaluated_without_fit_runs_on_its_base_and_adapters(tmp_path, stage, restore):
+    """`trainer.validate` / `trainer.predict` of a LoRA checkpoint (given as ckpt_path, or loaded with
+    LLaMA2.load_from_checkpoint) and no `fit` before: the base comes from init_from and the adapters from the
+    checkpoint, so the module computes the merged model (generate.py's view of the checkpoint). Breakage seen: the
+    base loaded only in on_fit_start (random base weights under evaluation); adapters of a loaded module redrawn
+    as fresh ones (the base's outputs)."""
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
@@ -201,13 +228,16 @@ def test_a_lora_checkpoint_evaluated_without_fit_runs_on_its_base_and_adapters(t
     with torch.no_grad():
         merged = load_model(checkpoint)[0]
         expected = merged(tokens)
-    module = LLaMA2(preset="tiny", config=config.to_dict(), init_from=str(base), lora=lora)
+    if restore == "load_from_checkpoint":
+        module, ckpt_path = LLaMA2.load_from_checkpoint(checkpoint), None
+    else:
+        module, ckpt_path = LLaMA2(preset="tiny", config=config.to_dict(), init_from=str(base), lora=lora), str(checkpoint)
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
     if stage == "predict":
-        (logits,) = trainer.predict(module, DataLoader(tokens, batch_size=2), ckpt_path=str(checkpoint))
+        (logits,) = trainer.predict(module, DataLoader(tokens, batch_size=2), ckpt_path=ckpt_path)
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
     else:
         batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
-        (result,) = trainer.validate(module, DataLoader([batch], batch_size=None), ckpt_path=str(checkpoint))
+        (result,) = trainer.validate(module, DataLoader([batch], batch_size=None), ckpt_path=ckpt_path)
         loss = torch.nn.functional.cross_entropy(expected[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
         assert result["val_loss"] == pytest.approx(float(loss), abs=1e-5)

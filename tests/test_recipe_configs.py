@@ -32,3 +32,12 @@ def test_every_shipped_config_parses_and_builds_its_module(config, capsys, monke
 def test_the_fine_tuning_configs_are_the_ones_the_readme_names():
     names = {path.name for path in CONFIGS}
     assert {"tiny_sft_lora.yaml", "llama2_7b_sft.yaml", "llama2_7b_lora.yaml", "llama3_8b_lora.yaml"} <= names
+
+
+def test_a_run_without_a_data_section_trains_on_the_embedded_text(capsys, monkeypatch):
+    """Catches the data section becoming required (LightningCLI's subclass mode) for a run that names none."""
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with pytest.raises(SystemExit):
+        train.main(["fit", "--model.preset", "tiny", "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["data"]["class_path"] == "recipes.llama2.data.TextDataModule"

@@ -79,6 +79,7 @@ class LLaMA2(LightningModule):
         self.hparams["lora"] = None if self.lora is None else self.lora.to_dict()
         self.model: Optional[LLaMA] = None
         self._initial_weights_loaded = False
+        self._state_restored = False  # set by on_load_checkpoint: the weights (a LoRA run's adapters) are a checkpoint's
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -122,26 +123,28 @@ class LLaMA2(LightningModule):
     def on_validation_start(self) -> None:
         self._load_initial_weights()
 
-    def on_test_start(self) -> None:
-        self._load_initial_weights()
-
     def on_predict_start(self) -> None:
         self._load_initial_weights()
 
     def _load_initial_weights(self) -> None:
-        """Once, when the module first runs (``fit``, ``validate``, ``test`` or ``predict``, after the strategy has
-        set it up and restored any checkpoint): the weights ``init_from`` gives. A LoRA model always needs its base
-        from there, since its checkpoints hold the adapters only; a full model only when no checkpoint was restored."""
+        """Once, when the module first runs (``fit``, ``validate`` or ``predict``, after the strategy has set it up
+        and restored any checkpoint): the weights ``init_from`` gives. A LoRA model always needs its base from there,
+        since its checkpoints hold the adapters only; a full model only when no checkpoint was restored, neither by the
+        trainer (``ckpt_path``) nor into the module itself (``LLaMA2.load_from_checkpoint``)."""
         if self._initial_weights_loaded:
             return
         self._initial_weights_loaded = True
-        fresh = self.trainer.ckpt_path is None
+        fresh = self.trainer.ckpt_path is None and not self._state_restored
         if self.lora is not None:
             # A LoRA checkpoint holds no base weights: they come from init_from on a resume too. A fresh run also
             # gets its first adapters here, drawn from the seed alone (identical under every strategy).
             load_pretrained(self.model, self.hparams.init_from, self.config, lora=self.lora, fresh_adapters=fresh)
         elif self.hparams.init_from and fresh:  # a resumed full fine-tune restores its own weights
             load_pretrained(self.model, self.hparams.init_from, self.config)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Not in load_state_dict: strategies call that for other reasons (npu_fsdp hands out the first weights).
+        self._state_restored = True
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The module's state; with LoRA only the adapters' (the frozen base comes from ``init_from``)."""

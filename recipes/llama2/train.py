@@ -39,6 +39,8 @@ from recipes.llama2.config import LLaMAConfig
 from recipes.llama2.module import LLaMA2
 
 RECIPE_DIR = Path(__file__).resolve().parent
+#: The data of a config that names no data class, or has no data: section: text (the embedded corpus by default).
+DEFAULT_DATA = {"data": {"class_path": f"{TextDataModule.__module__}.{TextDataModule.__name__}"}}
 
 
 def _script(name: str) -> str:
@@ -79,6 +81,7 @@ class RunSummary(Callback):
 
 class LLaMACLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.set_defaults(DEFAULT_DATA)
         parser.link_arguments("data.init_args.tokenizer", "model.tokenizer_path")
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -195,6 +198,7 @@ def prepare(args: list[str]) -> dict[str, Any]:
                             " into its cache (data.cache_dir), so that multi-rank training starts at once.")
     parser.add_argument("--config", action=ActionConfigFile, help="the training config (only its data section is used)")
     parser.add_subclass_arguments(TextDataModule, "data", required=True)
+    parser.set_defaults(DEFAULT_DATA)
     for other in ("model", "trainer", "optimizer", "lr_scheduler"):  # parts of the training config, not used here
         parser.add_argument(f"--{other}", type=Optional[Any], default=None)
     parser.add_argument("--seed_everything", type=Optional[Any], default=None)
