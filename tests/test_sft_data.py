@@ -132,37 +132,56 @@ def test_chat_template_formats_the_samples_and_only_its_assistant_turns_are_labe
     assert dm.tokenizer.decode(labels) == "".join(f"{a}</s>" for a in answers)
 
 
-def _sentencepiece_style_tokenizer():
-    """A LLaMA-2-like tokenizer: BPE with byte fallback behind a Metaspace pre-tokenizer (spaces become "▁" and every
-    text given to it gets a leading "▁", as SentencePiece's dummy prefix), with LLaMA-2-chat's template layout."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+_LLAMA2_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+_TWO_EXCHANGES = [{"role": "user", "content": "What does the module return?"},
+                  {"role": "assistant", "content": "It returns a value."},
+                  {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "Nothing else."}]
+
+
+def _sentencepiece_style_tokenizer(chat_template=None):
+    """A tokenizer laid out as Llama-2-7b-hf's tokenizer.json: BPE with byte fallback behind a normalizer that
+    prepends "▁" to every text it is given (SentencePiece's dummy prefix) and turns spaces into "▁"."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     corpus = Path(DEFAULT_TOKENIZER).parent / "corpus.jsonl"
     texts = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()[:40]]
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
     tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"],
                                                              show_progress=False))
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = (
-        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
-        "{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}"
-    )
+    fast.chat_template = chat_template
     return fast
+
+
+def test_the_llama2_format_on_a_sentencepiece_style_tokenizer_gives_metas_tokens():
+    """Catches each piece tokenised on its own: a SentencePiece-style tokenizer then adds a "▁" before every answer
+    (trained on), where Meta's reference encodes each user/assistant pair as one text between BOS and EOS."""
+    tokenizer = _sentencepiece_style_tokenizer()
+    ids, mask = tokenize_conversation(tokenizer, _TWO_EXCHANGES)
+    pairs = [("What does the module return?", "It returns a value."), ("And then?", "Nothing else.")]
+    expected = []
+    for user, answer in pairs:
+        text = tokenizer(f"[INST] {user} [/INST] {answer} ", add_special_tokens=False)["input_ids"]
+        expected += [tokenizer.bos_token_id, *text, tokenizer.eos_token_id]
+    assert ids == expected
+    spans = _assistant_spans(ids, mask)
+    assert [tokenizer.decode(span) for span in spans] == ["It returns a value. </s>", "Nothing else. </s>"]
 
 
 def test_a_template_on_a_sentencepiece_style_tokenizer_gives_the_tokens_of_the_whole_rendered_text():
     """Catches template pieces tokenised one by one: a SentencePiece-style tokenizer prepends "▁" to every text it is
     given, so those tokens differ from what apply_chat_template(tokenize=True) and inference see; and labels that
     miss or overrun the answers."""
-    tokenizer = _sentencepiece_style_tokenizer()
-    messages = [{"role": "user", "content": "What does the module return?"},
-                {"role": "assistant", "content": "It returns a value."},
-                {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "Nothing else."}]
-    ids, mask = tokenize_conversation(tokenizer, messages)
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    tokenizer = _sentencepiece_style_tokenizer(_LLAMA2_CHAT_TEMPLATE)
+    ids, mask = tokenize_conversation(tokenizer, _TWO_EXCHANGES)
+    rendered = tokenizer.apply_chat_template(_TWO_EXCHANGES, tokenize=False)
     assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     spans = _assistant_spans(ids, mask)
     assert [tokenizer.decode(span) for span in spans] == ["It returns a value. </s>", "Nothing else. </s>"]

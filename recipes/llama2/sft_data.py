@@ -9,21 +9,23 @@ Samples (one JSON object per JSON Lines line, one row of Parquet / ``save_to_dis
   Every sample is checked in ``prepare_data`` (before any worker starts); a bad one stops the run with its file and
   line (JSON Lines), item (a JSON list) or row (Parquet, ``save_to_disk``).
 
-Formatting: a sample is a list of text pieces, each either trained on (assistant) or not.
+Formatting: a sample is a list of pieces (texts, and special token ids), each either trained on (assistant) or not.
+The texts between special token ids are tokenised as one text (``add_special_tokens=False``), so the tokens are those
+of the whole conversation (tokenising piece by piece would differ for SentencePiece-style tokenizers, which prepend
+"▁" to every text they are given); a token is trained on when its first character belongs to a trained piece (the
+fast tokenizer's offsets).
   * The tokenizer's own chat template when it has one: the template is rendered as text (``tokenize=False``;
     ``apply_chat_template`` would otherwise return a ``BatchEncoding``) for the conversation up to each turn; an
     assistant piece is what the rendering of ``messages[:k + 1]`` adds to that of ``messages[:k]`` with the
     generation prompt (its content and end-of-turn tokens), the other pieces are what each rendering adds to the
     previous one. A template must therefore render each conversation prefix as a prefix of the next, and must emit
-    BOS itself (rendered text is tokenised without special tokens). The whole rendered conversation is tokenised at
-    once, so the tokens are the ones ``apply_chat_template(tokenize=True)`` and inference give (tokenising piece by
-    piece would differ for SentencePiece-style tokenizers, which prepend "▁" to every text they are given); a token
-    is trained on when its first character belongs to an assistant piece (the fast tokenizer's offsets).
+    BOS itself (rendered text is tokenised without special tokens). The rendered conversation is one text, so its
+    tokens are the ones ``apply_chat_template(tokenize=True)`` and inference give.
   * Otherwise the LLaMA-2 chat format of Meta's reference (``llama/generation.py``): the system text goes into
     the first user turn as ``<<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user}``, and each user/assistant pair is
-    ``BOS "[INST] {user} [/INST]"`` (not trained on) + ``" {assistant} " EOS`` (trained on), contents stripped.
-    As in that reference, each piece is tokenised on its own (``add_special_tokens=False``) and the token lists are
-    concatenated.
+    ``BOS "[INST] {user} [/INST]"`` (not trained on) + ``" {assistant} " EOS`` (trained on), contents stripped. As in
+    that reference (``encode(f"{B_INST} {user} {E_INST} {answer} ", bos=True, eos=True)`` per pair), each pair's text
+    is tokenised as one text between its BOS and EOS.
 
 Rows (built in ``setup`` from the cached tokens, so ``seq_len`` and ``overlong`` change without re-tokenising):
   * A sample longer than ``seq_len`` tokens is cut to its first ``seq_len`` tokens (``overlong="truncate"``) or left
@@ -70,7 +72,7 @@ from recipes.llama2.data import (
 #: The embedded instruction set (built from the embedded corpus: assets/build_assets.py), the default ``path``.
 DEFAULT_INSTRUCTIONS = str(ASSETS_DIR / "instructions.jsonl")
 # Bump when the formatting or the cached columns change, so old caches are not reused.
-_SFT_CACHE_FORMAT = 2
+_SFT_CACHE_FORMAT = 3
 IGNORE_INDEX = -100  # the label torch's cross_entropy skips
 ROLES = ("system", "user", "assistant")
 OVERLONG = ("truncate", "drop")
@@ -203,19 +205,26 @@ def _read_json(file: str) -> Iterator[tuple[str, Any]]:
 # ------------------------------------------------------------------------------------------ tokens
 def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
     """Token ids of one conversation and a mask (1 = an assistant token, trained on), see the module docstring: the
-    tokenizer's chat template (rendered, tokenised whole) if it has one, else the LLaMA-2 chat format (piece by
-    piece)."""
-    if tokenizer.chat_template:
-        return _tokenize_rendered(tokenizer, _template_pieces(tokenizer, messages))
+    tokenizer's chat template if it has one, else the LLaMA-2 chat format."""
+    pieces = _template_pieces(tokenizer, messages) if tokenizer.chat_template else _llama2_pieces(tokenizer, messages)
+    if not tokenizer.is_fast:
+        raise ValueError(
+            f"The tokenizer {type(tokenizer).__name__} is a slow (Python) tokenizer, which gives no character offsets, "
+            "so the assistant tokens cannot be found; save it as a fast tokenizer (tokenizer.json)."
+        )
     ids: list[int] = []
     mask: list[int] = []
-    for piece, trained in _llama2_pieces(tokenizer, messages):
-        if isinstance(piece, int):
-            tokens = [piece]
-        else:
-            tokens = tokenizer(piece, add_special_tokens=False, verbose=False)["input_ids"]
-        ids += tokens
-        mask += [int(trained)] * len(tokens)
+    text: list[tuple[str, bool]] = []
+    for piece in [*pieces, None]:  # None: the end, which flushes the last text
+        if piece is not None and isinstance(piece[0], str):
+            text.append(piece)
+            continue
+        if text:
+            run_ids, run_mask = _tokenize_text(tokenizer, text)
+            ids, mask, text = ids + run_ids, mask + run_mask, []
+        if piece is not None:  # a special token id
+            ids.append(piece[0])
+            mask.append(int(piece[1]))
     return ids, mask
 
 
@@ -234,12 +243,8 @@ def _llama2_pieces(tokenizer: Any, messages: list[dict[str, str]]) -> list[tuple
     return pieces
 
 
-def _tokenize_rendered(tokenizer: Any, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
-    if not tokenizer.is_fast:
-        raise ValueError(
-            f"The tokenizer {type(tokenizer).__name__} is a slow (Python) tokenizer, which gives no character offsets, "
-            "so the assistant tokens of a chat template cannot be found; save it as a fast tokenizer (tokenizer.json)."
-        )
+def _tokenize_text(tokenizer: Any, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """The pieces' text tokenised whole; a token is trained on when its first character is in a trained piece."""
     spans, start = [], 0
     for piece, trained in pieces:
         if trained:
