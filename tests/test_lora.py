@@ -13,6 +13,7 @@ import torch
 from recipes.llama2 import convert
 from recipes.llama2.checkpoint_layout import read_model_tensors, save_recipe_checkpoint
 from recipes.llama2.config import LLaMAConfig
+from recipes.llama2.data import DEFAULT_TOKENIZER
 from recipes.llama2.lora import LoRAConfig, add_lora, is_adapter_name
 from recipes.llama2.model import LLaMA
 from recipes.llama2.module import LLaMA2
@@ -198,6 +199,26 @@ def test_a_full_model_loaded_from_its_checkpoint_is_validated_as_loaded_not_as_i
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
     (logits,) = trainer.predict(loaded, DataLoader(tokens, batch_size=2))
     torch.testing.assert_close(logits, expected)
+
+
+def test_generate_reads_a_lora_checkpoint_on_its_recorded_base_or_on_one_given_after_it_moved(tmp_path, capsys):
+    """Catches generate.py unable to read a LoRA checkpoint at all, and no way to name a base that moved (the error
+    told users to pass --base, which generate.py did not take)."""
+    from recipes.llama2 import generate
+
+    config = LLaMAConfig.from_preset("tiny", n_layers=1)
+    base, checkpoint, recipe = _lora_checkpoint(tmp_path, config, {"rank": 2, "targets": ["q", "v"]})
+    tokens = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = recipe.eval()(tokens)
+        torch.testing.assert_close(generate.load_model(checkpoint)[0](tokens), expected)
+        moved = base.rename(tmp_path / "moved.ckpt")
+        with pytest.raises(FileNotFoundError):
+            generate.load_model(checkpoint)
+        torch.testing.assert_close(generate.load_model(checkpoint, base=moved)[0](tokens), expected)
+    argv = [str(checkpoint), "--prompt", "The", "--max-new-tokens", "2", "--tokenizer", DEFAULT_TOKENIZER]
+    assert generate.main([*argv, "--base", str(moved)]) == 0
+    assert generate.main(argv) == 1 and "(its init_from), does not exist; pass --base" in capsys.readouterr().err
 
 
 def test_to_hf_of_a_lora_checkpoint_without_merge_lora_is_refused(tmp_path, capsys):

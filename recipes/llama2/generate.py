@@ -145,10 +145,15 @@ def _check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[fl
 
 
 def load_model(
-    checkpoint: str | Path, *, device: torch.device | str = "cpu", dtype: Optional[torch.dtype] = None
+    checkpoint: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: Optional[torch.dtype] = None,
+    base: Optional[str | Path] = None,
 ) -> tuple[LLaMA, Optional[str]]:
     """A ``LLaMA`` in eval mode from a recipe checkpoint (file or sharded dir) or an HF directory, and the
-    tokenizer path that goes with it (None if unknown). ``dtype`` None keeps the checkpoint's dtype."""
+    tokenizer path that goes with it (None if unknown). ``dtype`` None keeps the checkpoint's dtype. A LoRA
+    checkpoint's adapters are merged onto ``base``, by default the base the run recorded (its ``init_from``)."""
     path = Path(checkpoint)
     if not path.exists():
         raise FileNotFoundError(
@@ -159,7 +164,7 @@ def load_model(
         config, state_dict = load_hf_checkpoint(path)
         tokenizer = str(path) if has_tokenizer(path) else None
     elif is_lora_checkpoint(path):  # adapters only: merged onto the base the run started from (its init_from)
-        config, state_dict, metadata = read_merged(path)
+        config, state_dict, metadata = read_merged(path, base=base)
         tokenizer = tokenizer_from_metadata(metadata)
     else:
         config, state_dict = load_recipe_checkpoint(path)
@@ -211,6 +216,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--tokenizer", type=Path, default=None, help="HF tokenizer dir (default: the checkpoint's)")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="a LoRA checkpoint's base model (default: the init_from its run recorded)")
     parser.add_argument("--device", default="auto", help="auto, cpu, npu or npu:<index>")
     parser.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES], help="auto = the checkpoint's dtype")
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
@@ -220,7 +227,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
         _check_sampling(args.temperature, args.top_k, args.top_p)
         device = resolve_device(args.device)
         model, stored_tokenizer = load_model(
-            args.checkpoint, device=device, dtype=None if args.dtype == "auto" else _DTYPES[args.dtype]
+            args.checkpoint, device=device, dtype=None if args.dtype == "auto" else _DTYPES[args.dtype], base=args.base
         )
         tokenizer_path = args.tokenizer or stored_tokenizer
         if tokenizer_path is None:

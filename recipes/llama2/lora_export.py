@@ -119,6 +119,11 @@ def read_merged(
             f"{checkpoint} records no init_from, so its base weights are unknown; pass --base with the base model "
             "(the Hugging Face directory or recipe checkpoint the LoRA run started from)."
         )
+    if not Path(base).exists():
+        raise FileNotFoundError(
+            f"The base of LoRA checkpoint {checkpoint}, {str(base)!r} (its init_from), does not exist; pass --base with"
+            " where that model is now (the Hugging Face directory or recipe checkpoint the LoRA run started from)."
+        )
     return config, merged_state_dict(read_pretrained(str(base), config), adapters, config, lora), metadata
 
 

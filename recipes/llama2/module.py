@@ -14,6 +14,7 @@ every start, fresh or resumed, which is why LoRA needs ``init_from``.
 from __future__ import annotations
 
 import math
+import os
 from contextlib import nullcontext
 from typing import Any, Optional
 
@@ -69,6 +70,8 @@ class LLaMA2(LightningModule):
                 "must come from init_from at every start, a resume included. Pass --model.init_from with the base "
                 "(a Hugging Face LLaMA directory or a recipe checkpoint), the same one the run started from."
             )
+        if init_from:  # recorded absolute, so a LoRA checkpoint finds its base from any working directory
+            init_from = os.path.abspath(init_from)
         if not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio={min_lr_ratio!r} must lie in [0, 1]: the LR floor as a fraction of the peak")
         if warmup_steps < 0:
