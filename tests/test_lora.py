@@ -221,6 +221,18 @@ def test_generate_reads_a_lora_checkpoint_on_its_recorded_base_or_on_one_given_a
     assert generate.main(argv) == 1 and "(its init_from), does not exist; pass --base" in capsys.readouterr().err
 
 
+def test_lora_flops_per_token_count_no_weight_gradients_for_the_frozen_base():
+    """Catches MFU of a LoRA run counted as a full fine-tune's (6 FLOPs per frozen weight instead of 4), 1.5x too
+    high for the base's matmuls."""
+    config = LLaMAConfig.from_preset("7b")
+    lora = {"rank": 16, "targets": list(ALL_TARGETS)}
+    full = LLaMA2(preset="7b").flops_per_token
+    adapted = LLaMA2(preset="7b", init_from="base", lora=lora).flops_per_token
+    adapters = 32 * 16 * (4 * (4096 + 4096) + 3 * (4096 + 11008))  # A [r, in] + B [out, r] per projection
+    n = config.num_params(include_embedding=False)
+    assert full - adapted == 2 * n - 6 * adapters
+
+
 def test_to_hf_of_a_lora_checkpoint_without_merge_lora_is_refused(tmp_path, capsys):
     """Catches `to-hf` on a LoRA checkpoint failing with a confusing "lacks N tensors" (or writing a broken model)
     instead of pointing at --merge-lora / to-peft."""

@@ -25,7 +25,14 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from recipes.llama2.config import LLaMAConfig
-from recipes.llama2.lora import LoRAConfig, add_lora, check_adapter_state, initial_adapter_state, is_adapter_name
+from recipes.llama2.lora import (
+    LoRAConfig,
+    adapter_shapes,
+    add_lora,
+    check_adapter_state,
+    initial_adapter_state,
+    is_adapter_name,
+)
 from recipes.llama2.model import LLaMA
 
 
@@ -93,9 +100,15 @@ class LLaMA2(LightningModule):
 
     @property
     def flops_per_token(self) -> int:
-        """Training FLOPs per token at the configured context length (see LLaMAConfig.flops_per_token)."""
+        """Training FLOPs per token at the configured context length (see LLaMAConfig.flops_per_token). With LoRA the
+        frozen weights' matmuls run forward and for the input gradients only (4 FLOPs per weight, not 6: no weight
+        gradient), the adapters' all three."""
         seq_len = getattr(getattr(self.trainer, "datamodule", None), "seq_len", None) if self._trainer else None
-        return self.config.flops_per_token(seq_len)
+        flops = self.config.flops_per_token(seq_len)
+        if self.lora is not None:
+            adapters = sum(shape.numel() for shape in adapter_shapes(self.config, self.lora).values())
+            flops += 6 * adapters - 2 * self.config.num_params(include_embedding=False)
+        return flops
 
     def count_tokens(self, batch: dict[str, Tensor]) -> int:
         return batch["input_ids"].numel()
