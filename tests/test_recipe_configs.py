@@ -27,6 +27,9 @@ def test_every_shipped_config_parses_and_builds_its_module(config, capsys, monke
     module = LLaMA2(**model)
     assert module.config.max_seq_len >= printed["data"]["init_args"]["seq_len"]
     assert printed["data"]["class_path"].startswith("recipes.llama2.")
+    if config.name == "tiny_sft_lora.yaml":  # no path given: SFTDataModule's own default, not the text data's
+        assert printed["data"]["init_args"]["path"].endswith("assets/instructions.jsonl")
+        assert printed["data"]["init_args"]["val_fraction"] == 0.05
 
 
 def test_the_fine_tuning_configs_are_the_ones_the_readme_names():

@@ -39,8 +39,8 @@ from recipes.llama2.config import LLaMAConfig
 from recipes.llama2.module import LLaMA2
 
 RECIPE_DIR = Path(__file__).resolve().parent
-#: The data of a config that names no data class, or has no data: section: text (the embedded corpus by default).
-DEFAULT_DATA = {"data": {"class_path": f"{TextDataModule.__module__}.{TextDataModule.__name__}"}}
+#: The data of a run that configures none (no data: section, no --data... argument): text, the embedded corpus.
+DEFAULT_DATA = f"--data={TextDataModule.__module__}.{TextDataModule.__name__}"
 
 
 def _script(name: str) -> str:
@@ -81,7 +81,6 @@ class RunSummary(Callback):
 
 class LLaMACLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
-        parser.set_defaults(DEFAULT_DATA)
         parser.link_arguments("data.init_args.tokenizer", "model.tokenizer_path")
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -198,7 +197,6 @@ def prepare(args: list[str]) -> dict[str, Any]:
                             " into its cache (data.cache_dir), so that multi-rank training starts at once.")
     parser.add_argument("--config", action=ActionConfigFile, help="the training config (only its data section is used)")
     parser.add_subclass_arguments(TextDataModule, "data", required=True)
-    parser.set_defaults(DEFAULT_DATA)
     for other in ("model", "trainer", "optimizer", "lr_scheduler"):  # parts of the training config, not used here
         parser.add_argument(f"--{other}", type=Optional[Any], default=None)
     parser.add_argument("--seed_everything", type=Optional[Any], default=None)
@@ -211,8 +209,31 @@ def prepare(args: list[str]) -> dict[str, Any]:
     return data.prepare()
 
 
+def configures_data(argv: list[str]) -> bool:
+    """Whether the command line, or a ``--config`` file it names, configures the data (a ``data:`` section)."""
+    import yaml
+
+    for i, arg in enumerate(argv):
+        if arg == "--data" or arg.startswith(("--data.", "--data=")):
+            return True
+        config = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else arg.partition("=")[2] if arg.startswith(
+            "--config=") else None
+        if config is not None and Path(config).is_file():
+            document = yaml.safe_load(Path(config).read_text())
+            if isinstance(document, dict) and document.get("data") is not None:
+                return True
+    return False
+
+
 def main(args: Optional[list[str]] = None) -> Any:
-    argv = sys.argv[1:] if args is None else args
+    argv = list(sys.argv[1:] if args is None else args)
+    # The data class is a choice (text or SFT): LightningCLI then requires a data section. A run that gives none gets
+    # the text data here; a default class in the parser would instead hand its defaults (path, val_fraction, ...) to
+    # whichever class a config names.
+    if argv[:1] and not argv[0].startswith("-") and not configures_data(argv[1:]):
+        argv.append(DEFAULT_DATA)
+        if args is None:
+            sys.argv.append(DEFAULT_DATA)  # what LightningCLI reads, and what Lightning's launcher re-runs per rank
     if argv[:1] == ["prepare"]:
         return prepare(argv[1:])
     return LLaMACLI(
@@ -222,7 +243,7 @@ def main(args: Optional[list[str]] = None) -> Any:
         trainer_defaults={"callbacks": [TokenThroughputMonitor(), RunSummary(), ModelCheckpoint(save_last=True),
                                        GracefulPreemption(save_on_preemption=True), NonFiniteLossGuard()]},
         save_config_kwargs={"overwrite": False},
-        args=args,
+        args=None if args is None else argv,
     )
 
 
