@@ -69,3 +69,6 @@ def test_what_cannot_run_sharded_fails_first_with_the_fix(compat):
         assert "weight_decay" in errors["l2_penalty"]
         assert errors["meta_without_reset_parameters"].startswith(
             "MaterializationError: npu_fsdp cannot initialise shift (Shift)")
+        assert errors["user_sharded_changed_after_sharding"].startswith(
+            "MaterializationError: npu_fsdp cannot give blocks.0.linear.weight its first values")
+        assert "before calling fully_shard" in errors["user_sharded_changed_after_sharding"]

@@ -52,3 +52,25 @@ def test_no_backward_sync_accumulates_like_ddp_and_leaves_sync_as_found_under_fs
     assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
     assert fsdp["losses"][-1] < fsdp["losses"][0]
     assert fsdp["fsdp_reduced_inside_outer_context"] is False
+
+
+def test_joint_fabric_setup_trains_the_sharded_model_as_npu_ddp_does(tmp_path):
+    """``model, optimizer = fabric.setup(model, optimizer)`` with an optimizer made (and stepped once) before
+    sharding: under npu_fsdp its steps used to leave the sharded weights unchanged, and fabric.save raised KeyError.
+    Now the per-step losses (with gradient clipping) equal npu_ddp's, the moments it held are sharded with it, and
+    a sharded and a full checkpoint of the pair resume steps 3-4 exactly. The full checkpoint numbers the optimizer's
+    parameters as optimizer.state_dict() does, so a plain model's AdamW loads it."""
+    run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                str(SCRIPTS / "fabric_joint_setup_run.py"), str(tmp_path)])
+    results = [read_json(tmp_path / f"rank{rank}.json") for rank in range(2)]
+    mean_ddp = [sum(losses) / 2 for losses in zip(*(result["npu_ddp"]["losses"] for result in results))]
+    assert len(mean_ddp) == 4 and mean_ddp[-1] < mean_ddp[0]
+    for result in results:
+        ddp = result["npu_ddp"]["losses"]
+        for run in ("npu_fsdp", "npu_fsdp_full"):
+            assert result[run]["weights_changed"] is True
+            assert result[run]["losses"] == pytest.approx(ddp, rel=1e-5)
+            assert result[run]["resumed"] == pytest.approx(result[run]["losses"][2:], abs=1e-6)
+        assert result["full_optimizer_state_keys"] == list(range(10))
+        assert result["full_optimizer_group_params"] == [list(range(10))]
+        assert result["plain_optimizer_state_size"] == 10

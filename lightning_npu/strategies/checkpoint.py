@@ -302,12 +302,22 @@ def trainer_tensors(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return tensors
 
 
+def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, options: Any) -> dict[str, Any]:
+    """``optimizer``'s state for a checkpoint of the sharded ``module``: keyed by parameter name in a sharded
+    checkpoint (DCP matches names), numbered as ``optimizer.state_dict()`` numbers them in a full one (so a plain
+    optimizer loads it, as it loads the full checkpoints of Lightning's FSDP strategies)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(module, optimizer, options=options)
+    return keyed_by_index(state) if options.full_state_dict else state
+
+
 def split_fabric_state(
     state: Mapping[str, Any], full_state_dict: bool, filter: Optional[dict[str, Callable[[str, Any], bool]]],
     cpu_offload: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Fabric's ``state``: (modules' and optimizers' state dicts, everything else), as Fabric's strategy splits it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     modules = [obj for obj in state.values() if has_dtensor_modules(obj)]
     if len(modules) != 1:
@@ -323,7 +333,7 @@ def split_fabric_state(
         if isinstance(obj, nn.Module):
             apply_filter(key, filter or {}, get_model_state_dict(obj, options=options), tensors)
         elif isinstance(obj, Optimizer):
-            apply_filter(key, filter or {}, get_optimizer_state_dict(modules[0], obj, options=options), tensors)
+            apply_filter(key, filter or {}, optimizer_state_dict(modules[0], obj, options), tensors)
         else:
             apply_filter(key, filter or {}, obj.state_dict() if isinstance(obj, Stateful) else obj, metadata)
     return tensors, metadata
@@ -348,15 +358,20 @@ def load_into(
         )
     (module_key, module), = modules.items()
     optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
-    if is_sharded_checkpoint(path):
-        remainder = _load_sharded(path, module_key, module, optimizers, strict, weights_only)
-    elif path.is_file():
-        remainder = _load_full(path, module_key, module, optimizers, strict, optimizer_states_from_list, weights_only)
-    else:
-        raise FileNotFoundError(
-            f"no checkpoint at {path}: expected a sharded checkpoint directory (with {DCP_METADATA_FILENAME} and"
-            f" {META_FILENAME}) or a checkpoint file"
-        )
+    # The caller may be inside torch.inference_mode() (evaluation code often is): tensors DCP and torch.load
+    # create there are inference tensors, which cannot be copied into parameters.
+    with torch.inference_mode(False):
+        if is_sharded_checkpoint(path):
+            remainder = _load_sharded(path, module_key, module, optimizers, strict, optimizer_states_from_list,
+                                      weights_only)
+        elif path.is_file():
+            remainder = _load_full(path, module_key, module, optimizers, strict, optimizer_states_from_list,
+                                   weights_only)
+        else:
+            raise FileNotFoundError(
+                f"no checkpoint at {path}: expected a sharded checkpoint directory (with {DCP_METADATA_FILENAME} and"
+                f" {META_FILENAME}) or a checkpoint file"
+            )
     requested = state.keys() - modules.keys() - optimizers.keys()
     validate_keys_for_strict_loading(requested, remainder.keys(), strict=strict)
     move_state_into(source=remainder, destination=state, keys=requested)
@@ -364,7 +379,7 @@ def load_into(
 
 
 def _load_sharded(path: Path, module_key: str, module: nn.Module, optimizers: dict[str, Optimizer], strict: bool,
-                  weights_only: Optional[bool]) -> dict[str, Any]:
+                  from_list: bool, weights_only: Optional[bool]) -> dict[str, Any]:
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -379,6 +394,7 @@ def _load_sharded(path: Path, module_key: str, module: nn.Module, optimizers: di
             " was interrupted"
         )
     saved = _saved_prefixes(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    optimizers = _with_saved_state(optimizers, saved, path, required=strict or from_list)
     model_state = {module_key: get_model_state_dict(module)}
     dcp.load(model_state, checkpoint_id=path)
     module.load_state_dict(model_state[module_key], strict=strict)
@@ -424,15 +440,30 @@ def _load_full(path: Path, module_key: str, module: nn.Module, optimizers: dict[
 
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     load_raw_module_state(checkpoint.pop(module_key), module, strict=strict)
-    for index, (key, optimizer) in enumerate(optimizers.items()):
-        saved = keyed_by_name(checkpoint["optimizer_states"][index] if from_list else checkpoint.pop(key), module,
-                              optimizer)
+    if from_list:  # a Trainer checkpoint: the optimizers' states in a list, in the optimizers' order
+        checkpoint.update(zip(optimizers, checkpoint.pop("optimizer_states", [])))
+    for key, optimizer in _with_saved_state(optimizers, checkpoint, path, required=strict or from_list).items():
+        saved = keyed_by_name(checkpoint.pop(key), module, optimizer)
         # torch's full-state path shards the saved tensors onto the live ones and fails when there are none (an
         # optimizer without state, e.g. SGD without momentum): then only the param groups need restoring.
         full = any(isinstance(t, torch.Tensor) for values in saved.get("state", {}).values() for t in values.values())
         options = StateDictOptions(full_state_dict=full, broadcast_from_rank0=full, strict=strict)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=saved, options=options)
     return checkpoint
+
+
+def _with_saved_state(optimizers: dict[str, Optimizer], saved: Any, path: Path, required: bool) -> dict[str, Optimizer]:
+    """The optimizers whose key the checkpoint holds (``saved``: its keys); a missing one fails if ``required``."""
+    missing = [key for key in optimizers if key not in saved]
+    if missing and required:
+        raise KeyError(
+            f"the checkpoint {path} holds no optimizer state for {', '.join(map(repr, missing))}: it was saved with"
+            " weights only (`save_checkpoint(..., weights_only=True)`, `ModelCheckpoint(save_weights_only=True)`), so"
+            " it cannot resume training. Evaluate from it (trainer.validate/test/predict(ckpt_path=...)), or start a"
+            " new fit from its weights (`MyModule.load_from_checkpoint(path)`, then trainer.fit(model) without"
+            " ckpt_path)"
+        )
+    return {key: optimizer for key, optimizer in optimizers.items() if key not in missing}
 
 
 def keyed_by_name(optimizer_state: dict[str, Any], module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:

@@ -8,7 +8,7 @@ so this builds on Lightning's FSDP2 ``ModelParallelStrategy`` rather than its ``
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterable, Literal, Mapping, Optional, Union
@@ -39,9 +39,11 @@ from lightning_npu.strategies.checkpoint import (
     directory_error,
     is_sharded_checkpoint,
     load_into,
+    optimizer_state_dict,
     split_fabric_state,
     trainer_tensors,
 )
+from lightning_npu.strategies.rebind import ReplacedParameters
 from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta, with_host_backend
 from lightning_npu.strategies.parallelize import (
     MODULE_CLASSES,
@@ -220,6 +222,9 @@ class _FSDPStrategyBase(BackendFromRuntime):
             memory_fraction=memory_fraction,
         )
         self._checkpoints = CheckpointWriter(bool(async_save), timeout)
+        # What rank 0's configure_model built (Trainer), and which parameters sharding replaced (Fabric).
+        self._built_in_configure_model: Optional[initial_state.BuiltParameters] = None
+        self._replaced = ReplacedParameters()
 
     def _base_kwargs(self) -> dict[str, Any]:
         return {}
@@ -245,12 +250,16 @@ class _FSDPStrategyBase(BackendFromRuntime):
         later stage of the same Trainer (``validate`` after ``fit``) finds it sharded and trained already."""
         if getattr(model, _SHARDED_HERE, False):
             return
-        state = initial_state.capture(model)
-        self.options.parallelize(model, self.device_mesh, precision_name(precision_plugin), step_methods)
-        # Initialised on the mesh's device, whose generator DTensor offsets per rank, then offloaded.
-        initial_state.apply(model, state, self.root_device)
-        if self.options.cpu_offload:
-            _offload_parameters(model)
+        # The caller may be inside torch.inference_mode() (trainer.test from an evaluation script): the sharded
+        # parameters made there would be inference tensors, which no checkpoint can be loaded into.
+        with torch.inference_mode(False):
+            state = initial_state.capture(model, self._built_in_configure_model)
+            self._built_in_configure_model = None
+            self.options.parallelize(model, self.device_mesh, precision_name(precision_plugin), step_methods)
+            # Initialised on the mesh's device, whose generator DTensor offsets per rank, then offloaded.
+            initial_state.apply(model, state, self.root_device)
+            if self.options.cpu_offload:
+                _offload_parameters(model)
         setattr(model, _SHARDED_HERE, True)
 
     # ---- checkpoints (lightning_npu.strategies.checkpoint does the work) ----
@@ -292,7 +301,12 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         # configure_model builds the model for real on rank 0 only; the other ranks build it on the meta device
         # and receive rank 0's values after sharding, so one host copy exists and every rank starts alike.
         # (The meta device everywhere, and reset_parameters() after sharding, is the model's own opt-in.)
-        with torch.device("meta") if self.global_rank != 0 else nullcontext():
+        # Rank 0 remembers what it built, for modules the user shards there (see initial_state).
+        if self.global_rank != 0:
+            with torch.device("meta"):
+                yield
+            return
+        with initial_state.recording_built_parameters() as self._built_in_configure_model:
             yield
 
     @override
@@ -329,11 +343,11 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        # Keyed by parameter name (Lightning's base rekeys through FSDP1 APIs that NPUs lack).
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
+        # A sharded checkpoint keys the state by parameter name (DCP matches names); a full one numbers the
+        # parameters as optimizer.state_dict() does, as Lightning's FSDP strategies write it (without FSDP1 APIs).
         optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return get_optimizer_state_dict(self.model, optimizer, options=self._state_dict_options())
+        _reshard(self.model)  # after an evaluation forward the root holds gathered parameters, not the optimizer's
+        return optimizer_state_dict(self.model, optimizer, self._state_dict_options())
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -350,7 +364,11 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         self._checkpoints.recover_path(self, path)
         _reshard(self.model)
-        state = {"state_dict": self.model, **{f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers)}}
+        # Lightning restores optimizer states only to fit; evaluation needs the weights alone (which is all a
+        # weights-only checkpoint holds).
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = self.optimizers if fitting else []
+        state = {"state_dict": self.model, **{f"optimizer_{i}": opt for i, opt in enumerate(optimizers)}}
         return load_into(path, state, strict=self.lightning_module.strict_loading, optimizer_states_from_list=True,
                          weights_only=weights_only)
 
@@ -374,8 +392,16 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
+        before = ReplacedParameters.before(module)
         self._shard(module, self.precision)
+        self._replaced.record(module, before)
         return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        # An optimizer made from the unsharded model (fabric.setup(model, optimizer)) steps the sharded parameters.
+        self._replaced.rebind(optimizer)
+        return super().setup_optimizer(optimizer)
 
     @override
     def save_checkpoint(

@@ -12,6 +12,13 @@ nowhere (built on the meta device on purpose: ``trainer.init_module(empty_init=T
   sharding by its module's ``reset_parameters()``, shard by shard; a module that has none is an error naming it,
   raised before anything is sharded.
 
+A module the user shards with ``fully_shard`` in ``configure_model`` is sharded before npu_fsdp sees it: rank 0 then
+holds only its own shard, and the other ranks (which built on the meta device) hold none. While ``configure_model``
+runs on rank 0, :func:`recording_built_parameters` therefore remembers every parameter a module registers; the
+parameter FSDP replaced still holds the full value the user's code built, and rank 0 sends that (after checking that
+its own shard is still part of it). A user-sharded parameter that rank 0 cannot vouch for (changed after sharding,
+or created as a DTensor directly) is an error when another rank holds no value for it.
+
 Parameters and buffers are materialised on the device the mesh computes on, so random initialisation of a
 shard draws from that device's generator, which DTensor offsets per rank (a CPU shard of an NPU mesh would
 draw the same numbers on every rank); with CPU offload the strategy moves the shards to the host afterwards.
@@ -19,9 +26,11 @@ draw the same numbers on every rank); with CPU offload the strategy moves the sh
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Iterator
+from typing import Iterator, Optional
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
@@ -45,20 +54,65 @@ class InitialState:
     values: dict[str, Tensor] = field(default_factory=dict)
 
 
-def capture(model: nn.Module) -> InitialState:
-    """Take rank 0's view of ``model`` before sharding (a collective: every rank calls it)."""
+class BuiltParameters:
+    """The plain parameters modules registered while recording, by module and attribute name (the last one wins)."""
+
+    def __init__(self) -> None:
+        self._by_module: WeakKeyDictionary[nn.Module, dict[str, Tensor]] = WeakKeyDictionary()
+
+    def record(self, module: nn.Module, name: str, param: Tensor) -> None:
+        if not isinstance(param, DTensor):
+            self._by_module.setdefault(module, {})[name] = param
+
+    def full_value(self, model: nn.Module, name: str, sharded: DTensor) -> Optional[Tensor]:
+        """What the user's code built for the parameter ``name`` of ``model``, now the DTensor ``sharded``; None if
+        nothing was recorded for it or the recorded value no longer matches this rank's shard."""
+        owner_name, _, attribute = name.rpartition(".")
+        built = self._by_module.get(model.get_submodule(owner_name), {}).get(attribute)
+        if built is None or built.is_meta or built.shape != sharded.shape:
+            return None
+        # Rank 0 sits at coordinate 0 of every mesh dimension, so its shard starts at offset 0 in each dimension.
+        local = sharded.to_local()
+        with torch.no_grad():
+            corner = built[tuple(slice(0, size) for size in local.shape)]
+            return built if torch.equal(corner.to(local.device, local.dtype), local) else None
+
+
+@contextmanager
+def recording_built_parameters() -> Iterator[BuiltParameters]:
+    """Remember the parameters every module registers inside this context (see the module docstring)."""
+    built = BuiltParameters()
+    handle = nn.modules.module.register_module_parameter_registration_hook(built.record)
+    try:
+        yield built
+    finally:
+        handle.remove()
+
+
+def capture(model: nn.Module, built: Optional[BuiltParameters] = None) -> InitialState:
+    """Take rank 0's view of ``model`` before sharding (a collective: every rank calls it). ``built``: what rank 0's
+    ``configure_model`` built (:func:`recording_built_parameters`), for the parameters the user sharded there."""
     rank0 = _rank() == 0
-    meta = [sorted(name for name, tensor in _named_tensors(model) if tensor.is_meta)] if rank0 else [None]
-    if _distributed():
-        dist.broadcast_object_list(meta, src=0)
-    meta_names = frozenset(meta[0])
-    _check_materializable(model, meta_names)
-    values = {}
+    values: dict[str, Tensor] = {}
+    view: list = [None]
     if rank0:
-        # Parameters that are DTensors already (sharded by the user in configure_model) hold their values on
-        # every rank.
-        values = {name: param for name, param in model.named_parameters(remove_duplicate=False)
-                  if name not in meta_names and not isinstance(param, DTensor)}
+        meta_names = frozenset(name for name, tensor in _named_tensors(model) if tensor.is_meta)
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if name in meta_names:
+                continue
+            if not isinstance(param, DTensor):
+                values[name] = param
+            elif built is not None and (full := built.full_value(model, name, param)) is not None:
+                values[name] = full
+        user_sharded = {name for name, param in model.named_parameters(remove_duplicate=False)
+                        if isinstance(param, DTensor)}
+        view = [(sorted(meta_names), sorted(user_sharded - meta_names - values.keys()))]
+    if _distributed():
+        dist.broadcast_object_list(view, src=0)
+    meta, unvouched = view[0]
+    meta_names = frozenset(meta)
+    _check_materializable(model, meta_names)
+    _check_user_sharded(model, frozenset(unvouched))
     return InitialState(meta_names, values)
 
 
@@ -95,6 +149,25 @@ def _check_materializable(model: nn.Module, meta_names: frozenset[str]) -> None:
             " device, and it has no reset_parameters() to initialise them after sharding. Give the module a"
             " reset_parameters() method, or create it for real (outside torch.device('meta') / empty_init=True):"
             " rank 0's values are then sent to every rank."
+        )
+
+
+def _check_user_sharded(model: nn.Module, unvouched: frozenset[str]) -> None:
+    """Fail on every rank alike if a rank holds no value (meta) for a user-sharded parameter rank 0 cannot send."""
+    empty = [sorted(name for name, param in model.named_parameters(remove_duplicate=False)
+                    if name in unvouched and param.is_meta)]
+    if _distributed():
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, empty[0])
+        empty = gathered
+    missing = sorted({name for names in empty for name in names})
+    if missing:
+        raise MaterializationError(
+            f"npu_fsdp cannot give {', '.join(missing)} its first values: the module was sharded with fully_shard in"
+            " configure_model, which builds on the meta device on every rank but 0, and rank 0 no longer holds the"
+            " whole value it built (its shard changed after fully_shard, or the parameter was created as a DTensor)."
+            " Initialise the module before calling fully_shard, or build it on the meta device on every rank"
+            " (`with torch.device('meta')`) and give it a reset_parameters() method."
         )
 
 

@@ -173,6 +173,36 @@ class ConfigureModelNet(Base):
         torch.save(nn.Sequential(Residual(), Residual()).state_dict(), path)
 
 
+class UserShardedNet(Base):
+    """Built in ``configure_model``, which seeds and shards each block itself with ``fully_shard`` on
+    ``self.device_mesh``, as Lightning's ModelParallelStrategy users write it (no mesh, no sharding: npu_ddp)."""
+
+    def __init__(self, change_after_sharding: bool = False) -> None:
+        super().__init__()
+        self.change_after_sharding = change_after_sharding
+        self.blocks = None
+
+    def configure_model(self) -> None:
+        if self.blocks is not None:
+            return
+        torch.manual_seed(4321)
+        self.blocks = nn.Sequential(Residual(), Residual())
+        self.head = nn.Linear(WIDTH, 1)
+        if self.device_mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for block in self.blocks:
+            fully_shard(block, mesh=self.device_mesh)
+        if self.change_after_sharding:
+            with torch.no_grad():
+                self.blocks[0].linear.weight.to_local().mul_(2.0)
+
+    def loss(self, batch):
+        x, y = batch
+        return F.mse_loss(self.head(self.blocks(x)), y)
+
+
 class FrozenBackboneNet(Base):
     """A frozen backbone under a trainable head; the optimizer holds the trainable parameters only."""
 
@@ -267,6 +297,7 @@ MODELS = {
     "tied_embedding_head": lambda out: TiedNet(),
     "custom_init": lambda out: CustomInitNet(),
     "configure_model": lambda out: ConfigureModelNet(os.path.join(out, "encoder.pt")),
+    "user_fully_shard": lambda out: UserShardedNet(),
     "frozen_backbone": lambda out: FrozenBackboneNet(),
     "manual_optimization": lambda out: ManualOptimizationNet(),
     "torchmetrics": lambda out: MetricsNet(),

@@ -19,7 +19,14 @@ from lightning.pytorch.callbacks import StochasticWeightAveraging
 from torch.utils.data import DataLoader, Subset
 
 import lightning_npu
-from tests.scripts.compat_models import MODELS, ConfigureModelNet, CustomInitNet, L2PenaltyNet, Shift
+from tests.scripts.compat_models import (
+    MODELS,
+    ConfigureModelNet,
+    CustomInitNet,
+    L2PenaltyNet,
+    Shift,
+    UserShardedNet,
+)
 
 BATCH = 4
 STEPS = 4
@@ -136,6 +143,8 @@ def main() -> None:
                               callbacks=[StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)]),
         "l2_penalty": expect_failure("npu_fsdp", lambda run: L2PenaltyNet(), out),
         "meta_without_reset_parameters": expect_failure("npu_fsdp", meta_init, out),
+        "user_sharded_changed_after_sharding": expect_failure(
+            "npu_fsdp", lambda run: UserShardedNet(change_after_sharding=True), out),
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps({"results": results, "errors": errors}))
 
