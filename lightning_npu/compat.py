@@ -108,6 +108,8 @@ IMPORTED = {
         "lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device"),
     # Recomputes a module's activations in backward while keeping its parameter names (checkpoints unchanged).
     "composable_checkpoint": Fenced("torch.distributed._composable", "checkpoint"),
+    # What torch's checkpoint_wrapper / apply_activation_checkpointing wrap a module in.
+    "CheckpointWrapper": Fenced("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper"),
     # Loads a DCP checkpoint without knowing its keys up front (the recipe's checkpoint reader).
     "EmptyStateDictLoadPlanner": Fenced("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
     # DCP's loader with ``no_dist``: reads a checkpoint in one process without a process group.
@@ -249,6 +251,7 @@ Stateful: type = _RESOLVED[IMPORTED["Stateful"]]
 default_process_group_backend_for_device: Callable[..., str] = _RESOLVED[
     IMPORTED["default_process_group_backend_for_device"]]
 composable_checkpoint: Callable[..., Any] = _RESOLVED[IMPORTED["composable_checkpoint"]]
+CheckpointWrapper: type = _RESOLVED[IMPORTED["CheckpointWrapper"]]
 EmptyStateDictLoadPlanner: type = _RESOLVED[IMPORTED["EmptyStateDictLoadPlanner"]]
 dcp_load_state_dict: Callable[..., None] = _RESOLVED[IMPORTED["dcp_load_state_dict"]]
 
