@@ -385,7 +385,13 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (it uses no CheckpointIO)")
         if filter is not None and compat.saves_distributed_checkpoint(self):
-            raise NotImplementedError("a filtered checkpoint cannot be sharded; use state_dict_type='full' with filter=")
+            raise NotImplementedError(
+                f"fabric.save(..., filter=...) cannot write a sharded checkpoint (nothing was written to {path}): npu_fsdp"
+                " reads sharded checkpoints back whole, as a resumable state. For a filtered file, use"
+                " NPUFabricFSDPStrategy(state_dict_type='full') (rank 0 writes one file with the kept entries); or save"
+                " without filter= and keep what you need afterwards: `lightning-npu consolidate DIR FILE` writes one"
+                " file to filter, and fabric.load(DIR, state) restores only the objects named in state."
+            )
         path = Path(self.broadcast(path))
         options = self._state_dict_options()
         tensors, metadata = split_fabric_state(state, options.full_state_dict, filter, options.cpu_offload)
