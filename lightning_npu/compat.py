@@ -142,6 +142,8 @@ OVERRIDDEN = (
     Fenced(_FABRIC_DDP, "_get_process_group_backend"),
     Fenced(_TRAINER_FSDP2, "_get_process_group_backend"),
     Fenced(_FABRIC_FSDP2, "_get_process_group_backend"),
+    # Refuses every SyncBatchNorm of a CPU module; the simulated NPU's HostSyncBatchNorm trains there.
+    Fenced("torch.nn.parallel:DistributedDataParallel", "_passing_sync_batchnorm_handle"),
 )
 
 #: Everything else, read or written through the accessors below.
@@ -158,6 +160,7 @@ ACCESSED = (
     *(Fenced(owner, "_setup_distributed") for owner in (_TRAINER_FSDP2, _FABRIC_FSDP2)),
     Fenced(_FABRIC_FSDP2, "_backward_sync_control", instance=True),
     Fenced("lightning.pytorch:LightningModule", "_device_mesh", instance=True),
+    Fenced("lightning.pytorch.strategies:ParallelStrategy", "_layer_sync", instance=True),
     *(Fenced(owner, "_root_device", instance=True)
       for owner in ("lightning.pytorch.strategies:SingleDeviceStrategy", "lightning.fabric.strategies:SingleDeviceStrategy")),
     Fenced("lightning.pytorch:Trainer", "_checkpoint_connector", instance=True),
@@ -305,6 +308,12 @@ def setup_distributed(strategy: Any) -> None:
 def set_device_mesh(owner: Any, mesh: Any) -> None:
     """Give a strategy or LightningModule the mesh its public ``device_mesh`` property returns."""
     owner._device_mesh = mesh
+
+
+def layer_sync(strategy: Any) -> Optional[Any]:
+    """The ``LayerSync`` plugin the Trainer's connector gave a parallel strategy (``Trainer(sync_batchnorm=True)``:
+    ``TorchSyncBatchNorm``), or None."""
+    return strategy._layer_sync
 
 
 def set_root_device(strategy: Any, device: Any) -> None:

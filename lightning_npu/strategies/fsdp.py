@@ -43,6 +43,7 @@ from lightning_npu.strategies.checkpoint import (
     trainer_tensors,
 )
 from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta, with_host_backend
+from lightning_npu.strategies.fsdp1 import fsdp1_wrap_reported, refuse_fsdp1_units
 from lightning_npu.strategies.parallelize import (
     MODULE_CLASSES,
     SHARDING,
@@ -53,6 +54,7 @@ from lightning_npu.strategies.parallelize import (
     repeated_block_class,
     resolve_module_classes,
 )
+from lightning_npu.strategies.sync_batchnorm import host_sync_batchnorm
 
 STATE_DICT_TYPE = Literal["sharded", "full"]
 
@@ -71,6 +73,7 @@ class FSDPOptions(FSDPChoices):
 
     def parallelize(self, model: nn.Module, mesh: Any, precision: Optional[str], step_methods: Iterable[str] = ()) -> None:
         """Checkpoint activations, then shard ``model``: blocks by policy, then ``model`` as the root unit."""
+        refuse_fsdp1_units(model)
         ac_classes = resolve_module_classes(self.activation_checkpointing_policy, model, "activation_checkpointing_policy")
         checkpointed = apply_activation_checkpointing(model, ac_classes, float(self.activation_checkpointing_ratio))
         wrap_classes, chosen_by = self.wrap_classes(model)
@@ -245,6 +248,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
         later stage of the same Trainer (``validate`` after ``fit``) finds it sharded and trained already."""
         if getattr(model, _SHARDED_HERE, False):
             return
+        host_sync_batchnorm(model, self.root_device)
         state = initial_state.capture(model)
         self.options.parallelize(model, self.device_mesh, precision_name(precision_plugin), step_methods)
         # Initialised on the mesh's device, whose generator DTensor offsets per rank, then offloaded.
@@ -292,13 +296,20 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         # configure_model builds the model for real on rank 0 only; the other ranks build it on the meta device
         # and receive rank 0's values after sharding, so one host copy exists and every rank starts alike.
         # (The meta device everywhere, and reset_parameters() after sharding, is the model's own opt-in.)
-        with torch.device("meta") if self.global_rank != 0 else nullcontext():
+        # FSDP1's wrap() there is reported: it does nothing under FSDP2.
+        meta = torch.device("meta") if self.global_rank != 0 else nullcontext()
+        with meta, fsdp1_wrap_reported("configure_model"):
             yield
 
     @override
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
         check_callbacks(trainer.callbacks)
+        layer_sync = compat.layer_sync(self)
+        if layer_sync is not None and not getattr(self.model, _SHARDED_HERE, False):
+            # sync_batchnorm=True: before sharding, so FSDP shards the SyncBatchNorm modules; in whichever stage
+            # shards first (a sharded model cannot be converted later; Lightning's strategies convert when fitting).
+            self.model = layer_sync.apply(self.model)
         # Cast before sharding: a dtype cast of sharded parameters has no DTensor rule on NPU.
         self.model = self.precision_plugin.convert_module(self.model)
         self._shard(self.model, self.precision_plugin, STEP_METHODS)
@@ -371,6 +382,12 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
     @override
     def setup_environment(self) -> None:
         self._setup_sharded_environment()
+
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> Any:
+        stack = super().module_init_context(empty_init)
+        stack.enter_context(fsdp1_wrap_reported("fabric.init_module()"))
+        return stack
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
