@@ -108,6 +108,8 @@ IMPORTED = {
         "lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device"),
     # Recomputes a module's activations in backward while keeping its parameter names (checkpoints unchanged).
     "composable_checkpoint": Fenced("torch.distributed._composable", "checkpoint"),
+    # What torch's checkpoint_wrapper / apply_activation_checkpointing wrap a module in.
+    "CheckpointWrapper": Fenced("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper"),
     # Loads a DCP checkpoint without knowing its keys up front (the recipe's checkpoint reader).
     "EmptyStateDictLoadPlanner": Fenced("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
     # DCP's loader with ``no_dist``: reads a checkpoint in one process without a process group.
@@ -140,6 +142,8 @@ OVERRIDDEN = (
     Fenced(_FABRIC_DDP, "_get_process_group_backend"),
     Fenced(_TRAINER_FSDP2, "_get_process_group_backend"),
     Fenced(_FABRIC_FSDP2, "_get_process_group_backend"),
+    # Refuses every SyncBatchNorm of a CPU module; the simulated NPU's HostSyncBatchNorm trains there.
+    Fenced("torch.nn.parallel:DistributedDataParallel", "_passing_sync_batchnorm_handle"),
 )
 
 #: Everything else, read or written through the accessors below.
@@ -156,6 +160,7 @@ ACCESSED = (
     *(Fenced(owner, "_setup_distributed") for owner in (_TRAINER_FSDP2, _FABRIC_FSDP2)),
     Fenced(_FABRIC_FSDP2, "_backward_sync_control", instance=True),
     Fenced("lightning.pytorch:LightningModule", "_device_mesh", instance=True),
+    Fenced("lightning.pytorch.strategies:ParallelStrategy", "_layer_sync", instance=True),
     *(Fenced(owner, "_root_device", instance=True)
       for owner in ("lightning.pytorch.strategies:SingleDeviceStrategy", "lightning.fabric.strategies:SingleDeviceStrategy")),
     Fenced("lightning.pytorch:Trainer", "_checkpoint_connector", instance=True),
@@ -249,6 +254,7 @@ Stateful: type = _RESOLVED[IMPORTED["Stateful"]]
 default_process_group_backend_for_device: Callable[..., str] = _RESOLVED[
     IMPORTED["default_process_group_backend_for_device"]]
 composable_checkpoint: Callable[..., Any] = _RESOLVED[IMPORTED["composable_checkpoint"]]
+CheckpointWrapper: type = _RESOLVED[IMPORTED["CheckpointWrapper"]]
 EmptyStateDictLoadPlanner: type = _RESOLVED[IMPORTED["EmptyStateDictLoadPlanner"]]
 dcp_load_state_dict: Callable[..., None] = _RESOLVED[IMPORTED["dcp_load_state_dict"]]
 
@@ -302,6 +308,12 @@ def setup_distributed(strategy: Any) -> None:
 def set_device_mesh(owner: Any, mesh: Any) -> None:
     """Give a strategy or LightningModule the mesh its public ``device_mesh`` property returns."""
     owner._device_mesh = mesh
+
+
+def layer_sync(strategy: Any) -> Optional[Any]:
+    """The ``LayerSync`` plugin the Trainer's connector gave a parallel strategy (``Trainer(sync_batchnorm=True)``:
+    ``TorchSyncBatchNorm``), or None."""
+    return strategy._layer_sync
 
 
 def set_root_device(strategy: Any, device: Any) -> None:

@@ -150,15 +150,31 @@ def test_consolidate_explains_a_path_that_is_not_a_sharded_checkpoint(tmp_path, 
     assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err
 
 
-def test_fabric_full_sgd_and_async_sharded_round_trip(tmp_path):
+@pytest.fixture(scope="module")
+def fabric_checkpoints(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fabric_checkpoints")
+    run_python([FABRIC_SCRIPT, "--out", str(out)])
+    return read_json(out / "result.json")
+
+
+def test_fabric_full_sgd_and_async_sharded_round_trip(fabric_checkpoints):
     """Fabric: a full checkpoint of a stateless SGD optimizer loads back (IndexError before), an asynchronous
     sharded save resumes to the same losses, and fabric.load_raw of a sharded directory names the consolidate
     command."""
-    run_python([FABRIC_SCRIPT, "--out", str(tmp_path)])
-    result = read_json(tmp_path / "result.json")
+    result = fabric_checkpoints
     assert result["full_sgd_resumed"] == pytest.approx(result["full_sgd_reference"], abs=1e-6)
     assert result["async_resumed"] == pytest.approx(result["async_reference"], abs=1e-6)
     assert "lightning-npu consolidate" in result["load_raw_error"]
+
+
+def test_a_filtered_sharded_fabric_save_says_what_to_do_and_writes_nothing(fabric_checkpoints):
+    """Catches an error that named no concrete way out: it must give the strategy argument for a filtered file and
+    the ways to keep part of a sharded one, and nothing may be written at the path (not even a temporary)."""
+    error = fabric_checkpoints["filtered_error"]
+    assert error.startswith("fabric.save(..., filter=...) cannot write a sharded checkpoint (nothing was written to")
+    assert "NPUFabricFSDPStrategy(state_dict_type='full')" in error
+    assert "lightning-npu consolidate DIR FILE" in error and "fabric.load(DIR, state)" in error
+    assert fabric_checkpoints["filtered_written"] == []
 
 
 def test_publish_and_recover_never_lose_the_previous_checkpoint(tmp_path):

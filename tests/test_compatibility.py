@@ -9,10 +9,15 @@ replaced by ``reset_parameters()``, a tied embedding and head became two paramet
 
 from __future__ import annotations
 
-import pytest
+import warnings
 
+import pytest
+import torch
+from torch import nn
+
+from lightning_npu.strategies import fsdp1
 from tests.helpers import SCRIPTS, read_json, run_python
-from tests.scripts.compat_models import MODELS
+from tests.scripts.compat_models import MODELS, BatchNormNet
 
 PATTERNS = [*MODELS, "init_module", "gradient_accumulation"]
 
@@ -25,7 +30,7 @@ def compat(tmp_path_factory):
     return [read_json(out / f"rank{rank}.json") for rank in (0, 1)]
 
 
-@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("pattern", [*PATTERNS, "sync_batchnorm"])
 def test_fsdp_losses_equal_ddp_losses_step_by_step(compat, pattern):
     """Catches any difference in what is trained: a parameter left out of every unit, a tie broken, a root
     parameter not gathered in a step, or gradients not reduced."""
@@ -72,3 +77,87 @@ def test_what_cannot_run_sharded_fails_first_with_the_fix(compat):
         assert errors["user_sharded_changed_after_sharding"].startswith(
             "MaterializationError: npu_fsdp cannot give blocks.0.linear.weight its first values")
         assert "before calling fully_shard" in errors["user_sharded_changed_after_sharding"]
+
+
+def _one_process_on_both_ranks_batches(runs: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
+    """BatchNormNet trained in one process with plain BatchNorm on the union of both ranks' batches: its per-step
+    losses (the mean of the two ranks' losses, which hold half the samples each) and running statistics."""
+    model = BatchNormNet()
+    model.configure_model()
+    optimizer = model.configure_optimizers()
+    losses = []
+    for step in range(len(runs[0]["batches"])):
+        x, y = (torch.cat([torch.tensor(run["batches"][step][i]) for run in runs]) for i in (0, 1))
+        loss = model.loss((x, y))
+        losses.append(float(loss.detach()))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    stats = {name: buffer.tolist() for name, buffer in model.named_buffers()
+             if name.endswith(("running_mean", "running_var"))}
+    return losses, stats
+
+
+@pytest.mark.parametrize("strategy", ["npu_ddp", "npu_fsdp"])
+def test_sync_batchnorm_normalises_with_both_ranks_batches(compat, strategy):
+    """Trainer(sync_batchnorm=True), BatchNorm built in configure_model: every step equals one process training on
+    both ranks' batches, and the running statistics are those batches' on both ranks. Catches the flag ignored
+    under npu_fsdp (each rank normalised its own batch: other losses, running statistics unequal across ranks) and
+    SyncBatchNorm refused on the simulated NPU's CPU tensors (npu_ddp failed at setup)."""
+    runs = [rank["results"]["sync_batchnorm"][strategy] for rank in compat]
+    losses, stats = _one_process_on_both_ranks_batches(runs)
+    assert [(a + b) / 2 for a, b in zip(runs[0]["losses"], runs[1]["losses"])] == pytest.approx(losses, rel=1e-5)
+    assert runs[0]["losses"] != runs[1]["losses"]  # each rank's loss is over its own half
+    assert sorted(stats) == sorted(runs[0]["running_stats"]) == ["net.0.running_mean", "net.0.running_var",
+                                                                "net.2.running_mean", "net.2.running_var"]
+    for run in runs:
+        for name, values in stats.items():
+            assert run["running_stats"][name] == pytest.approx(values, rel=1e-5, abs=1e-6)
+
+
+def test_sync_batchnorm_modules_are_what_npu_fsdp_shards(compat):
+    for rank in compat:
+        assert rank["results"]["sync_batchnorm"]["npu_fsdp"]["sync_batchnorm_modules"] == 2
+
+
+def test_fsdp1_wrap_in_configure_model_is_reported_and_the_model_trains(compat):
+    """FSDP1's wrap() does nothing under FSDP2: rank 0 says so, naming auto_wrap_policy; the losses equal npu_ddp's
+    (test_fsdp_losses_equal_ddp_losses_step_by_step[fsdp1_wrap])."""
+    first, second = (rank["results"]["fsdp1_wrap"]["npu_fsdp"]["npu_fsdp_warnings"] for rank in compat)
+    assert len(first) == 1 and second == []  # rank 0 only
+    assert first[0].startswith("FSDP1's wrap() was called in configure_model on 2 modules (Residual) and does nothing")
+    assert "auto_wrap_policy=['Residual']" in first[0] and "fully_shard" in first[0]
+    assert all(rank["results"]["fsdp1_wrap"]["npu_ddp"]["npu_fsdp_warnings"] == [] for rank in compat)
+
+
+def test_fsdp1_units_are_refused_before_sharding(compat):
+    """Catches FSDP1 units silently mixed with FSDP2's, and torch's bare "nested autowrap" error."""
+    for rank in compat:
+        errors = rank["errors"]
+        assert errors["fsdp1_unit"].startswith("TypeError: the model holds FSDP1 FullyShardedDataParallel modules"
+                                               " (blocks.0): strategy='npu_fsdp' shards with FSDP2")
+        assert errors["fsdp1_enable_wrap"].startswith(
+            "RuntimeError: configure_model entered FSDP1's enable_wrap(), which builds FSDP1 units")
+        assert "auto_wrap_policy" in errors["fsdp1_unit"] and "auto_wrap_policy" in errors["fsdp1_enable_wrap"]
+
+
+def test_fsdp1_wrap_is_reported_once_per_process(monkeypatch):
+    """Fabric's init_module() (as Lightning's FSDPStrategy enters enable_wrap there) reports wrap() too."""
+    from lightning.fabric.plugins import Precision
+    from torch.distributed.fsdp.wrap import wrap
+
+    from lightning_npu import NPUFabricFSDPStrategy
+
+    monkeypatch.setattr(fsdp1, "_wrap_reported", False)
+    strategy = NPUFabricFSDPStrategy()
+    strategy.precision = Precision()
+    with pytest.warns(UserWarning, match=r"FSDP1's wrap\(\) was called in fabric.init_module\(\) on 1 modules \(Linear\)"):
+        with strategy.module_init_context():
+            layer = nn.Linear(2, 2)
+            assert wrap(layer) is layer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fsdp1.fsdp1_wrap_reported("fabric.init_module()"):
+            wrap(nn.Linear(2, 2))
+        with fsdp1.fsdp1_wrap_reported("configure_model"):
+            nn.Linear(2, 2)  # no wrap(): nothing to say

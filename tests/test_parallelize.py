@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from torch import nn
 
 from lightning_npu import NPUFSDPStrategy
@@ -31,6 +32,67 @@ def test_activation_checkpointing_keeps_parameter_names():
     chosen = apply_activation_checkpointing(net, (Block,), 0.5)
     assert chosen == ["blocks.1", "blocks.3"]
     assert [name for name, _ in net.named_parameters()] == names  # checkpoints stay loadable
+
+
+class Counted(nn.Module):
+    """Counts its forward calls: once in forward, once more per recomputation in backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.linear(x))
+
+
+class CountedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Counted(), Counted()
+
+    def forward(self, x):
+        return x + self.second(self.first(x))
+
+
+def _forward_calls_in_one_step(blocks: nn.Sequential) -> list[tuple[int, int]]:
+    blocks(torch.randn(2, 4)).sum().backward()
+    # A CheckpointWrapper forwards attribute lookups to the module inside.
+    return [(block.first.calls, block.second.calls) for block in blocks]
+
+
+def test_modules_checkpointed_by_hand_are_recomputed_once_not_twice():
+    """Catches a policy checkpointing again what the user checkpointed: a block around a layer given the composable
+    checkpoint() or wrapped by torch's apply_activation_checkpointing had that layer recomputed twice in backward
+    (3 forward calls), and a block inside torch's checkpoint_wrapper was checkpointed a second time."""
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as torch_apply_activation_checkpointing,
+    )
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    blocks = nn.Sequential(checkpoint_wrapper(CountedBlock()), CountedBlock(), CountedBlock(), CountedBlock())
+    checkpoint(blocks[1].first)
+    torch_apply_activation_checkpointing(blocks[2], check_fn=lambda module: module is blocks[2].first)
+    with pytest.warns(UserWarning, match=r"already contains checkpointed layers \(0, 1.first, 2.first; .*the 3"
+                                          r" modules of the policy inside or around them are not checkpointed again"):
+        chosen = apply_activation_checkpointing(blocks, (CountedBlock,), 1.0)
+    assert chosen == ["3"]
+    # Each checkpointed layer runs twice (forward, one recomputation); a layer nobody checkpointed runs once.
+    assert _forward_calls_in_one_step(blocks) == [(2, 2), (2, 1), (2, 1), (2, 2)]
+
+
+def test_a_module_given_checkpoint_by_hand_is_not_given_it_again():
+    """Catches torch's "can only be applied to a module once" AssertionError when the policy names a module the
+    user already gave the composable checkpoint()."""
+    from torch.distributed._composable import checkpoint
+
+    blocks = nn.Sequential(CountedBlock(), CountedBlock())
+    checkpoint(blocks[0])
+    with pytest.warns(UserWarning, match="already contains checkpointed layers"):
+        assert apply_activation_checkpointing(blocks, (CountedBlock,), 1.0) == ["1"]
+    assert _forward_calls_in_one_step(blocks) == [(2, 2)] * 2
 
 
 def test_module_classes_by_class_path_and_name():

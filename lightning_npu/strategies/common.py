@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_npu import compat
 from lightning_npu.facts.env import HCCL_TIMEOUTS
+from lightning_npu.strategies.sync_batchnorm import HostSyncBatchNormDDP, host_sync_batchnorm
 from lightning_npu.timeouts import default_timeout_s, timeout_problem
 
 TIMEOUT = Union[float, timedelta]
@@ -30,9 +31,12 @@ def as_timedelta(timeout: Optional[TIMEOUT]) -> timedelta:
 
 
 def wrap_ddp(module: torch.nn.Module, root_device: torch.device, ddp_kwargs: dict[str, Any]) -> DistributedDataParallel:
-    """Wrap in DDP without Lightning's CUDA side stream (``torch.cuda.stream`` fails on NPU machines)."""
-    device_ids = None if root_device.type == "cpu" else [root_device.index]
-    return DistributedDataParallel(module=module, device_ids=device_ids, **ddp_kwargs)
+    """Wrap in DDP without Lightning's CUDA side stream (``torch.cuda.stream`` fails on NPU machines); on the
+    simulated NPU, SyncBatchNorm modules run ``sync_batchnorm``'s host implementation, which DDP is told to accept."""
+    if root_device.type == "cpu":  # the simulated NPU
+        host_sync_batchnorm(module, root_device)
+        return HostSyncBatchNormDDP(module=module, device_ids=None, **ddp_kwargs)
+    return DistributedDataParallel(module=module, device_ids=[root_device.index], **ddp_kwargs)
 
 
 def check_timeouts(timeout: timedelta, backend: str) -> None:

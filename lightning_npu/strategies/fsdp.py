@@ -43,8 +43,8 @@ from lightning_npu.strategies.checkpoint import (
     split_fabric_state,
     trainer_tensors,
 )
-from lightning_npu.strategies.rebind import ReplacedParameters
 from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta, with_host_backend
+from lightning_npu.strategies.fsdp1 import fsdp1_wrap_reported, refuse_fsdp1_units
 from lightning_npu.strategies.parallelize import (
     MODULE_CLASSES,
     SHARDING,
@@ -55,6 +55,8 @@ from lightning_npu.strategies.parallelize import (
     repeated_block_class,
     resolve_module_classes,
 )
+from lightning_npu.strategies.rebind import ReplacedParameters
+from lightning_npu.strategies.sync_batchnorm import host_sync_batchnorm
 
 STATE_DICT_TYPE = Literal["sharded", "full"]
 
@@ -73,6 +75,7 @@ class FSDPOptions(FSDPChoices):
 
     def parallelize(self, model: nn.Module, mesh: Any, precision: Optional[str], step_methods: Iterable[str] = ()) -> None:
         """Checkpoint activations, then shard ``model``: blocks by policy, then ``model`` as the root unit."""
+        refuse_fsdp1_units(model)
         ac_classes = resolve_module_classes(self.activation_checkpointing_policy, model, "activation_checkpointing_policy")
         checkpointed = apply_activation_checkpointing(model, ac_classes, float(self.activation_checkpointing_ratio))
         wrap_classes, chosen_by = self.wrap_classes(model)
@@ -253,6 +256,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
         # The caller may be inside torch.inference_mode() (trainer.test from an evaluation script): the sharded
         # parameters made there would be inference tensors, which no checkpoint can be loaded into.
         with torch.inference_mode(False):
+            host_sync_batchnorm(model, self.root_device)
             state = initial_state.capture(model, self._built_in_configure_model)
             self._built_in_configure_model = None
             self.options.parallelize(model, self.device_mesh, precision_name(precision_plugin), step_methods)
@@ -301,18 +305,25 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         # configure_model builds the model for real on rank 0 only; the other ranks build it on the meta device
         # and receive rank 0's values after sharding, so one host copy exists and every rank starts alike.
         # (The meta device everywhere, and reset_parameters() after sharding, is the model's own opt-in.)
-        # Rank 0 remembers what it built, for modules the user shards there (see initial_state).
-        if self.global_rank != 0:
-            with torch.device("meta"):
+        # Rank 0 remembers what it built, for modules the user shards there (see initial_state). FSDP1's wrap()
+        # there is reported: it does nothing under FSDP2.
+        with fsdp1_wrap_reported("configure_model"):
+            if self.global_rank != 0:
+                with torch.device("meta"):
+                    yield
+                return
+            with initial_state.recording_built_parameters() as self._built_in_configure_model:
                 yield
-            return
-        with initial_state.recording_built_parameters() as self._built_in_configure_model:
-            yield
 
     @override
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
         check_callbacks(trainer.callbacks)
+        layer_sync = compat.layer_sync(self)
+        if layer_sync is not None and not getattr(self.model, _SHARDED_HERE, False):
+            # sync_batchnorm=True: before sharding, so FSDP shards the SyncBatchNorm modules; in whichever stage
+            # shards first (a sharded model cannot be converted later; Lightning's strategies convert when fitting).
+            self.model = layer_sync.apply(self.model)
         # Cast before sharding: a dtype cast of sharded parameters has no DTensor rule on NPU.
         self.model = self.precision_plugin.convert_module(self.model)
         self._shard(self.model, self.precision_plugin, STEP_METHODS)
@@ -391,6 +402,12 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
         self._setup_sharded_environment()
 
     @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> Any:
+        stack = super().module_init_context(empty_init)
+        stack.enter_context(fsdp1_wrap_reported("fabric.init_module()"))
+        return stack
+
+    @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         before = ReplacedParameters.before(module)
         self._shard(module, self.precision)
@@ -411,7 +428,13 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (it uses no CheckpointIO)")
         if filter is not None and compat.saves_distributed_checkpoint(self):
-            raise NotImplementedError("a filtered checkpoint cannot be sharded; use state_dict_type='full' with filter=")
+            raise NotImplementedError(
+                f"fabric.save(..., filter=...) cannot write a sharded checkpoint (nothing was written to {path}): npu_fsdp"
+                " reads sharded checkpoints back whole, as a resumable state. For a filtered file, use"
+                " NPUFabricFSDPStrategy(state_dict_type='full') (rank 0 writes one file with the kept entries); or save"
+                " without filter= and keep what you need afterwards: `lightning-npu consolidate DIR FILE` writes one"
+                " file to filter, and fabric.load(DIR, state) restores only the objects named in state."
+            )
         path = Path(self.broadcast(path))
         options = self._state_dict_options()
         tensors, metadata = split_fabric_state(state, options.full_state_dict, filter, options.cpu_offload)

@@ -10,6 +10,7 @@ import importlib
 from collections.abc import Iterable
 from typing import Literal, Optional, Union
 
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -60,16 +61,42 @@ def resolve_module_classes(spec: MODULE_CLASSES, model: nn.Module, option: str) 
 def apply_activation_checkpointing(model: nn.Module, classes: tuple[type, ...], ratio: float) -> list[str]:
     """Recompute the activations of a ``ratio`` share of the modules of ``classes`` (evenly spaced) in backward.
 
-    Uses the composable ``checkpoint``, which keeps parameter names (and so checkpoints) unchanged.
-    Returns the names of the checkpointed modules.
+    Uses the composable ``checkpoint``, which keeps parameter names (and so checkpoints) unchanged. Modules the
+    user's code checkpointed already (see ``checkpointed_by_hand``) are left as they are, and so is every chosen
+    module inside or around one: checkpointing it too would recompute those activations twice. That is said in a
+    warning, as Lightning's FSDP strategies warn (they then ignore the policy altogether).
+    Returns the names of the modules checkpointed here.
     """
     from lightning_npu.compat import composable_checkpoint
 
     matching = [(name, module) for name, module in model.named_modules() if isinstance(module, classes)]
     chosen = [matching[i] for i in evenly_spaced(len(matching), ratio)]
+    by_hand = checkpointed_by_hand(model)
+    if chosen and by_hand:
+        covered = {id(sub) for _, module in by_hand for sub in module.modules()}  # checkpointed, or inside one
+        around = [(name, module) for name, module in chosen
+                  if id(module) in covered or any(id(sub) in covered for sub in module.modules())]
+        chosen = [entry for entry in chosen if entry not in around]
+        rank_zero_warn(
+            f"activation_checkpointing_policy is set, but the model already contains checkpointed layers"
+            f" ({', '.join(name for name, _ in by_hand)}; checkpoint_wrapper, apply_activation_checkpointing or"
+            f" torch.distributed._composable.checkpoint). They stay as they are, and the {len(around)} modules of"
+            f" the policy inside or around them are not checkpointed again"
+            f"{': ' + ', '.join(name for name, _ in around) if around else ''}, so nothing is recomputed twice."
+        )
     for _, module in chosen:
         composable_checkpoint(module)
     return [name for name, _ in chosen]
+
+
+def checkpointed_by_hand(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules of ``model`` whose activations are recomputed already: wrapped by torch's ``checkpoint_wrapper``
+    (also what ``apply_activation_checkpointing`` does) or given the composable ``checkpoint()``. A
+    ``torch.utils.checkpoint.checkpoint`` call inside a ``forward`` cannot be seen from outside."""
+    from lightning_npu.compat import CheckpointWrapper, composable_checkpoint
+
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, CheckpointWrapper) or composable_checkpoint.state(module) is not None]
 
 
 #: The LightningModule methods that run a step: each gathers the root unit's parameters, like ``forward``.
@@ -199,6 +226,7 @@ __all__ = [
     "apply_fsdp",
     "average_gradients_over_ranks",
     "build_mesh",
+    "checkpointed_by_hand",
     "evenly_spaced",
     "repeated_block_class",
     "resolve_module_classes",

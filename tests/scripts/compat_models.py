@@ -289,6 +289,67 @@ class GPT2Net(Base):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+class BatchNormNet(Base):
+    """BatchNorm layers (on the input and between blocks), built in ``configure_model``; the suite trains it with
+    ``Trainer(sync_batchnorm=True)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = None
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        torch.manual_seed(4321)
+        self.net = nn.Sequential(nn.BatchNorm1d(WIDTH), Residual(), nn.BatchNorm1d(WIDTH), Residual(), nn.Linear(WIDTH, 1))
+
+    def loss(self, batch):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+
+class FSDP1WrapNet(Base):
+    """Blocks annotated with FSDP1's ``wrap()`` in ``configure_model``, as written for Lightning's FSDPStrategy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = None
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp.wrap import wrap
+
+        if self.blocks is not None:
+            return
+        torch.manual_seed(2468)
+        self.blocks = nn.Sequential(wrap(Residual()), wrap(Residual()))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def loss(self, batch):
+        x, y = batch
+        return F.mse_loss(self.head(self.blocks(x)), y)
+
+
+class FSDP1UnitNet(ModuleListNet):
+    """A block wrapped in FSDP1's ``FullyShardedDataParallel`` in ``configure_model``."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if not isinstance(self.blocks[0], FullyShardedDataParallel):
+            self.blocks[0] = FullyShardedDataParallel(self.blocks[0], device_id=torch.device("cpu"))
+
+
+class FSDP1EnableWrapNet(ModuleListNet):
+    """FSDP1's ``enable_wrap`` entered in ``configure_model``."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import enable_wrap, wrap
+
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel):
+            self.head = wrap(self.head)
+
+
 #: name -> how to build the model (given the run's scratch directory).
 MODELS = {
     "module_list": lambda out: ModuleListNet(),
@@ -302,7 +363,11 @@ MODELS = {
     "manual_optimization": lambda out: ManualOptimizationNet(),
     "torchmetrics": lambda out: MetricsNet(),
     "hf_gpt2": lambda out: GPT2Net(),
+    "fsdp1_wrap": lambda out: FSDP1WrapNet(),
 }
+
+#: Models the suite trains with particular Trainer arguments (not with every strategy's defaults).
+SPECIAL_MODELS = {"batch_norm": lambda out: BatchNormNet()}
 
 
 class L2PenaltyNet(ModuleListNet):

@@ -2,14 +2,17 @@
 under npu_fsdp in the same 2 processes (started by torchrun, so several Trainers share one process group).
 
 Writes ``<out>/rank<r>.json``: per model and strategy, this rank's per-step losses, the loss of the freshly built
-model on this rank's first batch, whether tied parameters are still one tensor with equal values, and the buffers'
-sums (to compare across ranks); then the messages of the runs that must fail (``errors``).
+model on this rank's first batch, whether tied parameters are still one tensor with equal values, the buffers'
+sums (to compare across ranks), the BatchNorm running statistics and how many modules are SyncBatchNorm (with
+the batches of that run, to recompute them), the warnings that name npu_fsdp; then the messages of the runs that
+must fail (``errors``).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -21,8 +24,11 @@ from torch.utils.data import DataLoader, Subset
 import lightning_npu
 from tests.scripts.compat_models import (
     MODELS,
+    SPECIAL_MODELS,
     ConfigureModelNet,
     CustomInitNet,
+    FSDP1EnableWrapNet,
+    FSDP1UnitNet,
     L2PenaltyNet,
     Shift,
     UserShardedNet,
@@ -33,15 +39,14 @@ STEPS = 4
 
 
 class LossRecorder(Callback):
-    """This rank's per-step losses, and its first batch."""
+    """This rank's per-step losses and batches."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
-        self.first_batch = None
+        self.batches: list[list[torch.Tensor]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.first_batch is None:
-            self.first_batch = [t.clone() for t in batch]
+        self.batches.append([t.clone() for t in batch])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
@@ -64,7 +69,7 @@ def trainer(strategy_name: str, max_steps: int = STEPS, **kwargs) -> Trainer:
 def fresh_loss(name: str, out: str, batch) -> float:
     """The loss of the model as its own code builds it (outside any Trainer) on ``batch``."""
     seed_everything(0)
-    model = MODELS[name](out)
+    model = {**MODELS, **SPECIAL_MODELS}[name](out)
     model.configure_model()
     with torch.no_grad():
         return float(model.loss(batch))
@@ -74,15 +79,20 @@ def fit(name: str, strategy_name: str, out: str, build=None, **trainer_kwargs) -
     seed_everything(0)
     recorder = LossRecorder()
     run = trainer(strategy_name, callbacks=[recorder], **trainer_kwargs)
-    model = build(run) if build else MODELS[name](out)
-    run.fit(model, train_dataloaders=DataLoader(model.dataset(), batch_size=BATCH))
-    result = {"losses": recorder.losses, "first_batch": recorder.first_batch}
+    model = build(run) if build else {**MODELS, **SPECIAL_MODELS}[name](out)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.fit(model, train_dataloaders=DataLoader(model.dataset(), batch_size=BATCH))
+    result = {"losses": recorder.losses, "batches": recorder.batches,
+              "npu_fsdp_warnings": [str(w.message) for w in caught if "npu_fsdp" in str(w.message)]}
     if hasattr(model, "tied"):
         first, second = model.tied()
         full = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in (first, second)]
         result["tied_same_tensor"] = first is second
         result["tied_max_difference"] = float((full[0] - full[1]).abs().max())
     result["buffers"] = {n: float(b.double().sum()) for n, b in model.named_buffers() if b.is_floating_point()}
+    result["running_stats"] = {n: b.tolist() for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var"))}
+    result["sync_batchnorm_modules"] = sum(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
     return result
 
 
@@ -132,7 +142,12 @@ def main() -> None:
     for name, result in results.items():
         for run in result.values():
             built_as = {"init_module": "custom_init", "gradient_accumulation": "module_list"}.get(name, name)
-            run["fresh_loss"] = fresh_loss(built_as, out, run.pop("first_batch"))
+            run["fresh_loss"] = fresh_loss(built_as, out, run.pop("batches")[0])
+    # sync_batchnorm=True: the statistics of every step are those of both ranks' batches (kept, to recompute them).
+    results["sync_batchnorm"] = {strategy_name: fit("batch_norm", strategy_name, out, sync_batchnorm=True)
+                                 for strategy_name in ("npu_ddp", "npu_fsdp")}
+    for run in results["sync_batchnorm"].values():
+        run["batches"] = [[t.tolist() for t in batch] for batch in run["batches"]]
 
     def meta_init(run):
         with run.init_module(empty_init=True):
@@ -145,6 +160,8 @@ def main() -> None:
         "meta_without_reset_parameters": expect_failure("npu_fsdp", meta_init, out),
         "user_sharded_changed_after_sharding": expect_failure(
             "npu_fsdp", lambda run: UserShardedNet(change_after_sharding=True), out),
+        "fsdp1_unit": expect_failure("npu_fsdp", lambda run: FSDP1UnitNet(), out),
+        "fsdp1_enable_wrap": expect_failure("npu_fsdp", lambda run: FSDP1EnableWrapNet(), out),
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps({"results": results, "errors": errors}))
 

@@ -4,7 +4,8 @@
    optimizer load that file and redo steps 4-6.
 2. async_save=True, sharded, AdamW: the same with a background save, loaded after ``wait_for_checkpoint()``.
 3. ``fabric.load_raw`` of the sharded directory into a bare module: the error message.
-Rank 0 writes ``<out>/result.json`` with the per-step losses of each part and the error text.
+4. ``fabric.save(..., filter=...)`` with the sharded strategy: the error message, and what exists at the path.
+Rank 0 writes ``<out>/result.json`` with the per-step losses of each part and the error texts.
 """
 
 import argparse
@@ -65,6 +66,13 @@ def main() -> None:
     except IsADirectoryError as error:
         result["load_raw_error"] = str(error)
     fabric.strategy.wait_for_checkpoint()
+
+    try:
+        fabric.save(out / "filtered.ckpt", {"model": fabric.setup(Net())}, filter={"model": lambda key, _: "head" in key})
+    except NotImplementedError as error:
+        result["filtered_error"] = str(error)
+    fabric.barrier()
+    result["filtered_written"] = sorted(p.name for p in out.iterdir() if "filtered" in p.name)  # temporaries too
     if fabric.global_rank == 0:
         (out / "result.json").write_text(json.dumps(result))
 
