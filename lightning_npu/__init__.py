@@ -27,6 +27,8 @@ __version__ = "0.1.0"
 
 #: Each public name -> the module that defines it (imported on first use, after Lightning).
 _HOMES = {
+    "FabricNonFiniteLossGuard": "lightning_npu.guards",
+    "FabricPreemption": "lightning_npu.preemption",
     "GracefulPreemption": "lightning_npu.preemption",
     "NPUAccelerator": "lightning_npu.accelerator",
     "NPUDDPStrategy": "lightning_npu.strategies",
@@ -37,7 +39,9 @@ _HOMES = {
     "NPUProfiler": "lightning_npu.profiler",
     "NPUSingleStrategy": "lightning_npu.strategies",
     "NPUUnavailableError": "lightning_npu.runtime",
+    "NonFiniteLossError": "lightning_npu.guards",
     "NonFiniteLossGuard": "lightning_npu.guards",
+    "Preempted": "lightning_npu.preemption",
     "TokenThroughputMonitor": "lightning_npu.telemetry",
     "get_runtime": "lightning_npu.runtime",
     "register": "lightning_npu.registration",

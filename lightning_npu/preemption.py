@@ -3,26 +3,32 @@
 Lightning's own SIGTERM handler runs a collective (``dist.broadcast``) inside the signal handler. When the
 whole process group is signalled (what SLURM and Kubernetes do) the ranks are caught in different collectives,
 disagree, and hang until the process-group timeout (30 min); when they do exit, the code is 0
-(``SIGTERMException`` subclasses ``SystemExit``) and nothing is saved.
+(``SIGTERMException`` subclasses ``SystemExit``) and nothing is saved. Fabric installs no handler at all: a
+signalled rank dies at once, mid-collective, and the others hang.
 
-Here, for every Trainer run on an NPU strategy (:func:`install`, wrapped into Lightning's signal connector at
-``import lightning_npu``):
+:class:`Preemption` is the mechanism, one for the Trainer and Fabric:
 
 1. The handler only records the signal (and forwards it once to the local ranks the launcher started, as
    Lightning does, for a signal sent to the main process alone). It arms a watchdog that ends the process
    with ``128 + signum`` after ``exit_timeout_s`` whatever happens, so no process outlives the grace period.
-2. At an optimizer-step boundary (``on_train_batch_end`` once ``global_step`` moved, every
-   ``check_every_n_steps`` steps) the ranks agree with one all-reduce (MAX) of a one-element tensor on the
-   device. Every rank takes part at the same steps, so the collective is matched whatever the signal timing,
-   and one signalled rank is enough to stop them all.
+2. At an optimizer-step boundary, every ``check_every_n_steps`` steps, the ranks agree with one all-reduce
+   (MAX) of a one-element tensor on the device. Every rank takes part at the same steps, so the collective is
+   matched whatever the signal timing, and one signalled rank is enough to stop them all.
 3. If a signal was seen: optionally save a checkpoint (a collective, by every rank at the same point), then
-   raise :class:`Preempted` (a ``SystemExit`` with code ``128 + signum``, 143 for SIGTERM) on every rank.
+   raise :class:`Preempted` (a ``SystemExit`` with code ``128 + signum``, 143 for SIGTERM) on every rank; the
+   main process first waits for the ranks it launched, so none outlives it.
 
-Cost: one 4-byte all-reduce and one host read per check. It replaces the device broadcast and host read of
-Lightning's own SIGTERM flag that Lightning makes before every batch (``_TrainingEpochLoop._broadcast_sigterm_tensor``):
-under these handlers that flag never becomes True, so for NPU strategies that broadcast is skipped and a step
-costs one small collective, not two. ``check_every_n_steps`` trades that against the stopping latency (at most
-that many steps).
+Two thin adapters drive it: :class:`GracefulPreemption`, a Trainer callback (checked in ``on_train_batch_end``
+once ``global_step`` moved; saves with ``trainer.save_checkpoint``), added to every Trainer run on an NPU strategy
+by :func:`install` (wrapped into Lightning's signal connector at ``import lightning_npu``); and
+:class:`FabricPreemption`, which a Fabric loop asks ``should_stop(step)`` before its own ``fabric.save`` and
+``exit(path)``.
+
+Cost: one 4-byte all-reduce and one host read per check. For the Trainer it replaces the device broadcast and host
+read of Lightning's own SIGTERM flag that Lightning makes before every batch
+(``_TrainingEpochLoop._broadcast_sigterm_tensor``): under these handlers that flag never becomes True, so for NPU
+strategies that broadcast is skipped and a step costs one small collective, not two. ``check_every_n_steps``
+trades that against the stopping latency (at most that many steps).
 """
 
 from __future__ import annotations
@@ -35,10 +41,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric import Fabric
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 
@@ -53,57 +60,54 @@ _PATCHED = "_lightning_npu_patched"
 class Preempted(SystemExit):
     """Raised on every rank at the agreed step; the process exits with ``128 + signum``."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Optional[str]) -> None:
+    def __init__(self, signum: int, step: int, checkpoint: Optional[str], unsaved: str) -> None:
         super().__init__(128 + signum)
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.signum, self.step, self.checkpoint, self._unsaved = signum, step, checkpoint, unsaved
 
     def __str__(self) -> str:
-        saved = f"; checkpoint {self.checkpoint}" if self.checkpoint else "; no checkpoint saved (save_on_preemption=False)"
+        saved = f"; checkpoint {self.checkpoint}" if self.checkpoint else f"; no checkpoint saved ({self._unsaved})"
         return f"preempted by {signal.Signals(self.signum).name} at step {self.step}{saved}"
 
 
-class GracefulPreemption(Callback):
-    """Stop all ranks at the same step on SIGTERM / the requeue signal, optionally save, exit ``128 + signum``.
-
-    Added to every Trainer run on an NPU strategy (with ``save_on_preemption=False``) unless the user passes one.
+class Preemption:
+    """The mechanism the Trainer and Fabric adapters share (see the module docstring).
 
     Args:
-        save_on_preemption: write a checkpoint before exiting: ``<ModelCheckpoint dirpath>/preempted-step=N.ckpt``,
-            or Lightning's ``hpc_ckpt_N.ckpt`` under SLURM auto-requeue (which Lightning resumes from by itself).
         check_every_n_steps: agree on the flag every this many optimizer steps (see the module docstring).
         exit_timeout_s: seconds after the first signal by which the process is gone in any case (a watchdog
             calls ``os._exit(128 + signum)``); keep it below the scheduler's grace period
             (Kubernetes' ``terminationGracePeriodSeconds``, SLURM's ``KillWait`` / ``--signal=...@N``). None: no watchdog.
     """
 
-    def __init__(self, save_on_preemption: bool = False, check_every_n_steps: int = 1,
-                 exit_timeout_s: Optional[float] = 120.0) -> None:
+    #: Why no checkpoint was written (in :class:`Preempted`'s message), and how to resume from one (``{path}``).
+    UNSAVED: str
+    RESUME: str
+
+    def __init__(self, check_every_n_steps: int = 1, exit_timeout_s: Optional[float] = 120.0) -> None:
         if not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
             raise ValueError(f"check_every_n_steps={check_every_n_steps!r} must be an integer >= 1, e.g. 1")
         if exit_timeout_s is not None and float(exit_timeout_s) <= 0:
             raise ValueError(f"exit_timeout_s={exit_timeout_s!r} must be a positive number of seconds, or None")
-        self.save_on_preemption = save_on_preemption
         self.check_every_n_steps = check_every_n_steps
         self.exit_timeout_s = exit_timeout_s
         self.signum: Optional[int] = None
         self._signalled_at: Optional[float] = None
-        self._trainer: Optional[Trainer] = None
+        self._strategy: Any = None
         self._last_checked_step = -1
 
     # ------------------------------------------------------------------------------ signals
-    def signals(self, trainer: Trainer) -> list[int]:
+    def signals(self, strategy: Any) -> list[int]:
         """SIGTERM, and the requeue signal (SLURM's configured one, else SIGUSR1)."""
-        environment = _environment(trainer)
+        environment = _environment(strategy)
         requeue = environment.requeue_signal if isinstance(environment, SLURMEnvironment) else None
         return [signal.SIGTERM, requeue or signal.SIGUSR1]
 
-    def arm(self, trainer: Trainer) -> None:
-        """Install the flag-only handlers (main thread only, as Python requires)."""
-        self._trainer, self.signum, self._signalled_at, self._last_checked_step = trainer, None, None, -1
+    def arm(self, strategy: Any) -> dict[int, Any]:
+        """Install the flag-only handlers (main thread only, as Python requires); returns the ones they replace."""
+        self._strategy, self.signum, self._signalled_at, self._last_checked_step = strategy, None, None, -1
         if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in self.signals(trainer):
-            signal.signal(signum, self._on_signal)
+            return {}
+        return {signum: signal.signal(signum, self._on_signal) for signum in self.signals(strategy)}
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Async-signal context: record, forward, arm the watchdog; no collective, no lock-taking logging.
@@ -112,7 +116,7 @@ class GracefulPreemption(Callback):
         self.signum, self._signalled_at = signum, time.monotonic()
         sys.stderr.write(f"[lightning-npu] pid {os.getpid()} received {signal.Signals(signum).name}: stopping at the"
                          " next step boundary agreed by all ranks\n")
-        for proc in _children(self._trainer):
+        for proc in list(_launcher_procs(self._strategy)):
             if proc.poll() is None:
                 proc.send_signal(signum)
         if self.exit_timeout_s is not None:
@@ -120,46 +124,89 @@ class GracefulPreemption(Callback):
             watchdog.daemon = True
             watchdog.start()
 
-    # ------------------------------------------------------------------------------- hooks
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        step = trainer.global_step
-        # Only at optimizer-step boundaries (global_step moved), so a stop never drops accumulated gradients.
+    # ------------------------------------------------------------------------- the agreement
+    def agreed_signal(self, strategy: Any, step: int) -> int:
+        """The largest signal number any rank received (0: none), at a check step (every ``check_every_n_steps``,
+        once per step; 0 at other steps). A collective at check steps: every rank calls it at the same steps."""
         if step == self._last_checked_step or step % self.check_every_n_steps:
-            return
+            return 0
         self._last_checked_step = step
-        signum = self.agreed_signal(trainer)
-        if signum:
-            path = self._save(trainer) if self.save_on_preemption else None
-            self._requeue(trainer, signum)
-            stop = Preempted(signum, step, path)
-            if trainer.is_global_zero:
-                resume = f" -- resume with ckpt_path={path}" if path else ""
-                print(f"[lightning-npu] {stop}{resume}; exiting with code {128 + signum}", flush=True)
-            raise stop
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, Preempted):
-            # The launcher's children stop at the same step; reap them so none outlives the main process.
-            deadline = (self._signalled_at or time.monotonic()) + float(self.exit_timeout_s or 60.0)
-            for proc in _children(trainer):
-                try:
-                    proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-
-    def agreed_signal(self, trainer: Trainer) -> int:
-        """The largest signal number any rank received (0: none). A collective: every rank calls it together."""
         local = self.signum or 0
-        if not (dist.is_available() and dist.is_initialized() and trainer.world_size > 1):
+        if not (dist.is_available() and dist.is_initialized() and getattr(strategy, "world_size", 1) > 1):
             return local
-        flag = torch.tensor([local], dtype=torch.int32, device=trainer.strategy.root_device)
+        flag = torch.tensor([local], dtype=torch.int32, device=strategy.root_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
 
     # ------------------------------------------------------------------------------ actions
+    def stop(self, strategy: Any, signum: int, step: int, checkpoint: Optional[str]) -> Preempted:
+        """The exception every rank raises at the agreed step; requeues the job first (SLURM) and says so on rank 0."""
+        self._requeue(strategy, signum)
+        preempted = Preempted(signum, step, checkpoint, self.UNSAVED)
+        if strategy.is_global_zero:
+            resume = f" -- resume with {self.RESUME.format(path=checkpoint)}" if checkpoint else ""
+            print(f"[lightning-npu] {preempted}{resume}; exiting with code {128 + signum}", flush=True)
+        return preempted
+
+    def reap_children(self, strategy: Any) -> None:
+        """Wait for the ranks the launcher started (they stop at the same step), so none outlives the main process."""
+        deadline = (self._signalled_at or time.monotonic()) + float(self.exit_timeout_s or 60.0)
+        procs = _launcher_procs(strategy)
+        for proc in list(procs):
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            # Lightning's child-process observer SIGKILLs this process when it finds a child that exited non-zero
+            # (every preempted rank exits 128 + signum): a reaped child leaves its list at once.
+            procs.remove(proc)
+
+    def _requeue(self, strategy: Any, signum: int) -> None:
+        environment = _environment(strategy)
+        if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue and strategy.is_global_zero):
+            return
+        if signum != (environment.requeue_signal or signal.SIGUSR1):
+            return
+        array_job = os.environ.get(SLURM_ARRAY_JOB_ID)
+        job = f"{array_job}_{os.environ[SLURM_ARRAY_TASK_ID]}" if array_job else os.environ[SLURM_JOB_ID]
+        result = subprocess.call(["scontrol", "requeue", job])
+        print(f"[lightning-npu] scontrol requeue {job}: {'done' if result == 0 else f'failed ({result})'}", flush=True)
+
+
+class GracefulPreemption(Preemption, Callback):
+    """Stop all ranks at the same step on SIGTERM / the requeue signal, optionally save, exit ``128 + signum``.
+
+    Added to every Trainer run on an NPU strategy (with ``save_on_preemption=False``) unless the user passes one.
+
+    Args:
+        save_on_preemption: write a checkpoint before exiting: ``<ModelCheckpoint dirpath>/preempted-step=N.ckpt``,
+            or Lightning's ``hpc_ckpt_N.ckpt`` under SLURM auto-requeue (which Lightning resumes from by itself).
+        check_every_n_steps, exit_timeout_s: see :class:`Preemption`.
+    """
+
+    UNSAVED = "save_on_preemption=False"
+    RESUME = "ckpt_path={path}"
+
+    def __init__(self, save_on_preemption: bool = False, check_every_n_steps: int = 1,
+                 exit_timeout_s: Optional[float] = 120.0) -> None:
+        super().__init__(check_every_n_steps, exit_timeout_s)
+        self.save_on_preemption = save_on_preemption
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        # Only at optimizer-step boundaries (global_step moved), so a stop never drops accumulated gradients.
+        step = trainer.global_step
+        signum = self.agreed_signal(trainer.strategy, step)
+        if signum:
+            path = self._save(trainer) if self.save_on_preemption else None
+            raise self.stop(trainer.strategy, signum, step, path)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, Preempted):
+            self.reap_children(trainer.strategy)
+
     def _save(self, trainer: Trainer) -> str:
-        environment = _environment(trainer)
+        environment = _environment(trainer.strategy)
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             path = compat.hpc_save_path(trainer)
         else:
@@ -170,26 +217,76 @@ class GracefulPreemption(Callback):
         trainer.save_checkpoint(path)
         return path
 
-    def _requeue(self, trainer: Trainer, signum: int) -> None:
-        environment = _environment(trainer)
-        if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue and trainer.is_global_zero):
-            return
-        if signum != (environment.requeue_signal or signal.SIGUSR1):
-            return
-        array_job = os.environ.get(SLURM_ARRAY_JOB_ID)
-        job = f"{array_job}_{os.environ[SLURM_ARRAY_TASK_ID]}" if array_job else os.environ[SLURM_JOB_ID]
-        result = subprocess.call(["scontrol", "requeue", job])
-        print(f"[lightning-npu] scontrol requeue {job}: {'done' if result == 0 else f'failed ({result})'}", flush=True)
+
+class FabricPreemption(Preemption):
+    """For a Fabric loop: stop all ranks at the same step on SIGTERM / the requeue signal, exit ``128 + signum``.
+
+    Creating it installs the handlers in this process (every rank creates one); :meth:`close` (or the end of a
+    ``with`` block) puts the previous ones back. In the loop, on every rank, after the optimizer step::
+
+        if preemption.should_stop(step):   # a collective every check_every_n_steps steps
+            fabric.save(path, state)         # optional
+            preemption.exit(path)            # raises Preempted: exit status 128 + signum
+
+    Args:
+        fabric: the Fabric whose ranks agree (its strategy's device, process group, launcher and cluster environment).
+        check_every_n_steps, exit_timeout_s: see :class:`Preemption`.
+    """
+
+    UNSAVED = "no checkpoint passed to FabricPreemption.exit()"
+    RESUME = "fabric.load('{path}', state)"
+
+    def __init__(self, fabric: Fabric, check_every_n_steps: int = 1, exit_timeout_s: Optional[float] = 120.0) -> None:
+        super().__init__(check_every_n_steps, exit_timeout_s)
+        self.fabric = fabric
+        self._replaced = self.arm(fabric.strategy)
+        self._agreed: Optional[tuple[int, int]] = None  # (signum, step) once should_stop said True
+
+    def should_stop(self, step: int) -> bool:
+        """Whether every rank stops now. ``step``: the optimizer steps done so far (as ``trainer.global_step``; the
+        step a resume continues from), the same on every rank; a collective when it is a multiple of
+        ``check_every_n_steps``, so call it on every rank at every step."""
+        signum = self.agreed_signal(self.fabric.strategy, step)
+        if signum:
+            self._agreed = (signum, step)
+        return bool(signum)
+
+    def exit(self, checkpoint: Optional[str] = None) -> NoReturn:
+        """Raise :class:`Preempted` (exit status ``128 + signum``) on every rank, once ``should_stop`` said True.
+        ``checkpoint``: what ``fabric.save`` just wrote, named in the message; an asynchronous save is waited for."""
+        if self._agreed is None:
+            raise RuntimeError("FabricPreemption.exit() was called before should_stop(step) returned True; call it"
+                               " only then, on every rank: `if preemption.should_stop(step): ...; preemption.exit()`")
+        signum, step = self._agreed
+        wait_for_checkpoint = getattr(self.fabric.strategy, "wait_for_checkpoint", None)  # npu_fsdp's async_save
+        if wait_for_checkpoint is not None:
+            wait_for_checkpoint()  # a save still in flight would be lost with the process
+        stop = self.stop(self.fabric.strategy, signum, step, None if checkpoint is None else str(checkpoint))
+        self.reap_children(self.fabric.strategy)
+        raise stop
+
+    def close(self) -> None:
+        """Put back the signal handlers this replaced."""
+        for signum, handler in self._replaced.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self._replaced = {}
+
+    def __enter__(self) -> FabricPreemption:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
 
-def _environment(trainer: Trainer) -> Any:
+def _environment(strategy: Any) -> Any:
     # Single-device strategies have no cluster environment.
-    return getattr(trainer.strategy, "cluster_environment", None)
+    return getattr(strategy, "cluster_environment", None)
 
 
-def _children(trainer: Optional[Trainer]) -> list[subprocess.Popen]:
-    launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
-    return list(getattr(launcher, "procs", None) or [])
+def _launcher_procs(strategy: Any) -> list[subprocess.Popen]:
+    """The launcher's own list of the local ranks it started (empty outside the main process)."""
+    procs = getattr(getattr(strategy, "launcher", None), "procs", None)
+    return procs if procs is not None else []
 
 
 def _hard_exit(signum: int, after_s: float) -> None:
@@ -222,7 +319,7 @@ def install() -> None:
             return original(self)
         self.received_sigterm = False  # stays False: Lightning's own per-step broadcast then never stops a rank alone
         compat.keep_signal_handlers(self)  # restored by Lightning's teardown()
-        _preemption_callback(self.trainer).arm(self.trainer)
+        _preemption_callback(self.trainer).arm(self.trainer.strategy)
 
     original_broadcast = getattr(TrainingEpochLoop, compat.BROADCAST_SIGTERM)
 
@@ -238,4 +335,4 @@ def install() -> None:
     setattr(SignalConnector, _PATCHED, True)
 
 
-__all__ = ["GracefulPreemption", "Preempted", "install"]
+__all__ = ["FabricPreemption", "GracefulPreemption", "Preempted", "Preemption", "install"]

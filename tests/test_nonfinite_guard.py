@@ -1,11 +1,12 @@
 """NonFiniteLossGuard on 2 simulated NPUs (npu_fsdp): a NaN loss stops the run naming its step, every rank agrees,
-no checkpoint is written from the weights it produced, and skipping leaves the optimizer step unapplied."""
+no checkpoint is written from the weights it produced, and skipping leaves the optimizer step unapplied; the same for
+a Fabric loop with FabricNonFiniteLossGuard."""
 
 import json
 
 import pytest
 
-from tests.helpers import SCRIPTS, run_python
+from tests.helpers import SCRIPTS, read_json, run_python
 from tests.test_recipe_e2e import SMALL, TINY, TRAIN
 
 SCRIPT = str(SCRIPTS / "nonfinite_run.py")
@@ -66,3 +67,30 @@ def test_recipe_with_a_diverging_learning_rate_stops_without_a_nan_checkpoint_or
     for checkpoint in (tmp_path / "lightning_logs").rglob("*.ckpt"):
         _, state = load_recipe_checkpoint(checkpoint)
         assert all(t.isfinite().all() for t in state.values()), checkpoint
+
+
+def test_fabric_loop_nan_loss_stops_naming_the_step_skips_within_budget_and_nothing_is_saved_after_it(tmp_path):
+    """The three cases above in a Fabric loop with FabricNonFiniteLossGuard (tests/scripts/fabric_faults_run.py, one
+    launch). Catches: training on after a NaN loss; a fabric.save at step 9 writing the NaN weights of step 7 (the
+    flag's next periodic read is at step 10); a wrong step in the message; ranks disagreeing when only rank 1's loss
+    is NaN (one rank raising, the other hanging in the next collective); a skipped step still applied (AdamW would
+    count 12 updates); the budget not enforced."""
+    run_python([str(SCRIPTS / "fabric_faults_run.py"), "nonfinite", "--out", str(tmp_path)])
+    ranks = [read_json(tmp_path / f"nonfinite_rank{rank}.json") for rank in (0, 1)]
+    assert ranks[0] == ranks[1]
+    stop, skip, over_budget = ranks[0]["stop"], ranks[0]["skip"], ranks[0]["over_budget"]
+
+    assert stop["error"].startswith("NonFiniteLossError: The training loss was NaN or Inf at step 7 (the step passed"
+                                    " to skip()); training stopped")
+    assert stop["saved"] == ["step=3", "step=6"]
+    assert stop["step"] == 9  # stopped by the save at step 9, before its periodic read at 10
+
+    assert skip["error"] is None
+    assert skip["skipped"] == [4, 5]
+    assert skip["updates"] == [10]  # 12 optimizer steps, 2 of them not applied
+    assert skip["finite"] is True
+    assert skip["saved"] == ["step=12", "step=3", "step=6", "step=9"]
+
+    assert over_budget["error"].startswith("NonFiniteLossError: The training loss was NaN or Inf at step 5 (the step"
+                                           " passed to skip()) after skipping steps [4];")
+    assert over_budget["saved"] == ["step=3"]

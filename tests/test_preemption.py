@@ -1,5 +1,6 @@
 """Preemption on 2 simulated NPUs: SIGTERM to the whole process group (what SLURM and Kubernetes send) mid-training
-stops every rank at the same step, writes a checkpoint, exits 143 within the bound, and the checkpoint resumes."""
+stops every rank at the same step, writes a checkpoint, exits 143 within the bound, and the checkpoint resumes; the
+same for a Fabric loop with FabricPreemption (and SIGUSR1, SLURM's requeue signal: exit 138)."""
 
 import os
 import signal
@@ -8,22 +9,27 @@ import sys
 import time
 
 import pytest
+import torch
 
-from tests.helpers import REPO, run_python
+from tests.helpers import REPO, SCRIPTS, read_json, run_python
 from tests.test_recipe_e2e import SMALL, TINY, TRAIN, _last_checkpoint
 
 #: Every process must be gone this long after the signal (the brief's bound for the tiny recipe).
 EXIT_BOUND_S = 60
+FABRIC_SCRIPT = str(SCRIPTS / "fabric_faults_run.py")
+
+
+def _launch(args):
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_NPU_SIMULATE"}
+    env.update(LIGHTNING_NPU_SIMULATE="2", PYTHONPATH=str(REPO))
+    # A session of its own, so the test can signal the whole process group as a scheduler does.
+    return subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _start(root, *extra):
-    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_NPU_SIMULATE"}
-    env.update(LIGHTNING_NPU_SIMULATE="2", PYTHONPATH=str(REPO))
-    args = [sys.executable, TRAIN, "fit", "--config", TINY, *SMALL, "--trainer.max_steps", "100000",
-            "--trainer.default_root_dir", str(root), *extra]
-    # A session of its own, so the test can signal the whole process group as a scheduler does.
-    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return _launch([TRAIN, "fit", "--config", TINY, *SMALL, "--trainer.max_steps", "100000",
+                    "--trainer.default_root_dir", str(root), *extra])
 
 
 def _wait_for_training(proc, marker="step 10/"):
@@ -37,6 +43,26 @@ def _wait_for_training(proc, marker="step 10/"):
             break
     os.killpg(proc.pid, signal.SIGKILL)
     raise AssertionError("training never reached step 10:\n" + "".join(seen[-40:]))
+
+
+def _signal_and_wait(proc, target, signum):
+    """Send ``signum`` to the process group or the main process only; its output once every process is gone."""
+    signalled = time.monotonic()
+    if target == "group":
+        os.killpg(proc.pid, signum)
+    else:
+        os.kill(proc.pid, signum)
+    try:
+        rest, _ = proc.communicate(timeout=EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        name = signal.Signals(signum).name
+        raise AssertionError(f"still running {EXIT_BOUND_S} s after {name}:\n{proc.communicate()[0][-3000:]}")
+    deadline = signalled + EXIT_BOUND_S
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _group_alive(proc.pid), "a rank outlived the main process"
+    return rest
 
 
 def _group_alive(pgid):
@@ -56,20 +82,7 @@ def test_sigterm_stops_every_rank_saves_and_exits_143_then_resumes(tmp_path, tar
     the group's SIGTERM failing their rank's next batch."""
     proc = _start(tmp_path, "--data.num_workers", str(workers))
     _wait_for_training(proc)
-    signalled = time.monotonic()
-    if target == "group":
-        os.killpg(proc.pid, signal.SIGTERM)
-    else:
-        os.kill(proc.pid, signal.SIGTERM)
-    try:
-        rest, _ = proc.communicate(timeout=EXIT_BOUND_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"still running {EXIT_BOUND_S} s after SIGTERM:\n{proc.communicate()[0][-3000:]}")
-    deadline = signalled + EXIT_BOUND_S
-    while _group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _group_alive(proc.pid), "a rank outlived the main process"
+    rest = _signal_and_wait(proc, target, signal.SIGTERM)
     assert proc.returncode == 128 + signal.SIGTERM, rest[-3000:]
     assert "generate:" not in rest  # the run did not pretend to have finished
 
@@ -86,3 +99,35 @@ def test_sigterm_stops_every_rank_saves_and_exits_143_then_resumes(tmp_path, tar
                           "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", str(checkpoints[0])])
     assert f"Restored all states from the checkpoint at {checkpoints[0]}" in resumed.stdout + resumed.stderr
     assert read_recipe_metadata(_last_checkpoint(tmp_path, 1))["global_step"] == target
+
+
+@pytest.mark.parametrize(("target", "signum", "resume"),
+                         [("group", signal.SIGTERM, True), ("main", signal.SIGUSR1, False)],
+                         ids=["sigterm-group-then-resume", "sigusr1-main-process-only"])
+def test_fabric_loop_stops_every_rank_at_one_step_saves_and_exits_128_plus_signal(tmp_path, target, signum, resume):
+    """A Fabric loop with FabricPreemption (tests/scripts/fabric_faults_run.py). Catches: Fabric's default (no
+    handler: each rank dies at once, mid-collective, exit -15), ranks stopping at different steps (their collective
+    saves would hang), a checkpoint missing or not the sharded npu_fsdp directory, a wrong exit status (SIGUSR1 unhandled
+    kills with -10), (main-process-only) the rank the launcher started not stopping with the signalled main process,
+    and (resume) a checkpoint that does not hold the weights and step of the stop."""
+    proc = _launch([FABRIC_SCRIPT, "preempt", "--out", str(tmp_path)])
+    _wait_for_training(proc)
+    rest = _signal_and_wait(proc, target, signum)
+    assert proc.returncode == 128 + signum, rest[-3000:]
+
+    stops = [read_json(tmp_path / f"stopped_rank{rank}.json") for rank in (0, 1)]
+    step = stops[0]["step"]
+    assert stops == [{"step": step, "signal": signal.Signals(signum).name, "code": 128 + signum}] * 2, stops
+    assert step >= 10
+    checkpoint = tmp_path / "ckpts" / f"preempted-step={step}"
+    assert [p.name for p in (tmp_path / "ckpts").iterdir()] == [checkpoint.name]  # nothing else, no temporary left
+    # The sharded npu_fsdp checkpoint: a DCP directory with both ranks' shards.
+    assert sorted(p.name for p in checkpoint.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    if not resume:
+        return
+
+    resumed = tmp_path / "resumed"
+    run_python([FABRIC_SCRIPT, "preempt", "--out", str(resumed), "--resume", str(checkpoint), "--steps", str(step + 3)])
+    assert read_json(resumed / "result.json") == {"resumed_from": step, "step": step + 3}
+    at_stop, at_resume = torch.load(tmp_path / "weights-at-stop.pt"), torch.load(resumed / "weights-at-resume.pt")
+    assert at_stop.keys() == at_resume.keys() and all(torch.equal(at_stop[k], at_resume[k]) for k in at_stop)
