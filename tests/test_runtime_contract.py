@@ -126,7 +126,7 @@ def test_offloaded_parameters_are_initialised_on_the_npu_then_moved_to_the_host(
     strategy = trainer.strategy
     compat.set_device_mesh(strategy, "mesh")  # parallelize is replaced below: no mesh is built
     steps = []
-    monkeypatch.setattr(initial_state, "capture", lambda model: "state")
+    monkeypatch.setattr(initial_state, "capture", lambda model, built=None: "state")
     monkeypatch.setattr(fsdp.FSDPOptions, "parallelize", lambda self, *args: steps.append("shard"))
     monkeypatch.setattr(initial_state, "apply", lambda model, state, device: steps.append(("initialise", device)))
     monkeypatch.setattr(fsdp, "_offload_parameters", lambda model: steps.append("offload"))
