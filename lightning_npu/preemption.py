@@ -15,8 +15,18 @@ Here, for every Trainer run on an NPU strategy (:func:`install`, wrapped into Li
    ``check_every_n_steps`` steps) the ranks agree with one all-reduce (MAX) of a one-element tensor on the
    device. Every rank takes part at the same steps, so the collective is matched whatever the signal timing,
    and one signalled rank is enough to stop them all.
-3. If a signal was seen: optionally save a checkpoint (a collective, by every rank at the same point), then
-   raise :class:`Preempted` (a ``SystemExit`` with code ``128 + signum``, 143 for SIGTERM) on every rank.
+3. If a signal was seen: optionally save a checkpoint (a collective, by every rank at the same point) and wait
+   until it is complete (an asynchronous save included), then raise :class:`Preempted` (a ``SystemExit`` with
+   code ``128 + signum``, 143 for SIGTERM) on every rank.
+
+Under SLURM with auto-requeue (Lightning's ``SLURMEnvironment``, its default inside an ``srun`` step), the requeue
+signal (``sbatch --signal=USR1@N``) always saves, as Lightning's own handler does, to Lightning's
+``<default_root_dir>/hpc_ckpt_N.ckpt``; then global rank 0 runs ``scontrol requeue <job>``, once the checkpoint
+is complete (SLURM kills the job right after), and every rank exits with 138. The requeued job (same
+directory) resumes from the newest *complete* ``hpc_ckpt_N.ckpt`` by itself: for NPU strategies the connector's
+choice ignores the hidden temporary an interrupted save leaves (Lightning reads the digits of any name
+containing ``ckpt_``, so ``.hpc_ckpt_2.ckpt.tmp-0123456789ab`` became version 20123456789, a path that does
+not exist). SLURMEnvironment(auto_requeue=False) keeps the job from being requeued.
 
 Cost: one 4-byte all-reduce and one host read per check. It replaces the device broadcast and host read of
 Lightning's own SIGTERM flag that Lightning makes before every batch (``_TrainingEpochLoop._broadcast_sigterm_tensor``):
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,14 +51,17 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_npu import compat
-from lightning_npu.compat import SignalConnector, TrainingEpochLoop
+from lightning_npu.compat import CheckpointConnector, SignalConnector, TrainingEpochLoop
 
 from lightning_npu.facts.env import SLURM_ARRAY_JOB_ID, SLURM_ARRAY_TASK_ID, SLURM_JOB_ID
 
 _PATCHED = "_lightning_npu_patched"
+#: Lightning's name for the checkpoint a SLURM job saves on the requeue signal and resumes from (N from 1 up).
+HPC_CHECKPOINT = re.compile(r"hpc_ckpt_(?P<version>[0-9]+)\.ckpt")
 
 
 class Preempted(SystemExit):
@@ -70,6 +84,8 @@ class GracefulPreemption(Callback):
     Args:
         save_on_preemption: write a checkpoint before exiting: ``<ModelCheckpoint dirpath>/preempted-step=N.ckpt``,
             or Lightning's ``hpc_ckpt_N.ckpt`` under SLURM auto-requeue (which Lightning resumes from by itself).
+            SLURM's requeue signal under auto-requeue saves whatever this says: a job requeued without a
+            checkpoint would start again from step 0.
         check_every_n_steps: agree on the flag every this many optimizer steps (see the module docstring).
         exit_timeout_s: seconds after the first signal by which the process is gone in any case (a watchdog
             calls ``os._exit(128 + signum)``); keep it below the scheduler's grace period
@@ -130,11 +146,15 @@ class GracefulPreemption(Callback):
         self._last_checked_step = step
         signum = self.agreed_signal(trainer)
         if signum:
-            path = self._save(trainer) if self.save_on_preemption else None
-            self._requeue(trainer, signum)
+            requeue = _requeues(trainer, signum)
+            path = self._save(trainer) if self.save_on_preemption or requeue else None
+            if requeue:
+                _requeue(trainer)
             stop = Preempted(signum, step, path)
             if trainer.is_global_zero:
                 resume = f" -- resume with ckpt_path={path}" if path else ""
+                if path and HPC_CHECKPOINT.fullmatch(os.path.basename(path)):
+                    resume += " (a run under SLURM in the same default_root_dir resumes from it by itself)"
                 print(f"[lightning-npu] {stop}{resume}; exiting with code {128 + signum}", flush=True)
             raise stop
 
@@ -159,32 +179,67 @@ class GracefulPreemption(Callback):
 
     # ------------------------------------------------------------------------------ actions
     def _save(self, trainer: Trainer) -> str:
-        environment = _environment(trainer)
-        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
-            path = compat.hpc_save_path(trainer)
+        if _auto_requeue(trainer):
+            path = next_hpc_checkpoint(str(trainer.default_root_dir))
         else:
             checkpoint = trainer.checkpoint_callback
             folder = getattr(checkpoint, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
             path = str(Path(folder) / f"preempted-step={trainer.global_step}.ckpt")
         path = trainer.strategy.broadcast(path)  # one name on every rank, whatever each sees on disk
         trainer.save_checkpoint(path)
-        return path
+        from lightning_npu.strategies import SHARDED_STRATEGY_TYPES
 
-    def _requeue(self, trainer: Trainer, signum: int) -> None:
-        environment = _environment(trainer)
-        if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue and trainer.is_global_zero):
-            return
-        if signum != (environment.requeue_signal or signal.SIGUSR1):
-            return
-        array_job = os.environ.get(SLURM_ARRAY_JOB_ID)
-        job = f"{array_job}_{os.environ[SLURM_ARRAY_TASK_ID]}" if array_job else os.environ[SLURM_JOB_ID]
-        result = subprocess.call(["scontrol", "requeue", job])
-        print(f"[lightning-npu] scontrol requeue {job}: {'done' if result == 0 else f'failed ({result})'}", flush=True)
+        if isinstance(trainer.strategy, SHARDED_STRATEGY_TYPES):
+            # An asynchronous save returns with the shards still being written; the process must not exit, nor the
+            # job be requeued (SLURM kills it then), before the checkpoint is complete.
+            trainer.strategy.wait_for_checkpoint()
+        return path
 
 
 def _environment(trainer: Trainer) -> Any:
     # Single-device strategies have no cluster environment.
     return getattr(trainer.strategy, "cluster_environment", None)
+
+
+def _auto_requeue(trainer: Trainer) -> bool:
+    environment = _environment(trainer)
+    return isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+
+
+def _requeues(trainer: Trainer, signum: int) -> bool:
+    """Whether ``signum`` is SLURM's requeue signal for a job that auto-requeues."""
+    return _auto_requeue(trainer) and signum == (_environment(trainer).requeue_signal or signal.SIGUSR1)
+
+
+def _requeue(trainer: Trainer) -> None:
+    """``scontrol requeue`` this job (or array task), from global rank 0."""
+    if not trainer.is_global_zero:
+        return
+    array_job = os.environ.get(SLURM_ARRAY_JOB_ID)
+    job = f"{array_job}_{os.environ[SLURM_ARRAY_TASK_ID]}" if array_job else os.environ[SLURM_JOB_ID]
+    result = subprocess.call(["scontrol", "requeue", job])
+    print(f"[lightning-npu] scontrol requeue {job}: {'done' if result == 0 else f'failed ({result})'}", flush=True)
+
+
+def hpc_checkpoint_versions(root: str) -> list[int]:
+    """The N of every ``hpc_ckpt_N.ckpt`` in ``root`` (local or fsspec), ascending; hidden temporaries excluded."""
+    fs = get_filesystem(root)
+    if not fs.isdir(root):
+        return []
+    names = (os.path.basename(str(entry["name"]).rstrip("/")) for entry in fs.listdir(root))
+    return sorted(int(match["version"]) for match in map(HPC_CHECKPOINT.fullmatch, names) if match)
+
+
+def latest_hpc_checkpoint(root: str) -> Optional[str]:
+    """The newest complete ``hpc_ckpt_N.ckpt`` in ``root`` (what a requeued job resumes from), or None."""
+    versions = hpc_checkpoint_versions(root)
+    return os.path.join(root, f"hpc_ckpt_{versions[-1]}.ckpt") if versions else None
+
+
+def next_hpc_checkpoint(root: str) -> str:
+    """Where the next requeue checkpoint goes: ``hpc_ckpt_<newest N + 1>.ckpt`` in ``root``."""
+    versions = hpc_checkpoint_versions(root)
+    return os.path.join(root, f"hpc_ckpt_{(versions[-1] if versions else 0) + 1}.ckpt")
 
 
 def _children(trainer: Optional[Trainer]) -> list[subprocess.Popen]:
@@ -209,7 +264,8 @@ def _preemption_callback(trainer: Trainer) -> GracefulPreemption:
 
 
 def install() -> None:
-    """Replace Lightning's signal handlers by :class:`GracefulPreemption`'s for NPU strategies (idempotent)."""
+    """Replace Lightning's signal handlers by :class:`GracefulPreemption`'s, and its choice of the SLURM
+    checkpoint to resume from by :func:`latest_hpc_checkpoint`, for NPU strategies (idempotent)."""
     if getattr(SignalConnector, _PATCHED, False):
         return
     from lightning_npu.strategies import NPU_STRATEGY_TYPES
@@ -233,8 +289,17 @@ def install() -> None:
         if not isinstance(self.trainer.strategy, NPU_STRATEGY_TYPES):
             original_broadcast(self)
 
+    original_resume_path = getattr(CheckpointConnector, compat.HPC_RESUME_PATH)
+
+    def hpc_resume_path(self: Any) -> Optional[str]:
+        # Lightning counts the digits of every name containing "ckpt_", a save's hidden temporary included.
+        if not isinstance(self.trainer.strategy, NPU_STRATEGY_TYPES):
+            return original_resume_path.fget(self)
+        return latest_hpc_checkpoint(str(self.trainer.default_root_dir))
+
     SignalConnector.register_signal_handlers = register_signal_handlers
     setattr(TrainingEpochLoop, compat.BROADCAST_SIGTERM, broadcast_sigterm_tensor)
+    setattr(CheckpointConnector, compat.HPC_RESUME_PATH, property(hpc_resume_path, doc=original_resume_path.__doc__))
     setattr(SignalConnector, _PATCHED, True)
 
 
