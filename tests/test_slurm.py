@@ -1,7 +1,7 @@
 """SLURM without SLURM: two local processes given the variables srun sets (one task per simulated NPU) train under
 npu_fsdp as a Lightning-launched run does; the requeue signal (SIGUSR1, ``sbatch --signal``) saves Lightning's
 ``hpc_ckpt_N.ckpt``, calls ``scontrol requeue`` (a recording fake on PATH) and exits; the requeued job
-(``SLURM_RESTART_COUNT=1``) resumes from it by itself."""
+(``SLURM_RESTART_COUNT=1``) resumes from it by itself. The README's sbatch script matches the 2-node config."""
 
 import os
 import signal
@@ -100,3 +100,50 @@ def test_srun_started_ranks_train_and_the_requeue_signal_saves_requeues_and_resu
     assert f"Restored all states from the checkpoint at {root / 'hpc_ckpt_1.ckpt'}" in outputs[0], shown
     assert read_json(tmp_path / "requeued" / "losses.json") == pytest.approx(expected[3:], abs=1e-6)
 
+
+SBATCH = REPO / "recipes/llama2/slurm/train_2nodes.sbatch"
+
+
+def _sbatch_options(text):
+    """``{option: value}`` of the ``#SBATCH --option[=value]`` lines (``##SBATCH`` lines are comments to sbatch)."""
+    options = {}
+    for line in text.splitlines():
+        if line.startswith("#SBATCH "):
+            for word in line.split()[1:]:
+                if word.startswith("#"):
+                    break
+                name, _, value = word.partition("=")
+                options[name] = value
+    return options
+
+
+def test_readme_sbatch_script_matches_the_two_node_config():
+    """Catches a script that Lightning refuses at start-up (tasks per node or nodes other than trainer.devices /
+    trainer.num_nodes), a requeue signal the plugin does not treat as SLURM's (not SIGUSR1) or that comes later
+    than the watchdog needs (exit_timeout_s), HCCL timeouts the config's process-group timeout is not above, a
+    job that is not requeueable, and a README copy that drifted from the file."""
+    import yaml
+
+    from lightning_npu import GracefulPreemption
+    from lightning_npu.timeouts import timeout_problem
+
+    text = SBATCH.read_text()
+    options = _sbatch_options(text)
+    run = [line.split() for line in text.splitlines() if line.startswith("srun ")]
+    assert len(run) == 1 and run[0][run[0].index("python") + 1:run[0].index("python") + 3] == [
+        "recipes/llama2/train.py", "fit"]
+    config = yaml.safe_load((REPO / run[0][run[0].index("--config") + 1]).read_text())
+    trainer = config["trainer"]
+    assert int(options["--ntasks-per-node"]) == trainer["devices"]
+    assert int(options["--nodes"]) == trainer["num_nodes"]
+    assert int(options["--nodes"]) * int(options["--ntasks-per-node"]) == 16
+
+    signal_name, _, lead_s = options["--signal"].partition("@")
+    assert signal.Signals[f"SIG{signal_name}"] == signal.SIGUSR1  # SLURMEnvironment's default requeue signal
+    assert int(lead_s) >= GracefulPreemption().exit_timeout_s
+    assert "--requeue" in options and "--exclusive" in options
+
+    exports = dict(line[len("export "):].split("#")[0].strip().split("=", 1)
+                   for line in text.splitlines() if line.startswith("export "))
+    assert timeout_problem(float(trainer["strategy"]["init_args"]["timeout"]), exports) is None
+    assert text in (REPO / "README.md").read_text()
