@@ -94,6 +94,7 @@ IMPORTED = {
     "TrainerConnector": Fenced("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector"),
     "FabricConnector": Fenced("lightning.fabric.connector", "_Connector"),
     "SignalConnector": Fenced("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector"),
+    "CheckpointConnector": Fenced("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector"),
     "TrainingEpochLoop": Fenced("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop"),
     "BackwardSyncControl": Fenced("lightning.fabric.strategies.strategy", "_BackwardSyncControl"),
     "has_dtensor_modules": Fenced("lightning.fabric.strategies.model_parallel", "_has_dtensor_modules"),
@@ -123,6 +124,9 @@ CHECK_AND_INIT_PRECISION = "_check_and_init_precision"
 
 #: The training loop's per-batch broadcast of Lightning's SIGTERM flag, which ``preemption.py`` skips for NPU strategies.
 BROADCAST_SIGTERM = "_broadcast_sigterm_tensor"
+#: The checkpoint connector's property naming the ``hpc_ckpt_N.ckpt`` a run under SLURM resumes from by itself,
+#: which ``preemption.py`` replaces for NPU strategies.
+HPC_RESUME_PATH = "_hpc_resume_path"
 
 #: The connector state the wraps read: (field, Trainer connector attribute, Fabric connector attribute).
 _CONNECTOR_FIELDS = (
@@ -163,7 +167,7 @@ ACCESSED = (
     Fenced("lightning.pytorch.strategies:ParallelStrategy", "_layer_sync", instance=True),
     *(Fenced(owner, "_root_device", instance=True)
       for owner in ("lightning.pytorch.strategies:SingleDeviceStrategy", "lightning.fabric.strategies:SingleDeviceStrategy")),
-    Fenced("lightning.pytorch:Trainer", "_checkpoint_connector", instance=True),
+    Fenced("lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector", HPC_RESUME_PATH),
     Fenced("lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector", "_original_handlers", instance=True),
     Fenced("lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector", "_get_current_signal_handlers"),
     Fenced("lightning.fabric.utilities.cloud_io", "_load"),
@@ -241,6 +245,7 @@ _RESOLVED = dict(zip(FENCED, check(FENCED)))
 TrainerConnector: type = _RESOLVED[IMPORTED["TrainerConnector"]]
 FabricConnector: type = _RESOLVED[IMPORTED["FabricConnector"]]
 SignalConnector: type = _RESOLVED[IMPORTED["SignalConnector"]]
+CheckpointConnector: type = _RESOLVED[IMPORTED["CheckpointConnector"]]
 TrainingEpochLoop: type = _RESOLVED[IMPORTED["TrainingEpochLoop"]]
 BackwardSyncControl: type = _RESOLVED[IMPORTED["BackwardSyncControl"]]
 has_dtensor_modules: Callable[..., bool] = _RESOLVED[IMPORTED["has_dtensor_modules"]]
@@ -324,11 +329,6 @@ def set_root_device(strategy: Any, device: Any) -> None:
 def set_backward_sync_control(strategy: Any, control: Any) -> None:
     """What Fabric's ``no_backward_sync`` uses for this strategy."""
     strategy._backward_sync_control = control
-
-
-def hpc_save_path(trainer: Any) -> str:
-    """Where Lightning saves (and, under SLURM auto-requeue, resumes) its ``hpc_ckpt_N.ckpt``."""
-    return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
 
 
 def keep_signal_handlers(signal_connector: Any) -> None:

@@ -18,6 +18,15 @@ signalled rank dies at once, mid-collective, and the others hang.
    raise :class:`Preempted` (a ``SystemExit`` with code ``128 + signum``, 143 for SIGTERM) on every rank; the
    main process first waits for the ranks it launched, so none outlives it.
 
+Under SLURM with auto-requeue (Lightning's ``SLURMEnvironment``, its default inside an ``srun`` step), the requeue
+signal (``sbatch --signal=USR1@N``) always saves in a Trainer run, as Lightning's own handler does, to Lightning's
+``<default_root_dir>/hpc_ckpt_N.ckpt``; then global rank 0 runs ``scontrol requeue <job>``, once the checkpoint
+is complete (SLURM kills the job right after), and every rank exits with 138. The requeued job (same
+directory) resumes from the newest *complete* ``hpc_ckpt_N.ckpt`` by itself: for NPU strategies the connector's
+choice ignores the hidden temporary an interrupted save leaves (Lightning reads the digits of any name
+containing ``ckpt_``, so ``.hpc_ckpt_2.ckpt.tmp-0123456789ab`` became version 20123456789, a path that does
+not exist). ``SLURMEnvironment(auto_requeue=False)`` keeps the job from being requeued.
+
 Two thin adapters drive it: :class:`GracefulPreemption`, a Trainer callback (checked in ``on_train_batch_end``
 once ``global_step`` moved; saves with ``trainer.save_checkpoint``), added to every Trainer run on an NPU strategy
 by :func:`install` (wrapped into Lightning's signal connector at ``import lightning_npu``); and
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,14 +57,17 @@ import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_npu import compat
-from lightning_npu.compat import SignalConnector, TrainingEpochLoop
+from lightning_npu.compat import CheckpointConnector, SignalConnector, TrainingEpochLoop
 
 from lightning_npu.facts.env import SLURM_ARRAY_JOB_ID, SLURM_ARRAY_TASK_ID, SLURM_JOB_ID
 
 _PATCHED = "_lightning_npu_patched"
+#: Lightning's name for the checkpoint a SLURM job saves on the requeue signal and resumes from (N from 1 up).
+HPC_CHECKPOINT = re.compile(r"hpc_ckpt_(?P<version>[0-9]+)\.ckpt")
 
 
 class Preempted(SystemExit):
@@ -162,10 +175,8 @@ class Preemption:
             procs.remove(proc)
 
     def _requeue(self, strategy: Any, signum: int) -> None:
-        environment = _environment(strategy)
-        if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue and strategy.is_global_zero):
-            return
-        if signum != (environment.requeue_signal or signal.SIGUSR1):
+        """``scontrol requeue`` this job (or array task), from global rank 0, on SLURM's requeue signal."""
+        if not (_requeues(strategy, signum) and strategy.is_global_zero):
             return
         array_job = os.environ.get(SLURM_ARRAY_JOB_ID)
         job = f"{array_job}_{os.environ[SLURM_ARRAY_TASK_ID]}" if array_job else os.environ[SLURM_JOB_ID]
@@ -181,6 +192,8 @@ class GracefulPreemption(Preemption, Callback):
     Args:
         save_on_preemption: write a checkpoint before exiting: ``<ModelCheckpoint dirpath>/preempted-step=N.ckpt``,
             or Lightning's ``hpc_ckpt_N.ckpt`` under SLURM auto-requeue (which Lightning resumes from by itself).
+            SLURM's requeue signal under auto-requeue saves whatever this says: a job requeued without a
+            checkpoint would start again from step 0.
         check_every_n_steps, exit_timeout_s: see :class:`Preemption`.
     """
 
@@ -198,7 +211,8 @@ class GracefulPreemption(Preemption, Callback):
         step = trainer.global_step
         signum = self.agreed_signal(trainer.strategy, step)
         if signum:
-            path = self._save(trainer) if self.save_on_preemption else None
+            save = self.save_on_preemption or _requeues(trainer.strategy, signum)
+            path = self._save(trainer) if save else None
             raise self.stop(trainer.strategy, signum, step, path)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -206,15 +220,18 @@ class GracefulPreemption(Preemption, Callback):
             self.reap_children(trainer.strategy)
 
     def _save(self, trainer: Trainer) -> str:
-        environment = _environment(trainer.strategy)
-        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
-            path = compat.hpc_save_path(trainer)
+        if _auto_requeue(trainer.strategy):
+            path = next_hpc_checkpoint(str(trainer.default_root_dir))
         else:
             checkpoint = trainer.checkpoint_callback
             folder = getattr(checkpoint, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
             path = str(Path(folder) / f"preempted-step={trainer.global_step}.ckpt")
         path = trainer.strategy.broadcast(path)  # one name on every rank, whatever each sees on disk
         trainer.save_checkpoint(path)
+        wait_for_checkpoint = getattr(trainer.strategy, "wait_for_checkpoint", None)  # npu_fsdp's async_save
+        if wait_for_checkpoint is not None:
+            # The process must not exit, nor the job be requeued (SLURM kills it then), before the save is complete.
+            wait_for_checkpoint()
         return path
 
 
@@ -283,6 +300,37 @@ def _environment(strategy: Any) -> Any:
     return getattr(strategy, "cluster_environment", None)
 
 
+def _auto_requeue(strategy: Any) -> bool:
+    environment = _environment(strategy)
+    return isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+
+
+def _requeues(strategy: Any, signum: int) -> bool:
+    """Whether ``signum`` is SLURM's requeue signal for a job that auto-requeues."""
+    return _auto_requeue(strategy) and signum == (_environment(strategy).requeue_signal or signal.SIGUSR1)
+
+
+def hpc_checkpoint_versions(root: str) -> list[int]:
+    """The N of every ``hpc_ckpt_N.ckpt`` in ``root`` (local or fsspec), ascending; hidden temporaries excluded."""
+    fs = get_filesystem(root)
+    if not fs.isdir(root):
+        return []
+    names = (os.path.basename(str(entry["name"]).rstrip("/")) for entry in fs.listdir(root))
+    return sorted(int(match["version"]) for match in map(HPC_CHECKPOINT.fullmatch, names) if match)
+
+
+def latest_hpc_checkpoint(root: str) -> Optional[str]:
+    """The newest complete ``hpc_ckpt_N.ckpt`` in ``root`` (what a requeued job resumes from), or None."""
+    versions = hpc_checkpoint_versions(root)
+    return os.path.join(root, f"hpc_ckpt_{versions[-1]}.ckpt") if versions else None
+
+
+def next_hpc_checkpoint(root: str) -> str:
+    """Where the next requeue checkpoint goes: ``hpc_ckpt_<newest N + 1>.ckpt`` in ``root``."""
+    versions = hpc_checkpoint_versions(root)
+    return os.path.join(root, f"hpc_ckpt_{(versions[-1] if versions else 0) + 1}.ckpt")
+
+
 def _launcher_procs(strategy: Any) -> list[subprocess.Popen]:
     """The launcher's own list of the local ranks it started (empty outside the main process)."""
     procs = getattr(getattr(strategy, "launcher", None), "procs", None)
@@ -306,7 +354,8 @@ def _preemption_callback(trainer: Trainer) -> GracefulPreemption:
 
 
 def install() -> None:
-    """Replace Lightning's signal handlers by :class:`GracefulPreemption`'s for NPU strategies (idempotent)."""
+    """Replace Lightning's signal handlers by :class:`GracefulPreemption`'s, and its choice of the SLURM
+    checkpoint to resume from by :func:`latest_hpc_checkpoint`, for NPU strategies (idempotent)."""
     if getattr(SignalConnector, _PATCHED, False):
         return
     from lightning_npu.strategies import NPU_STRATEGY_TYPES
@@ -330,8 +379,17 @@ def install() -> None:
         if not isinstance(self.trainer.strategy, NPU_STRATEGY_TYPES):
             original_broadcast(self)
 
+    original_resume_path = getattr(CheckpointConnector, compat.HPC_RESUME_PATH)
+
+    def hpc_resume_path(self: Any) -> Optional[str]:
+        # Lightning counts the digits of every name containing "ckpt_", a save's hidden temporary included.
+        if not isinstance(self.trainer.strategy, NPU_STRATEGY_TYPES):
+            return original_resume_path.fget(self)
+        return latest_hpc_checkpoint(str(self.trainer.default_root_dir))
+
     SignalConnector.register_signal_handlers = register_signal_handlers
     setattr(TrainingEpochLoop, compat.BROADCAST_SIGTERM, broadcast_sigterm_tensor)
+    setattr(CheckpointConnector, compat.HPC_RESUME_PATH, property(hpc_resume_path, doc=original_resume_path.__doc__))
     setattr(SignalConnector, _PATCHED, True)
 
 

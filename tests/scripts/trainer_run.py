@@ -2,6 +2,10 @@
 
 Writes ``<out>/result.json`` from rank 0 (per-step losses, the dtype of Linear outputs) and
 ``<out>/fraction_rank<r>.json`` from each rank (the share of parameter elements it holds after training).
+``<out>/losses.json`` (rank 0) holds the losses of the steps this process ran, also when a signal stopped it.
+
+Started by Lightning (one process; it launches the second rank) or as srun starts it (one process per rank, the
+``SLURM_*`` variables set): ``--signal-at-step`` then delivers SLURM's requeue signal as ``sbatch --signal`` does.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -79,6 +84,18 @@ class SaveAfterFirstEpoch(Callback):
             trainer.save_checkpoint(self.path)
 
 
+class SignalAtStep(Callback):
+    """Deliver ``signum`` to this process once ``global_step`` reaches ``step`` (what ``--signal=USR1@N`` does
+    to every task of a SLURM job, at a step the test chooses instead of a time)."""
+
+    def __init__(self, step: int, signum: int = signal.SIGUSR1) -> None:
+        self.step, self.signum = step, signum
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
 def sharded_fraction(module: nn.Module) -> float | None:
     """Local parameter elements over global parameter elements on this rank (None without parameters).
 
@@ -114,6 +131,9 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="checkpoint written at the end of the first epoch")
     parser.add_argument("--state-dict-type", default="sharded")
     parser.add_argument("--zero-stage", type=int, default=3)
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--root-dir", default=None, help="the Trainer's default_root_dir (hpc_ckpt_N.ckpt lands there)")
+    parser.add_argument("--signal-at-step", type=int, default=None, help="SIGUSR1 to this process at this step")
     args = parser.parse_args()
 
     seed_everything(7)
@@ -122,16 +142,23 @@ def main() -> None:
         strategy = lightning_npu.NPUFSDPStrategy(
             auto_wrap_policy={Block}, zero_stage=args.zero_stage, state_dict_type=args.state_dict_type,
             activation_checkpointing_policy=["Block"], activation_checkpointing_ratio=0.5, timeout=120,
+            async_save=args.async_save,
         )
     trainer = Trainer(
         accelerator="npu", devices=2, strategy=strategy, precision=args.precision, max_epochs=args.epochs,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=2, num_sanity_val_steps=0, deterministic=True,
+        limit_val_batches=2, num_sanity_val_steps=0, deterministic=True, default_root_dir=args.root_dir,
         callbacks=[SaveAfterFirstEpoch(args.save)] if args.save else [],
     )
+    if args.signal_at_step is not None:
+        trainer.callbacks.append(SignalAtStep(args.signal_at_step))
     model = Regression()
-    trainer.fit(model, train_dataloaders=data(), val_dataloaders=data(16), ckpt_path=args.resume)
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    try:
+        trainer.fit(model, train_dataloaders=data(), val_dataloaders=data(16), ckpt_path=args.resume)
+    finally:
+        if trainer.global_rank == 0:
+            (Path(args.out) / "losses.json").write_text(json.dumps(model.losses))
     # Each rank reports the share of parameter elements it holds.
     (Path(args.out) / f"fraction_rank{trainer.global_rank}.json").write_text(json.dumps(sharded_fraction(model)))
     if trainer.global_rank == 0:
