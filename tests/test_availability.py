@@ -120,6 +120,7 @@ def _stand_in_torch_npu(tmp_path, version, body):
 PROBE = "import json, lightning_npu.runtime.probe as p; r = p.probe_npu(); print(json.dumps([r.available, r.reason]))"
 
 
+@pytest.mark.slow
 def test_probe_reports_missing_cann_from_a_real_import(tmp_path):
     release = ".".join(map(str, probe.release(torch.__version__)))
     path = _stand_in_torch_npu(
@@ -131,6 +132,7 @@ def test_probe_reports_missing_cann_from_a_real_import(tmp_path):
     assert "CANN libraries are missing" in reason and "libhccl.so" in reason
 
 
+@pytest.mark.slow
 def test_probe_reports_version_mismatch_before_importing(tmp_path):
     path = _stand_in_torch_npu(tmp_path, "2.1.0", 'raise AssertionError("must not be imported")')
     out = run_python(["-c", PROBE], simulate=None, env={"PYTHONPATH": f"{path}:{REPO}"})

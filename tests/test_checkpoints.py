@@ -42,6 +42,7 @@ def uninterrupted(tmp_path_factory):
     [("data", []), ("metadata", []), ("meta", []), ("publish", []), ("data", ["--async-save"])],
     ids=["mid-shard", "before-dcp-metadata", "before-meta-pt", "between-renames", "async-mid-shard"],
 )
+@pytest.mark.slow
 def test_crash_during_save_keeps_last_checkpoint_resumable(tmp_path, uninterrupted, point, extra):
     """A rank dies during the 4th save (last.ckpt after epoch 2); resuming from last.ckpt then reproduces the
     uninterrupted run's losses. Catches in-place rewrites of last.ckpt (truncated shards beside an old `.metadata`,
@@ -58,6 +59,7 @@ def test_crash_during_save_keeps_last_checkpoint_resumable(tmp_path, uninterrupt
     assert not [e for e in resumed["entries"] if LEFTOVER.search(e)], resumed["entries"]
 
 
+@pytest.mark.slow
 def test_async_save_trains_identically_and_leaves_complete_checkpoints(tmp_path, uninterrupted):
     """async_save=True: the same losses as blocking saves, the final last.ckpt is complete (written before fit()
     returns) and top-k rotation deleted the older checkpoint only once the newer one existed."""
@@ -69,6 +71,7 @@ def test_async_save_trains_identically_and_leaves_complete_checkpoints(tmp_path,
     assert read_recipe_metadata(tmp_path / "ckpts" / "last.ckpt")["global_step"] == 6
 
 
+@pytest.mark.slow
 def test_failed_background_save_raises(tmp_path):
     """A background shard write that fails (disk full) stops the run with an error naming the checkpoint, instead
     of a log line; the checkpoint it would have replaced stays loadable."""
@@ -78,6 +81,7 @@ def test_failed_background_save_raises(tmp_path):
     assert "No space left on device (injected)" in proc.stderr
 
 
+@pytest.mark.slow
 def test_full_checkpoint_with_stateless_optimizer_resumes_and_evaluates(tmp_path):
     """state_dict_type='full' with plain SGD (no optimizer state): resume, validate/test/predict(ckpt_path=...) work
     (Lightning's rekeying indexed the first state entry and raised IndexError)."""
@@ -92,6 +96,7 @@ def test_full_checkpoint_with_stateless_optimizer_resumes_and_evaluates(tmp_path
     assert resumed["validate"] == pytest.approx(resumed["test"])  # same data, same restored weights
 
 
+@pytest.mark.slow
 def test_lr_find_restores_the_model_under_npu_fsdp(tmp_path):
     """Tuner.lr_find saves a sharded checkpoint, trains, then restores it through the strategy (which failed with
     "Missing key ... initial_lr"): the weights afterwards equal the initial weights and fit() runs on."""
@@ -101,6 +106,7 @@ def test_lr_find_restores_the_model_under_npu_fsdp(tmp_path):
     assert len(result["losses"]) == 3 + 3  # lr_find's 3 steps, then the real epoch
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_loads_without_the_strategy(tmp_path, uninterrupted):
     """A sharded directory goes into an unsharded module through LightningModule.load_from_checkpoint, and
     `lightning-npu consolidate` writes one normal Lightning checkpoint file with the same weights (Lightning's own
@@ -157,6 +163,7 @@ def fabric_checkpoints(tmp_path_factory):
     return read_json(out / "result.json")
 
 
+@pytest.mark.slow
 def test_fabric_full_sgd_and_async_sharded_round_trip(fabric_checkpoints):
     """Fabric: a full checkpoint of a stateless SGD optimizer loads back (IndexError before), an asynchronous
     sharded save resumes to the same losses, and fabric.load_raw of a sharded directory names the consolidate
@@ -167,6 +174,7 @@ def test_fabric_full_sgd_and_async_sharded_round_trip(fabric_checkpoints):
     assert "lightning-npu consolidate" in result["load_raw_error"]
 
 
+@pytest.mark.slow
 def test_a_filtered_sharded_fabric_save_says_what_to_do_and_writes_nothing(fabric_checkpoints):
     """Catches an error that named no concrete way out: it must give the strategy argument for a filtered file and
     the ways to keep part of a sharded one, and nothing may be written at the path (not even a temporary)."""
@@ -198,6 +206,7 @@ def test_publish_and_recover_never_lose_the_previous_checkpoint(tmp_path):
     assert (target / "meta.pt").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
+@pytest.mark.slow
 def test_every_checkpoint_form_lightning_writes_evaluates_and_resumes_under_npu_fsdp(tmp_path):
     """Lightning's checkpoint contract under npu_fsdp (2 simulated NPUs, one torchrun launch):
     - test / validate / predict(ckpt_path=...) from a weights-only checkpoint (save_checkpoint(weights_only=True),

@@ -1,5 +1,6 @@
 """LightningCLI YAML selects the accelerator and strategy by name and by class_path with init args."""
 
+import pytest
 from tests.helpers import SCRIPTS, read_json, run_python
 
 SCRIPT = str(SCRIPTS / "cli_run.py")
@@ -22,6 +23,7 @@ def _fit(tmp_path, trainer_lines, import_plugin="1"):
     return read_json(tmp_path / "out" / "result.json")
 
 
+@pytest.mark.slow
 def test_yaml_selects_accelerator_and_strategy_by_name(tmp_path):
     result = _fit(tmp_path, ["accelerator: npu", "strategy: npu_fsdp", "precision: bf16-mixed"])
     assert result["accelerator"] == "NPUAccelerator"
@@ -32,6 +34,7 @@ def test_yaml_selects_accelerator_and_strategy_by_name(tmp_path):
     assert len(result["losses"]) == 2
 
 
+@pytest.mark.slow
 def test_yaml_class_paths_with_init_args_bring_in_the_plugin(tmp_path):
     result = _fit(
         tmp_path,

@@ -246,6 +246,7 @@ def test_no_module_but_compat_touches_a_lightning_or_torch_private_name():
 # ---- the explicit-instance path ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_explicit_instances_train_without_the_connector_wraps(tmp_path):
     """Catches an explicit-instance run (``accelerator=NPUAccelerator()``, an ``NPUFSDPStrategy``, a precision
     plugin instance) that silently depends on the private connector wraps: with Lightning's own connector methods

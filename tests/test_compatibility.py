@@ -19,6 +19,9 @@ from lightning_npu.strategies import fsdp1
 from tests.helpers import SCRIPTS, read_json, run_python
 from tests.scripts.compat_models import MODELS, BatchNormNet
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains (or shares a fixture that does)
+
+
 PATTERNS = [*MODELS, "init_module", "gradient_accumulation"]
 
 

@@ -327,6 +327,7 @@ def doctor_subprocess(site, *args):
                           capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow
 def test_autoload_trap_import_torch_fails_but_doctor_runs(tmp_path):
     proc = doctor_subprocess(make_torch_npu(tmp_path / "site"))
     out = proc.stdout

@@ -39,6 +39,7 @@ def _demo_losses_in_bf16(accelerator: str) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_demo_transformer_trains_on_one_npu_in_bf16_as_on_the_cpu(simulate):
     """Breakage caught: the NPU accelerator, single-device strategy or bf16 plugin changing the demo's training
     (a missing autocast, a skipped step, other seeds): the simulated NPU runs on the CPU, so its per-step losses
@@ -50,6 +51,7 @@ def test_demo_transformer_trains_on_one_npu_in_bf16_as_on_the_cpu(simulate):
     assert losses == _demo_losses_in_bf16("cpu")
 
 
+@pytest.mark.slow
 def test_demo_transformer_trains_sharded_on_two_npus_as_under_cpu_ddp(tmp_path):
     """Breakage caught: any change npu_fsdp makes to the demo's training (weights, gradient averaging, data split,
     optimizer steps): its per-step losses must equal Lightning's own CPU DDP from the same seed.

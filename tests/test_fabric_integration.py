@@ -5,6 +5,9 @@ import pytest
 
 from tests.helpers import SCRIPTS, read_json, run_python
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains (or shares a fixture that does)
+
+
 SCRIPT = str(SCRIPTS / "fabric_run.py")
 
 

@@ -18,6 +18,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_run_starts_one_process_per_device_with_fabric_configured_from_the_launcher(tmp_path):
     """Catches a launcher that is missing or refuses the NPU accelerator (Lightning's ``fabric run`` does), or whose
     processes do not see its options: each of the two processes must build ``Fabric()`` with no arguments (and
@@ -39,6 +40,7 @@ def test_run_starts_one_process_per_device_with_fabric_configured_from_the_launc
         assert report["main_module"] == "__main__"
 
 
+@pytest.mark.slow
 def test_a_failing_script_makes_run_exit_1_with_the_failed_rank_and_its_exit_code(tmp_path):
     """Catches a launcher that reports success (or hides which process failed) when the script fails."""
     script = tmp_path / "fails.py"

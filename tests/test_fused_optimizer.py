@@ -82,6 +82,7 @@ print(json.dumps({"steps": trainer.global_step, "norms": norms}))
 """
 
 
+@pytest.mark.slow
 def test_bf16_mixed_clips_gradients_for_a_fused_optimizer(tmp_path):
     """Catches Lightning's MixedPrecision refusing to clip for any fused optimizer ("performs unscaling of
     gradients internally") under bf16, where no loss scaler exists: every recipe config clips in bf16."""
@@ -91,6 +92,7 @@ def test_bf16_mixed_clips_gradients_for_a_fused_optimizer(tmp_path):
     assert all(before > 0.5 and after == pytest.approx(0.5, rel=1e-3) for before, after in result["norms"])
 
 
+@pytest.mark.slow
 def test_fused_adamw_steps_fsdp2_dtensor_parameters_under_npu_fsdp(tmp_path):
     """Catches a fused optimizer that cannot step FSDP2's sharded (DTensor) parameters: the recipe under
     npu_fsdp, bf16-mixed and clipping, with the runtime's fused choice on, trains 3 steps on 2 ranks."""

@@ -210,6 +210,7 @@ def test_relative_tokenizer_path_resolves_from_the_repository_root(tmp_path, mon
     assert checkpoint_layout.tokenizer_from_metadata({"hyper_parameters": {}}) is None
 
 
+@pytest.mark.slow
 def test_generate_runs_as_a_script(tmp_path, tokenizer_dir):
     cfg = config()
     checkpoint_layout.save_recipe_checkpoint(tmp_path / "r.ckpt", cfg, random_model(cfg).state_dict())

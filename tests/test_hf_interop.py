@@ -161,6 +161,7 @@ _FSDP_SAVE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_fsdp2_sharded_checkpoint_from_two_ranks_is_read_whole(tmp_path):
     config = recipe_config()
     script = tmp_path / "save_sharded.py"
@@ -363,6 +364,7 @@ def test_recipe_checkpoint_loads_into_a_lightning_module_holding_the_model(tmp_p
     torch.testing.assert_close(logits_of(module.model.eval()), logits_of(ours), atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_convert_runs_as_a_script_from_any_directory(tmp_path):
     hf_model(2).save_pretrained(tmp_path / "hf")
     result = subprocess.run(

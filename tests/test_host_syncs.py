@@ -8,8 +8,12 @@ the runtime's ``synchronize`` by who made them. Breakage caught: the recipe's pe
 converts progress-bar values to Python numbers every step), one read each per step.
 """
 
+import pytest
 from tests.helpers import read_json
 from tests.test_recipe_e2e import _train
+
+
+pytestmark = pytest.mark.slow  # every test here starts processes or trains (or shares a fixture that does)
 
 
 def test_recipe_training_steps_make_no_host_sync_outside_logging_steps(tmp_path):

@@ -36,6 +36,7 @@ def _run(code: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ORDERS)
 def test_npu_is_registered_with_trainer_and_fabric_in_any_import_order(order):
     """Catches: `import lightning_npu` importing torch or Lightning (the first order sees them in sys.modules),
@@ -46,6 +47,7 @@ def test_npu_is_registered_with_trainer_and_fabric_in_any_import_order(order):
                       "fabric": ["NPUAccelerator", "NPUFabricSingleStrategy"], "hooks_left": []}
 
 
+@pytest.mark.slow
 def test_public_names_load_on_first_use_and_keep_their_identity():
     """Catches: `from lightning_npu import X` or `lightning_npu.X` (jsonargparse's class paths) not working with
     the lazy names, names missing from __all__/dir(), or a lazy name that differs from the registered class."""

@@ -98,6 +98,7 @@ def _base_checkpoint(path, config):
     return save_recipe_checkpoint(path, config, LLaMA(config).state_dict())
 
 
+@pytest.mark.slow
 def test_lora_trains_only_adapters_equally_under_ddp_and_fsdp_and_resumes_exactly(tmp_path):
     """On 2 simulated NPUs, 32-true, for npu_ddp and npu_fsdp: only adapters change (the base is bit-identical
     after training, the optimizer holds adapters only), the checkpoint holds adapters only, a resume from it

@@ -68,6 +68,7 @@ def _trainer(tmp_path, accelerator="npu"):
                    enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_error", [npu_oom, old_npu_oom], ids=["OutOfMemoryError", "RuntimeError"])
 def test_batch_size_finder_backs_off_from_an_npu_oom(simulate, tmp_path, make_error):
     """Catches Lightning's is_oom_error not knowing NPU messages: the finder then crashes on the first OOM."""
@@ -79,6 +80,7 @@ def test_batch_size_finder_backs_off_from_an_npu_oom(simulate, tmp_path, make_er
     assert [size for kind, size in model.events] == [2, 4, 8, 16, 32, 64]
 
 
+@pytest.mark.slow
 def test_the_npu_cache_is_emptied_between_trials(simulate, tmp_path, monkeypatch):
     """Catches garbage_collection_cuda emptying only the CUDA cache: NPU memory of a failed trial stays cached."""
     simulate(1)
@@ -121,6 +123,7 @@ def test_an_npu_oom_in_fit_keeps_the_error_and_adds_one_hint(simulate, tmp_path)
     assert printed.index(str(error)) < printed.index(OOM_HINT)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accelerator", ["cpu", "npu"])
 def test_a_cuda_oom_backs_off_as_before_and_gets_no_npu_hint(simulate, tmp_path, accelerator):
     """Catches the NPU additions changing how Lightning treats CUDA OOMs (still detected, no NPU advice)."""
@@ -135,6 +138,7 @@ def test_a_cuda_oom_backs_off_as_before_and_gets_no_npu_hint(simulate, tmp_path,
     assert not hasattr(caught.value, "__notes__")
 
 
+@pytest.mark.slow
 def test_other_errors_pass_through_unchanged(simulate, tmp_path):
     """Catches the NPU check mistaking other errors for OOMs (the finder would swallow a real bug)."""
     simulate(1)

@@ -232,6 +232,7 @@ def test_the_fake_refuses_more_varlen_samples_than_the_release_takes(npu):
 # ---------------------------------------------------------------- fallbacks and bad input
 
 
+@pytest.mark.slow
 def test_more_than_1k_samples_fall_back_to_the_reference_and_say_so_once(monkeypatch, caplog):
     """Catches the fused call made past the documented 1K-sample varlen limit (2.13.0 / 2.14.0), and a silent or
     repeated fallback."""

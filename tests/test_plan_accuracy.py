@@ -10,6 +10,9 @@ from tests.helpers import SUBPROCESS_TIMEOUT_S
 
 #: The bound plan.py states for the replay against the benchmark ("within 5%"). The measured peaks are
 #: deterministic (allocation sizes, not timings), so the margin does not need to absorb noise.
+pytestmark = pytest.mark.slow  # every test here starts processes or trains (or shares a fixture that does)
+
+
 TOLERANCE_PCT = 5.0
 
 # Two optimizer steps: the first is excluded (no AdamW states yet), the second is the steady state measured.

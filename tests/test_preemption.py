@@ -15,6 +15,9 @@ from tests.helpers import REPO, SCRIPTS, read_json, run_python
 from tests.test_recipe_e2e import SMALL, TINY, TRAIN, _last_checkpoint
 
 #: Every process must be gone this long after the signal (the brief's bound for the tiny recipe).
+pytestmark = pytest.mark.slow  # every test here starts processes or trains (or shares a fixture that does)
+
+
 EXIT_BOUND_S = 60
 FABRIC_SCRIPT = str(SCRIPTS / "fabric_faults_run.py")
 

@@ -9,6 +9,9 @@ import torch
 
 from tests.helpers import REPO, run_python
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains (or shares a fixture that does)
+
+
 TRAIN = str(REPO / "recipes/llama2/train.py")
 TINY = str(REPO / "recipes/llama2/configs/tiny.yaml")
 TINY_SFT_LORA = str(REPO / "recipes/llama2/configs/tiny_sft_lora.yaml")

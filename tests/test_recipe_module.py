@@ -56,6 +56,7 @@ def test_loss_of_a_batch_is_next_token_cross_entropy():
     assert module.count_tokens(batch) == 32
 
 
+@pytest.mark.slow
 def test_init_from_is_read_on_rank_zero_only_and_reaches_every_shard(tmp_path):
     """Catches every rank reading the full checkpoint (rank 1 is given a path that does not exist), a shard
     that does not receive rank 0's weights, and a config mismatch seen by rank 0 alone (rank 1 would hang)."""

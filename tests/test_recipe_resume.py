@@ -14,6 +14,9 @@ import pytest
 from tests.test_recipe_e2e import _last_checkpoint, _train
 
 # 10 steps, a checkpoint every 4 (with validation); the warmup ends inside the run, so the LR changes every step.
+pytestmark = pytest.mark.slow  # every test here starts processes or trains (or shares a fixture that does)
+
+
 STEPS = ["--trainer.max_steps", "10", "--trainer.log_every_n_steps", "1", "--trainer.val_check_interval", "4",
          "--model.warmup_steps", "3"]
 CRASH_AT_STEP_6 = ["--trainer.callbacks+=tests.scripts.crash_at_step.CrashAtStep", "--trainer.callbacks.step=6"]

@@ -28,6 +28,7 @@ def _by_label(data):
     return {f"{check['family']}/{check['name']}": check for check in data["checks"]}
 
 
+@pytest.mark.slow
 def test_quick_selftest_on_two_simulated_npus_passes_and_reports_fused_kernels_not_available(tmp_path):
     """Catches a selftest that cannot run end to end here (launch, collectives over gloo, sharded save and resume
     on two processes), one that counts a fused kernel it never ran as passed, and a missing table or JSON."""
@@ -99,6 +100,7 @@ def fake_npu(monkeypatch):
     return fake
 
 
+@pytest.mark.slow
 def test_fused_kernels_that_match_the_reference_pass_with_errors_and_timings(fake_npu):
     """Catches a check that never calls the fused op, compares nothing, or times without synchronising the
     device through the runtime (every torch_npu call here goes through the strict fake)."""
@@ -114,6 +116,7 @@ def test_fused_kernels_that_match_the_reference_pass_with_errors_and_timings(fak
     assert len(fake_npu.calls_to("npu.synchronize")) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", list(WRONG))
 def test_a_wrong_fused_kernel_fails_its_check_and_names_its_fallback_switch(fake_npu, monkeypatch, op):
     """Catches a kernel check blind to a wrong kernel (a realistic bug per op: attention without its scale, RMSNorm
@@ -132,6 +135,7 @@ def test_a_wrong_fused_kernel_fails_its_check_and_names_its_fallback_switch(fake
     assert f"to train meanwhile, set LIGHTNING_NPU_DISABLE_FUSED={op}" in text
 
 
+@pytest.mark.slow
 def test_packed_attention_attending_across_samples_fails_the_attention_check(fake_npu, monkeypatch):
     """Catches a selftest blind to the varlen (document) mask of SFT rows: an npu_fusion_attention that ignores the
     sample boundaries (TND with one sample of all T tokens) must fail kernels/attention, naming the packed case,
@@ -232,6 +236,7 @@ _TRAIN_WITH_A_RESUME_THAT_DROPS_THE_OPTIMIZER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_resume_that_does_not_reproduce_the_run_fails_the_training_check(tmp_path):
     """Catches a resume check that compares nothing or too loosely: dropping the optimizer state from the load
     changes the resumed losses and must fail training/resume (the end-to-end test sees the intact load pass)."""

@@ -160,6 +160,7 @@ def _sentencepiece_style_tokenizer(chat_template=None):
     return fast
 
 
+@pytest.mark.slow
 def test_the_llama2_format_on_a_sentencepiece_style_tokenizer_gives_metas_tokens():
     """Catches each piece tokenised on its own: a SentencePiece-style tokenizer then adds a "▁" before every answer
     (trained on), where Meta's reference encodes each user/assistant pair as one text between BOS and EOS."""
@@ -175,6 +176,7 @@ def test_the_llama2_format_on_a_sentencepiece_style_tokenizer_gives_metas_tokens
     assert [tokenizer.decode(span) for span in spans] == ["It returns a value. </s>", "Nothing else. </s>"]
 
 
+@pytest.mark.slow
 def test_a_template_on_a_sentencepiece_style_tokenizer_gives_the_tokens_of_the_whole_rendered_text():
     """Catches template pieces tokenised one by one: a SentencePiece-style tokenizer prepends "▁" to every text it is
     given, so those tokens differ from what apply_chat_template(tokenize=True) and inference see; and labels that

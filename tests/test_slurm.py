@@ -65,6 +65,7 @@ def _srun(args, *, job_id, restart_count, bin_dir):
     return [proc.returncode for proc in procs], outputs
 
 
+@pytest.mark.slow
 def test_srun_started_ranks_train_and_the_requeue_signal_saves_requeues_and_resumes(tmp_path):
     """Catches: srun-started ranks not training as Lightning-launched ones do (other losses, a hang at the
     rendezvous), the requeue signal requeueing the job without a checkpoint (the plugin's default

@@ -343,6 +343,7 @@ class KnownCostLM(TinyLM):
         return super().training_step(batch, batch_idx)
 
 
+@pytest.mark.slow
 def test_step_time_tokens_and_peak_memory_agree_with_a_model_of_known_cost(tmp_path, capsys):
     """Breakage caught: a step time read before the device (or the loop) finished, counted per micro-batch rather
     than per optimizer step, throughput over the wrong interval, or a memory peak that misses the step's tensors:

@@ -5,6 +5,9 @@ import torch
 
 from tests.helpers import SCRIPTS, read_json, run_python
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains (or shares a fixture that does)
+
+
 SCRIPT = str(SCRIPTS / "trainer_run.py")
 
 
