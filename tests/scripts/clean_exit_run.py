@@ -7,9 +7,7 @@ from rank 0), or with ``--trainer`` (``Trainer(accelerator="npu", devices=2).fit
 Options: ``--strategy`` (npu_ddp by default); ``--async-save DIR`` (Fabric, npu_fsdp with ``async_save=True``: a save
 started after the last step is still being written when the script ends, on the async-checkpoint gloo group);
 ``--kill-rank R --sync-dir DIR``: once every rank has finished, rank R SIGKILLs itself and the other ranks exit only
-after it is dead, so they exit while a peer is gone; ``--keep-objects``: the Fabric, model and optimizer stay in a
-module-level list, as in a script written without functions, so they (and their groups) live into interpreter
-teardown.
+after it is dead, so they exit while a peer is gone.
 
 Each process prints ``clean-exit: rank R pid P finished`` when the script is done, then, from an atexit hook
 registered before any process group exists (atexit runs last-registered first, so this one runs after the
@@ -29,8 +27,6 @@ import torch
 from torch import nn
 
 MARKER = "clean-exit:"
-#: What ``--keep-objects`` keeps alive to the end, as module-level variables would.
-KEPT: list = []
 #: How long a rank waits for its peers in the --kill-rank handshake.
 SYNC_TIMEOUT_S = 120
 
@@ -67,8 +63,6 @@ def fabric_steps(args: argparse.Namespace) -> int:
         fabric.all_reduce(loss.detach(), reduce_op="mean").item()  # the logged loss: the last collective
     if args.async_save:
         fabric.save(args.async_save, {"model": model, "optimizer": optimizer})  # returns while still writing
-    if args.keep_objects:
-        KEPT.extend([fabric, model, optimizer])
     return fabric.global_rank
 
 
@@ -121,7 +115,6 @@ def main(rank: list) -> None:
     parser.add_argument("--async-save", default=None)
     parser.add_argument("--kill-rank", type=int, default=None)
     parser.add_argument("--sync-dir", type=Path, default=None)
-    parser.add_argument("--keep-objects", action="store_true")
     args = parser.parse_args()
     rank[0] = trainer_steps(args) if args.trainer else fabric_steps(args)
     if args.kill_rank is not None:
