@@ -97,7 +97,8 @@ def run_once(way: str, script_args: list[str] = (), root: Path = REPO) -> Run:
     env["LIGHTNING_NPU_SIMULATE"] = str(WORLD)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), str(REPO), os.environ.get("PYTHONPATH")]))
     start = time.monotonic()
-    with subprocess.Popen(command(way, list(script_args)), cwd=REPO, env=env, stdout=subprocess.PIPE,
+    # cwd: `python -m` (torchrun's workers) puts it first on sys.path, ahead of PYTHONPATH.
+    with subprocess.Popen(command(way, list(script_args)), cwd=root, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True) as proc:
         output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     # A rank that printed its finished line and was reaped by its own parent (torchrun, or rank 0's launcher)
