@@ -88,6 +88,7 @@ _FABRIC_FSDP2 = "lightning.fabric.strategies:ModelParallelStrategy"
 _FSDP2_MODULE = "torch.distributed.fsdp:FSDPModule"
 _FSDP2_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState"
 _FSDP2_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup"
+_DEVICE_MESH = "torch.distributed.device_mesh:DeviceMesh"
 
 #: Private names whose values the package uses, by the name it uses them under.
 IMPORTED = {
@@ -176,6 +177,8 @@ ACCESSED = (
     Fenced(_FSDP2_STATE, "_fsdp_param_groups|_fsdp_param_group", instance=True),
     Fenced(_FSDP2_GROUP, "reduce_grads", instance=True),
     Fenced(_FSDP2_GROUP, "all_reduce_grads", instance=True),
+    # Where a device mesh keeps its process groups: the objects (recent torch) or only their names (older).
+    Fenced(_DEVICE_MESH, "_pg_registry|_dim_group_names|_dim_group_infos", instance=True),
 )
 
 FENCED: tuple[Fenced, ...] = (*IMPORTED.values(), *OVERRIDDEN, *ACCESSED)
@@ -264,6 +267,7 @@ EmptyStateDictLoadPlanner: type = _RESOLVED[IMPORTED["EmptyStateDictLoadPlanner"
 dcp_load_state_dict: Callable[..., None] = _RESOLVED[IMPORTED["dcp_load_state_dict"]]
 
 _FSDP_PARAM_GROUPS = _RESOLVED[Fenced(_FSDP2_STATE, "_fsdp_param_groups|_fsdp_param_group", instance=True)]
+_MESH_GROUPS = _RESOLVED[Fenced(_DEVICE_MESH, "_pg_registry|_dim_group_names|_dim_group_infos", instance=True)]
 
 
 # ---- accessors --------------------------------------------------------------------------------------------------
@@ -319,6 +323,17 @@ def layer_sync(strategy: Any) -> Optional[Any]:
     """The ``LayerSync`` plugin the Trainer's connector gave a parallel strategy (``Trainer(sync_batchnorm=True)``:
     ``TorchSyncBatchNorm``), or None."""
     return strategy._layer_sync
+
+
+def release_mesh_process_groups(mesh: Any) -> None:
+    """Drop a device mesh's own references to its process groups, once they are destroyed.
+
+    Recent torch keeps the group objects in the mesh (``_pg_registry``), and DTensor's sharding caches keep the
+    mesh alive to the end of the process, so without this its groups would outlive ``destroy_process_group``.
+    Older releases keep only the groups' names: nothing to drop.
+    """
+    if _MESH_GROUPS == "_pg_registry":
+        mesh._pg_registry.clear()
 
 
 def set_root_device(strategy: Any, device: Any) -> None:

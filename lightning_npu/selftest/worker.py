@@ -28,6 +28,7 @@ def run_checks(*, quick: bool, workdir: Path, steps: int) -> Optional[dict[str, 
     from lightning_npu.selftest.collectives import FULL_SIZES, QUICK_SIZES, check_collectives
     from lightning_npu.selftest.kernels import check_kernels
     from lightning_npu.selftest.training import check_training
+    from lightning_npu.strategies.clean_exit import destroy_process_groups
 
     runtime = get_runtime()
     # bf16 where the chip has it (the NPU default); fp32 on the CPU simulation, whose bf16 matmuls are slow.
@@ -43,6 +44,8 @@ def run_checks(*, quick: bool, workdir: Path, steps: int) -> Optional[dict[str, 
     if fabric.world_size > 1:
         per_rank = [None] * fabric.world_size
         torch.distributed.all_gather_object(per_rank, shared)
+    # The last collective: the groups go now, not in interpreter teardown (lightning_npu.strategies.clean_exit).
+    destroy_process_groups()
     if fabric.global_rank != 0:
         return None
     chip = runtime.chip()

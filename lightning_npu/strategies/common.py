@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_npu import compat
 from lightning_npu.facts.env import HCCL_TIMEOUTS
+from lightning_npu.strategies.clean_exit import destroy_at_exit
 from lightning_npu.strategies.sync_batchnorm import HostSyncBatchNormDDP, host_sync_batchnorm
 from lightning_npu.timeouts import default_timeout_s, timeout_problem
 
@@ -52,14 +53,17 @@ def check_timeouts(timeout: timedelta, backend: str) -> None:
 
 class BackendFromRuntime:
     """Mixin for distributed strategies: the process-group backend comes from the NPU runtime (hccl, or gloo
-    when simulated) rather than from the device-type map torch_npu may or may not have filled in."""
+    when simulated) rather than from the device-type map torch_npu may or may not have filled in; the process
+    groups are destroyed at exit (``lightning_npu.strategies.clean_exit``)."""
 
     accelerator: Any
     root_device: torch.device
 
     def _get_process_group_backend(self) -> str:
         backend = self._resolve_process_group_backend()
-        # Lightning asks for the backend right before init_process_group: the moment to compare the timeouts.
+        # Lightning asks for the backend right before it creates (or joins) the process group, in every DDP and
+        # FSDP2 strategy of the Trainer and Fabric: the moment to register the exit hook and compare the timeouts.
+        destroy_at_exit()
         timeout = compat.process_group_timeout(self)
         if not getattr(self, "_timeouts_checked", False) and timeout is not None:
             self._timeouts_checked = True

@@ -43,6 +43,7 @@ from lightning_npu.strategies.checkpoint import (
     split_fabric_state,
     trainer_tensors,
 )
+from lightning_npu.strategies.clean_exit import destroy_at_exit
 from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta, with_host_backend
 from lightning_npu.strategies.fsdp1 import fsdp1_wrap_reported, refuse_fsdp1_units
 from lightning_npu.strategies.parallelize import (
@@ -245,8 +246,9 @@ class _FSDPStrategyBase(BackendFromRuntime):
         self.accelerator.setup_device(self.root_device)
         self.options.set_memory_fraction(self.accelerator, self.root_device)
         compat.setup_distributed(self)
-        compat.set_device_mesh(self, build_mesh(self.root_device.type, self.world_size, self.num_nodes,
-                                                self.options.sharding))
+        mesh = build_mesh(self.root_device.type, self.world_size, self.num_nodes, self.options.sharding)
+        compat.set_device_mesh(self, mesh)
+        destroy_at_exit(mesh)
 
     def _shard(self, model: nn.Module, precision_plugin: Any, step_methods: Iterable[str] = ()) -> None:
         """Shard ``model`` and give it the first values the user's code made (see ``initial_state``), once: a
