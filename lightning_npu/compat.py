@@ -116,6 +116,8 @@ IMPORTED = {
     "EmptyStateDictLoadPlanner": Fenced("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
     # DCP's loader with ``no_dist``: reads a checkpoint in one process without a process group.
     "dcp_load_state_dict": Fenced("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
+    # The names DCP's state-dict API gives a parameter (without wrapper prefixes such as torch.compile's).
+    "dcp_parameter_fqns": Fenced("torch.distributed.checkpoint.state_dict", "_get_fqns"),
 }
 
 #: Connector methods ``connectors.py`` wraps (same name on the Trainer's and Fabric's connector).
@@ -179,6 +181,7 @@ ACCESSED = (
     Fenced(_FSDP2_GROUP, "all_reduce_grads", instance=True),
     # Where a device mesh keeps its process groups: the objects (recent torch) or only their names (older).
     Fenced(_DEVICE_MESH, "_pg_registry|_dim_group_names|_dim_group_infos", instance=True),
+    Fenced("torch.distributed.tensor:DTensor", "_spec", instance=True),
 )
 
 FENCED: tuple[Fenced, ...] = (*IMPORTED.values(), *OVERRIDDEN, *ACCESSED)
@@ -265,6 +268,7 @@ composable_checkpoint: Callable[..., Any] = _RESOLVED[IMPORTED["composable_check
 CheckpointWrapper: type = _RESOLVED[IMPORTED["CheckpointWrapper"]]
 EmptyStateDictLoadPlanner: type = _RESOLVED[IMPORTED["EmptyStateDictLoadPlanner"]]
 dcp_load_state_dict: Callable[..., None] = _RESOLVED[IMPORTED["dcp_load_state_dict"]]
+dcp_parameter_fqns: Callable[..., set] = _RESOLVED[IMPORTED["dcp_parameter_fqns"]]
 
 _FSDP_PARAM_GROUPS = _RESOLVED[Fenced(_FSDP2_STATE, "_fsdp_param_groups|_fsdp_param_group", instance=True)]
 _MESH_GROUPS = _RESOLVED[Fenced(_DEVICE_MESH, "_pg_registry|_dim_group_names|_dim_group_infos", instance=True)]
@@ -376,3 +380,11 @@ def fsdp_gradient_sync_flags(unit: Any) -> Optional[tuple[bool, bool]]:
     if not groups:
         return None
     return bool(groups[0].reduce_grads), bool(groups[0].all_reduce_grads)
+
+
+def dtensor_with_local(dtensor: Any, local: Any) -> Any:
+    """A DTensor sharded as ``dtensor`` (mesh, placements, global shape) whose local shard is ``local``, kept on
+    ``local``'s device: ``DTensor.from_local`` would move a host shard back to the mesh's device."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, dtensor._spec, requires_grad=False)

@@ -148,6 +148,47 @@ def test_sharded_checkpoint_loads_without_the_strategy(tmp_path, uninterrupted):
     assert "global_step 9" in run_python(["-c", resume, str(ckpt)], simulate=None).stdout  # 3 + 6
 
 
+def test_host_staging_refills_its_buffers_and_reallocates_only_what_changed():
+    """The async save's host copy: a second stage of the same state refills the first one's buffers; a tensor whose
+    shape or dtype changed gets a new buffer, a removed key's buffer is dropped, and a tensor under two keys (tied
+    weights) is copied once. The staged copy keeps the values of the call, tensors and plain values alike. A first
+    save inside inference mode (ModelCheckpoint after validation) does not leave buffers that a save outside it
+    cannot refill."""
+    from lightning_npu.runtime.simulated import SimulatedRuntime, SimulationWarning
+    from lightning_npu.strategies.staging import HostStaging
+
+    with pytest.warns(SimulationWarning):
+        staging = HostStaging(SimulatedRuntime(1))
+    weight = torch.arange(6.0).reshape(2, 3)
+    live = {"model": {"weight": weight, "tied": weight, "bias": torch.ones(3)},
+            "optimizer": {"state": {"weight": {"step": torch.tensor(3.0)}},
+                          "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["weight"]}]}}
+    with torch.inference_mode():
+        first = staging.stage(live)
+    assert first["model"]["tied"] is first["model"]["weight"]
+    assert first["model"]["weight"].data_ptr() != weight.data_ptr()
+    pointers = {key: first["model"][key].data_ptr() for key in ("weight", "bias")}
+    step = first["optimizer"]["state"]["weight"]["step"].data_ptr()
+
+    weight.add_(1.0)  # training goes on after the call
+    live["optimizer"]["param_groups"][0]["lr"] = 0.2
+    assert torch.equal(first["model"]["weight"], torch.arange(6.0).reshape(2, 3))
+    assert first["optimizer"]["param_groups"] == [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["weight"]}]
+
+    second = staging.stage(live)
+    assert {key: second["model"][key].data_ptr() for key in ("weight", "bias")} == pointers
+    assert second["optimizer"]["state"]["weight"]["step"].data_ptr() == step
+    assert torch.equal(second["model"]["weight"], weight) and second["optimizer"]["param_groups"][0]["lr"] == 0.2
+
+    live["model"] = {"weight": weight.double(), "bias": torch.ones(4)}  # dtype and shape changed, "tied" gone
+    third = staging.stage(live)
+    assert third["model"]["weight"].dtype == torch.float64 and torch.equal(third["model"]["weight"], weight.double())
+    assert third["model"]["bias"].shape == (4,) and torch.equal(third["model"]["bias"], torch.ones(4))
+    assert third["model"]["weight"].data_ptr() != pointers["weight"]
+    assert third["optimizer"]["state"]["weight"]["step"].data_ptr() == step
+    assert "tied" not in third["model"]
+
+
 def test_consolidate_explains_a_path_that_is_not_a_sharded_checkpoint(tmp_path, capsys):
     """`lightning-npu consolidate` on a missing path exits 2 with the reason, not a traceback."""
     from lightning_npu.cli import main
@@ -165,12 +206,21 @@ def fabric_checkpoints(tmp_path_factory):
 
 @pytest.mark.slow
 def test_fabric_full_sgd_and_async_sharded_round_trip(fabric_checkpoints):
-    """Fabric: a full checkpoint of a stateless SGD optimizer loads back (IndexError before), an asynchronous
-    sharded save resumes to the same losses, and fabric.load_raw of a sharded directory names the consolidate
-    command."""
+    """Fabric: a full checkpoint of a stateless SGD optimizer loads back (IndexError before) and its save takes no
+    optimizer step (torch's state-dict API stepped it with zero gradients on every save), an asynchronous sharded
+    save resumes to the same losses, and fabric.load_raw of a sharded directory names the consolidate command.
+
+    Async staging: two saves write from the same host buffers (each save allocated a new copy before; the first
+    one's buffers are kept alive, so new ones cannot reuse their addresses), and each checkpoint holds the values
+    of the save call although every weight and AdamW state tensor changed in place right after the call returned,
+    before the background write began (a stager that aliased the live tensors would write the changed values)."""
     result = fabric_checkpoints
     assert result["full_sgd_resumed"] == pytest.approx(result["full_sgd_reference"], abs=1e-6)
+    assert result["full_sgd_steps"] == 6  # the 6 training steps: the save at step 3 took none
     assert result["async_resumed"] == pytest.approx(result["async_reference"], abs=1e-6)
+    first, second = result["staged_pointers"]
+    assert len(first) > 0 and first == second
+    assert result["staged_differences"] == [0.0, 0.0]
     assert "lightning-npu consolidate" in result["load_raw_error"]
 
 

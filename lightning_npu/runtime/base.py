@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -78,6 +78,18 @@ class Runtime(ABC):
     @abstractmethod
     def grad_scaler(self, sharded: bool) -> torch.amp.GradScaler:
         """A dynamic loss scaler for fp16 training; the sharded one under FSDP."""
+
+    @abstractmethod
+    def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised host tensor with ``like``'s shape and dtype that copies from the device can fill at full
+        speed and asynchronously (pinned memory on NPUs). Allocating one is slow: keep it and reuse it."""
+
+    def copy_to_host(self, copies: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy every ``(buffer, source)`` pair's source into its buffer (from :meth:`host_buffer`); the copies are
+        complete when this returns. Queued back to back (``non_blocking``), then waited for once."""
+        for buffer, source in copies:
+            buffer.copy_(source, non_blocking=True)
+        self.synchronize()
 
     @abstractmethod
     def profiler(self, trace_dir: str, *, wait: int, warmup: int, active: int, repeat: int, record_shapes: bool,

@@ -66,6 +66,12 @@ class NPURuntime(Runtime):
             return sharded_grad_scaler.ShardedGradScaler()
         return torch.npu.amp.GradScaler()
 
+    def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        # Pinned (page-locked) memory, which the device fills by DMA while the host goes on (a non_blocking copy
+        # into pageable memory is synchronous). torch_npu implements torch's pinned-memory allocator hook and
+        # allocates its own device-to-host buffers exactly so (torch_npu/utils/serialization.py).
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=True)
+
     def profiler(self, trace_dir: str, *, wait: int, warmup: int, active: int, repeat: int, record_shapes: bool,
                  profile_memory: bool, with_stack: bool) -> Any:
         # torch.profiler cannot see NPU kernels; torch_npu's profiler records CANN activity and writes traces

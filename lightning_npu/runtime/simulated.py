@@ -83,6 +83,9 @@ class SimulatedRuntime(Runtime):
     def grad_scaler(self, sharded: bool) -> torch.amp.GradScaler:
         return torch_grad_scaler(self.device_type, sharded)
 
+    def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu")  # the "device" is host memory already
+
     def profiler(self, trace_dir: str, *, wait: int, warmup: int, active: int, repeat: int, record_shapes: bool,
                  profile_memory: bool, with_stack: bool) -> Any:
         if not self._warned_cpu_profile:

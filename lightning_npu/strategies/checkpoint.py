@@ -12,11 +12,12 @@ deletes the old one; a crash between the two renames is repaired by :func:`recov
 directory, or a load of that path, puts the old checkpoint back). Leftover temporary names are never read:
 Lightning's ``ckpt_path="last"`` only matches ``last*.ckpt``.
 
-Asynchronous saves (``async_save=True``): the shards are copied to host memory, the save call returns and a
-background thread writes them (``torch.distributed.checkpoint.async_save`` over a dedicated gloo group, so its
-collectives never interleave with training's); the rename happens when the write is complete. One save is in
-flight at a time: the next save, a load, a removal and the end of training wait for it, and a failed background
-save raises :class:`CheckpointSaveError` there.
+Asynchronous saves (``async_save=True``): the save call copies the shards into host buffers that the writer
+allocates at its first save and reuses (:mod:`lightning_npu.strategies.staging`), and returns; a background thread
+writes that copy -- DCP's planning (its collectives, over a dedicated gloo group, so they never interleave with
+training's) and the files -- and renames it into place when it is complete. So training stalls only for the copy.
+One save is in flight at a time: the next save (which refills the same buffers), a load, a removal and the end of
+training wait for it, and a failed background save raises :class:`CheckpointSaveError` there.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from lightning_npu.compat import (
     move_state_into,
     validate_keys_for_strict_loading,
 )
+from lightning_npu.strategies.staging import HostStaging
 
 #: DCP's index file inside a sharded checkpoint directory.
 DCP_METADATA_FILENAME = ".metadata"
@@ -168,6 +170,7 @@ class CheckpointWriter:
         self._pending_removals: list[Path] = []
         self._defer_removals = False  # True from a background save's start until it is published (or has failed)
         self._recovered: set[Path] = set()
+        self._staging: Optional[HostStaging] = None  # the host copy of an async save, kept from save to save
 
     # ---- the two save kinds -----------------------------------------------------------------------------------
 
@@ -186,16 +189,16 @@ class CheckpointWriter:
             self._finish(strategy.global_rank, temporary, path, token)
             strategy.barrier()  # every rank returns once the checkpoint is visible
             return
+        # Now, not in the background: the training loop may change these objects once the call returns.
         if strategy.global_rank == 0:
-            # Now, not in the background: the training loop may change these objects once the call returns.
             torch.save(metadata, temporary / META_FILENAME)
-        response = dcp.async_save(tensors, checkpoint_id=temporary, process_group=self._background_group())
-        upload = getattr(response, "upload_completion", response)
-        rank = strategy.global_rank
+        staged = self._host_staging().stage(tensors)  # `_begin` waited for the write of the previous copy
+        group = self._background_group()
         with self._lock:
             self._defer_removals = True
         self._in_flight_path = path
-        self._in_flight = self._background().submit(self._await_and_finish, upload, rank, temporary, path, token)
+        self._in_flight = self._background().submit(self._write_and_finish, staged, group, strategy.global_rank,
+                                                    temporary, path, token)
 
     def save_full(self, strategy: Any, path: Path, checkpoint: dict[str, Any]) -> None:
         """Write ``checkpoint`` (already gathered on global rank 0) as one file at ``path``."""
@@ -248,6 +251,8 @@ class CheckpointWriter:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._staging is not None:
+            self._staging.release()
 
     # ---- internals -----------------------------------------------------------------------------------------
 
@@ -275,9 +280,20 @@ class CheckpointWriter:
         for old in removals:
             remove_checkpoint_path(old)
 
-    def _await_and_finish(self, upload: Future, rank: int, temporary: Path, path: Path, token: str) -> None:
-        upload.result()  # on rank 0 this returns once every rank's shards and `.metadata` are written
+    def _write_and_finish(self, staged: dict[str, Any], group: Any, rank: int, temporary: Path, path: Path,
+                          token: str) -> None:
+        from torch.distributed import checkpoint as dcp
+
+        # On rank 0 this returns once every rank's shards and then `.metadata` are written.
+        dcp.save(staged, checkpoint_id=temporary, process_group=group)
         self._finish(rank, temporary, path, token)
+
+    def _host_staging(self) -> HostStaging:
+        if self._staging is None:
+            from lightning_npu.runtime import get_runtime
+
+            self._staging = HostStaging(get_runtime())
+        return self._staging
 
     def _background(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -285,8 +301,8 @@ class CheckpointWriter:
         return self._executor
 
     def _background_group(self) -> Any:
-        # async_save needs a process group with a CPU backend (the training group may be hccl), and the background
-        # thread's collectives must not share a communicator with the training loop's.
+        # The background write plans over a process group with a CPU backend (its tensors are on the host; the
+        # training group may be hccl), and its collectives must not share a communicator with the training loop's.
         import torch.distributed as dist
 
         if self._group is None and dist.is_initialized():
@@ -308,6 +324,13 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, options: Any) 
     optimizer loads it, as it loads the full checkpoints of Lightning's FSDP strategies)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    if not optimizer.state:
+        # Only the param groups to save. torch would first create the state by a step with a zero gradient
+        # allocated per parameter: on every save of an optimizer that keeps none (SGD without momentum), a stall
+        # longer than the copy of the weights and a gradients-sized peak; before another's first step, a state of
+        # zeros, which a fresh optimizer equals anyway (loading restores exactly what was saved, see _only_saved).
+        state = optimizer.state_dict()
+        return state if options.full_state_dict else keyed_by_name(state, module, optimizer)
     state = get_optimizer_state_dict(module, optimizer, options=options)
     return keyed_by_index(state) if options.full_state_dict else state
 
@@ -474,7 +497,8 @@ def keyed_by_name(optimizer_state: dict[str, Any], module: nn.Module, optimizer:
     ids = [p for group in groups for p in group.get("params", [])]
     if not ids or not isinstance(ids[0], int):
         return optimizer_state  # already keyed by name
-    name_of = {id(p): name for name, p in module.named_parameters()}
+    # The names DCP's state-dict API keys parameters by (a compiled submodule's `_orig_mod.` is not in them).
+    name_of = {id(p): next(iter(compat.dcp_parameter_fqns(module, name))) for name, p in module.named_parameters()}
     live = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
     if len(live) != len(ids):
         raise ValueError(
