@@ -520,6 +520,14 @@ def test_grouped_matmul_gives_every_expert_the_reference_gradient(path, case, dt
         assert call["group_list_type"] == (1 if len(counts) > 1 else 0) and "output_dtype" not in call
 
 
+def test_grouped_matmul_takes_a_transposed_view_of_x(moe_npu):
+    """npu_grouped_matmul refuses a non-contiguous x with group_type=0 (only the weight may be a view)."""
+    x = torch.randn(8, 5).t()
+    w = torch.randn(2, 8, 3).transpose(1, 2).transpose(1, 2)
+    torch.testing.assert_close(grouped_matmul(x, w, torch.tensor([4, 1])), grouped_matmul_math(x, w, [4, 1]))
+    assert len(moe_npu.calls_to("npu_grouped_matmul")) == 1
+
+
 def test_grouped_matmul_falls_back_on_torch_npu_2_6_and_says_so_once(monkeypatch, caplog):
     """2.6.0 rejects the dW call's group_type=2: the fused path would fail in backward, so it must not be taken."""
     fake = _take_npu_branch(monkeypatch, release="2.6.0")

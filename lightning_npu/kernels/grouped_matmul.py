@@ -51,7 +51,8 @@ def grouped_matmul(x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     weight = weight.to(x.dtype)
     reason = why_not_fused(x, weight, counts)
     if reason is None:
-        return _NpuGroupedMatmul.apply(x, weight, counts.to(torch.int64))
+        # x of a group_type=0 call may not be a view (the weight may); .contiguous() is free when it already is.
+        return _NpuGroupedMatmul.apply(x.contiguous(), weight, counts.to(torch.int64))
     note_fallback("grouped_matmul", x, reason)
     return reference_grouped_matmul(x, weight, counts)
 
@@ -96,7 +97,7 @@ class _NpuGroupedMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Optional[Tensor], Optional[Tensor], None]:
         x, weight, counts = ctx.saved_tensors
-        grad = grad.contiguous()  # x of a group_type=0 call may not be a view (the weight may)
+        grad = grad.contiguous()  # the dX call's x
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = _npu_grouped_matmul(grad, weight.transpose(1, 2), counts, _SPLIT_M, _ONE_OUTPUT)
