@@ -40,6 +40,20 @@ def test_recorded_api_matches_the_documented_facts():
     assert api["npu"]["config"]["gettable_attributes"] == []
 
 
+@pytest.mark.parametrize("release", RELEASES)
+def test_recorded_moe_ops_carry_the_wheels_autograd_and_output_dtype_facts(release):
+    """moe-facts.md section 1: no release registers a backward for npu_grouped_matmul; the permute pair has one
+    from 2.13; output_dtype is ScalarType? in 2.6.0 but int? later, so the kernels never pass it."""
+    ops = load_api(release)["ops"]
+    assert ops["npu_grouped_matmul"]["autograd_node"] is None
+    trains = release != "2.6.0"
+    assert (ops["npu_moe_token_permute"]["autograd_node"] == "NpuMoeTokenPermuteBackward0") == trains
+    assert (ops["npu_moe_token_unpermute"]["autograd_node"] == "NpuMoeTokenUnpermuteBackward0") == trains
+    types = {p["name"]: p["type"] for p in ops["npu_grouped_matmul"]["params"]}
+    assert types["output_dtype"] == ("ScalarType?" if release == "2.6.0" else "int?")
+    assert types["group_list"] == "Tensor?" and types["group_list_type"] == "int?"
+
+
 def test_every_modelled_runtime_function_has_the_recorded_signature():
     api = load_api()["npu"]
     modelled = [n for n in vars(_Runtime) if not n.startswith("_")]

@@ -498,6 +498,8 @@ def extract(source: WheelSource) -> dict[str, Any]:
     yaml_text = source.read(SCHEMA_YAML)
     docs_text = source.read(OP_DOCS)
     custom_ops = source.read(CUSTOM_OPS)
+    if not source.exists(AUTOGRAD_LIB):
+        raise SystemExit(f"{source.path} has no {AUTOGRAD_LIB}; unzip the whole wheel (or pass the .whl itself)")
     library = source.read_bytes(AUTOGRAD_LIB)
     ops = {}
     for op in FUSED_OPS:

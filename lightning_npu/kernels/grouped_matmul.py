@@ -52,7 +52,7 @@ def grouped_matmul(x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     reason = why_not_fused(x, weight, counts)
     if reason is None:
         # x of a group_type=0 call may not be a view (the weight may); .contiguous() is free when it already is.
-        return _NpuGroupedMatmul.apply(x.contiguous(), weight, counts.to(torch.int64))
+        return _NpuGroupedMatmul.apply(x.contiguous(), weight, counts.to(device=x.device, dtype=torch.int64))
     note_fallback("grouped_matmul", x, reason)
     return reference_grouped_matmul(x, weight, counts)
 
