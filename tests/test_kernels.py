@@ -484,12 +484,14 @@ def grouped_matmul_math(x, w, counts):
 
 
 # (counts per expert, K, N): an expert with no tokens (first, middle, last), one expert (count mode refuses a
-# one-entry list), K and N whose rows are not 16-byte aligned (torch._grouped_mm's CPU limit: the per-expert loop).
+# one-entry list), K and N whose rows are not 16-byte aligned (torch._grouped_mm's CPU limit: the per-expert loop),
+# no tokens at all.
 GMM_CASES = {
     "empty-expert": ((3, 0, 4, 1), 8, 8),
     "empty-first-and-last": ((0, 5, 2, 0), 8, 4),
     "one-expert": ((6,), 8, 8),
     "unaligned": ((2, 0, 3), 5, 3),
+    "no-tokens": ((0, 0, 0), 8, 8),  # a rank that receives none still runs its experts (expert parallelism)
 }
 
 
@@ -579,6 +581,14 @@ def test_permute_unpermute_round_trip_and_gradients_match_on_both_paths(path, dt
     fused = path is not None and path.release != "2.6.0"
     assert permutation.fused == fused
     assert len(path.calls_to("npu_moe_token_unpermute") if path else []) == (2 if fused else 0)
+
+
+def test_a_batch_without_tokens_routes_nothing_on_both_paths(path):
+    """A rank that receives no tokens (expert parallelism) still runs the pair, and must get empty results."""
+    x, ids, probs = _routing(tokens=0)
+    out, counts, _ = _dispatch_combine(x.requires_grad_(True), ids, probs, 4)
+    out.sum().backward()
+    assert out.shape == (0, 8) and counts.tolist() == [0, 0, 0, 0] and x.grad.shape == (0, 8)
 
 
 def test_fused_and_reference_permutations_agree_row_for_row(moe_npu):

@@ -139,6 +139,8 @@ def reference_grouped_matmul(x: Tensor, weight: Tensor, counts: Tensor) -> Tenso
 def _grouped_mm_takes(x: Tensor, weight: Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.device.type != "cpu" or x.dtype not in FUSED_DTYPES:
         return False
+    if x.shape[0] == 0:
+        return False  # its backward rejects the [0, N] gradient of a batch without tokens (a rank under EP)
     size = x.element_size()
     return all(
         t.data_ptr() % _GROUPED_MM_ALIGNMENT == 0

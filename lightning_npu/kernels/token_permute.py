@@ -130,5 +130,5 @@ def reference_permute_tokens(tokens: Tensor, expert_ids: Tensor) -> tuple[Tensor
 def reference_unpermute_tokens(expert_out: Tensor, sorted_indices: Tensor, probs: Tensor) -> Tensor:
     """:func:`unpermute_tokens` on the PyTorch path whatever the device; the weighted sum is taken in fp32."""
     tokens, top_k = probs.shape
-    rows = expert_out[sorted_indices.long()].float().view(tokens, top_k, -1)
+    rows = expert_out[sorted_indices.long()].float().view(tokens, top_k, expert_out.shape[-1])
     return (rows * probs.float().unsqueeze(-1)).sum(dim=1).to(expert_out.dtype)

@@ -636,6 +636,6 @@ def npu_moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, pro
     index = sorted_indices.long()
     if bool((index < 0).any()) or bool((index >= permuted_tokens.shape[0]).any()) or index.unique().numel() != n:
         raise ValueError(f"sorted_indices must be distinct rows of permuted_tokens (0 .. {permuted_tokens.shape[0] - 1})")
-    rows = permuted_tokens[index].float().reshape(n // top_k, top_k, -1)
+    rows = permuted_tokens[index].float().reshape(n // top_k, top_k, permuted_tokens.shape[-1])
     weights = torch.ones(n // top_k, top_k) if probs is None else probs.float()
     return (rows * weights[..., None]).sum(dim=1).to(permuted_tokens.dtype)
