@@ -1,9 +1,9 @@
 """Which path each kernel takes: its torch_npu fused op, or its PyTorch reference, and saying (once) why not fused.
 
 A fused op runs when the input is an NPU tensor, the user has not turned the op off, its dtype is one torch_npu
-takes, and the op's own limits, torch_npu release and chip allow it. ``LIGHTNING_NPU_DISABLE_FUSED`` turns ops off by name
-(``LIGHTNING_NPU_DISABLE_FUSED=rms_norm,rotary``; names in ``FUSED_OPS``, or ``all``): the escape hatch for a
-user whose ``lightning-npu selftest`` fails on one kernel, who can still train on the reference path.
+takes, and the op's own limits, torch_npu release and chip allow it. ``LIGHTNING_NPU_DISABLE_FUSED`` turns ops off
+by name (``LIGHTNING_NPU_DISABLE_FUSED=rms_norm,rotary``; names in ``FUSED_OPS``, or ``all``): the escape hatch for
+a user whose ``lightning-npu selftest`` fails on one kernel, who can still train on the reference path.
 """
 
 from __future__ import annotations
@@ -129,9 +129,10 @@ def chip_unsupported_reason(npu_op: str) -> Optional[str]:
     """Why the current NPU cannot run fused op ``npu_op`` (an A2/A3-only kernel), or None if it can.
 
     npu_fusion_attention, npu_rotary_mul, npu_swiglu and the MoE ops (npu_grouped_matmul, npu_moe_token_permute /
-    unpermute) are documented for the Atlas A2 and A3 series only. The chip is matched by its exact name (facts/chips.py): "Ascend910B" itself is a first-generation
-    part, and a chip torch_npu added later (Ascend950, Ascend310P*) is not assumed to run them. The device name
-    is read once per process; all NPUs of a node are the same chip.
+    unpermute) are documented for the Atlas A2 and A3 series only. The chip is matched by its exact name
+    (facts/chips.py): "Ascend910B" itself is a first-generation part, and a chip torch_npu added later (Ascend950,
+    Ascend310P*) is not assumed to run them. The device name is read once per process; all NPUs of a node are the
+    same chip.
     """
     if "name" not in _device_name:
         import torch_npu

@@ -68,7 +68,8 @@ def _check_inputs(x: Tensor, weight: Tensor, counts: Tensor) -> None:
             f"grouped_matmul takes x [tokens, K] and stacked weights [experts, K, N] with the same K; got x"
             f" {tuple(x.shape)} and weight {tuple(weight.shape)}"
         )
-    if counts.dim() != 1 or counts.numel() != weight.shape[0] or counts.dtype.is_floating_point or counts.dtype == torch.bool:
+    integer = not counts.dtype.is_floating_point and counts.dtype != torch.bool
+    if counts.dim() != 1 or counts.numel() != weight.shape[0] or not integer:
         raise ValueError(
             f"counts must be an integer tensor with one entry per expert ({weight.shape[0]}); got {counts.dtype}"
             f" {tuple(counts.shape)}. Count the tokens with torch.bincount(expert_ids.flatten(), minlength=experts)"

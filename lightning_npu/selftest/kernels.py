@@ -156,8 +156,11 @@ def _token_permute_case(name: str, tokens: int, hidden: int, experts: int, top_k
         probs = torch.rand(tokens, top_k, generator=g).softmax(-1).to(device=device, dtype=dtype).requires_grad_(True)
         return x, ids, probs, experts
 
+    def why_not_fused(x: Tensor, ids: Tensor, probs: Tensor, experts: int) -> Optional[str]:
+        return kernels.why_not_fused("token_permute", x, ids, probs)
+
     return KernelCase("token_permute", f"{name} T{tokens} H{hidden} E{experts} top{top_k}", make, _fused_routing,
-                      _reference_routing, lambda x, ids, probs, experts: kernels.why_not_fused("token_permute", x, ids, probs))
+                      _reference_routing, why_not_fused)
 
 
 def _fused_routing(x: Tensor, ids: Tensor, probs: Tensor, experts: int) -> Tensor:
