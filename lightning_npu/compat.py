@@ -388,3 +388,11 @@ def dtensor_with_local(dtensor: Any, local: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, dtensor._spec, requires_grad=False)
+
+
+def grouped_mm() -> Optional[Callable[..., Any]]:
+    """torch's grouped matmul over stacked weights (``torch._grouped_mm(x, weight, offs=int32 ends)``), or None
+    in a torch release without it (callers then multiply expert by expert)."""
+    import torch
+
+    return getattr(torch, "_grouped_mm", None)

@@ -26,7 +26,7 @@ def test_trainer_without_npu_names_the_cause():
 
 
 def test_import_touches_no_device_and_needs_no_npu():
-    out = run_python(["-c", "import lightning_npu, sys; print('torch_npu' in sys.modules)"], simulate=None)
+    out = run_python(["-c", "import lightning_npu, sys; print('torch_npu' in sys.modules)"], simulate=None, fresh=True)
     assert out.stdout.strip() == "False"
 
 
@@ -126,7 +126,7 @@ def test_probe_reports_missing_cann_from_a_real_import(tmp_path):
     path = _stand_in_torch_npu(
         tmp_path, release, 'raise ImportError("libhccl.so: cannot open shared object file: No such file or directory")'
     )
-    out = run_python(["-c", PROBE], simulate=None, env={"PYTHONPATH": f"{path}:{REPO}"})
+    out = run_python(["-c", PROBE], simulate=None, env={"PYTHONPATH": f"{path}:{REPO}"}, fresh=True)
     available, reason = json.loads(out.stdout.strip().splitlines()[-1])
     assert not available
     assert "CANN libraries are missing" in reason and "libhccl.so" in reason
@@ -135,7 +135,7 @@ def test_probe_reports_missing_cann_from_a_real_import(tmp_path):
 @pytest.mark.slow
 def test_probe_reports_version_mismatch_before_importing(tmp_path):
     path = _stand_in_torch_npu(tmp_path, "2.1.0", 'raise AssertionError("must not be imported")')
-    out = run_python(["-c", PROBE], simulate=None, env={"PYTHONPATH": f"{path}:{REPO}"})
+    out = run_python(["-c", PROBE], simulate=None, env={"PYTHONPATH": f"{path}:{REPO}"}, fresh=True)
     available, reason = json.loads(out.stdout.strip().splitlines()[-1])
     assert not available
     assert "torch_npu 2.1.0 do not match" in reason

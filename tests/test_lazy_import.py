@@ -32,7 +32,7 @@ ORDERS = {
 
 
 def _run(code: str) -> dict:
-    out = run_python(["-c", textwrap.dedent(code)], simulate=1)
+    out = run_python(["-c", textwrap.dedent(code)], simulate=1, fresh=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -92,7 +92,7 @@ def test_names_raise_import_error_naming_the_failure_when_lightning_cannot_be_im
             errors.append(type(error).__name__)
         print(json.dumps({"tried_on_import": tried, "errors": errors}))
     """
-    out = run_python(["-c", textwrap.dedent(code)], simulate=None, env={"PYTHONPATH": f"{tmp_path}:."})
+    out = run_python(["-c", textwrap.dedent(code)], simulate=None, env={"PYTHONPATH": f"{tmp_path}:."}, fresh=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["tried_on_import"] is None
     assert result["errors"] == [

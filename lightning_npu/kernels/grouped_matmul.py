@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_npu import compat
 from lightning_npu.kernels._dispatch import (
     FUSED_DTYPES,
     chip_unsupported_reason,
@@ -133,12 +134,12 @@ def reference_grouped_matmul(x: Tensor, weight: Tensor, counts: Tensor) -> Tenso
     if _grouped_mm_takes(x, weight):
         # torch._grouped_mm takes int32 cumulative ends ("Offsets have to be int32").
         ends = counts.cumsum(0).to(torch.int32)
-        return _ContiguousGrad.apply(torch._grouped_mm(x, weight, offs=ends))
+        return _ContiguousGrad.apply(compat.grouped_mm()(x, weight, offs=ends))
     return torch.cat([rows @ w for rows, w in zip(x.split(sizes), weight.unbind(0))])
 
 
 def _grouped_mm_takes(x: Tensor, weight: Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or x.device.type != "cpu" or x.dtype not in FUSED_DTYPES:
+    if compat.grouped_mm() is None or x.device.type != "cpu" or x.dtype not in FUSED_DTYPES:
         return False
     if x.shape[0] == 0:
         return False  # its backward rejects the [0, N] gradient of a batch without tokens (a rank under EP)

@@ -71,7 +71,8 @@ class HostStaging:
             items = [self._staged(value, (*path, i), buffers, copies, seen) for i, value in enumerate(obj)]
             if isinstance(obj, list):
                 return items
-            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # a namedtuple takes fields
+            # The tuple subclasses of a state dict are namedtuples, which take their fields as arguments.
+            return tuple(items) if type(obj) is tuple else type(obj)(*items)
         return copy.deepcopy(obj)
 
 

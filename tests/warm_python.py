@@ -1,0 +1,405 @@
+"""Warm interpreters for the suite's subprocesses: a zygote that has imported torch and Lightning once forks a
+process for each ``python ...`` the tests start, instead of each paying for those imports again.
+
+Why: a test's multi-process run starts two or three interpreters (the launcher, the ranks it starts, torchrun's
+agent), and each spends about 4 s of CPU importing torch and Lightning before the first line of the script runs.
+On the 2-core CI machine that was more of the suite's time than the training the tests check.
+
+How it stays a fresh process for what the tests check:
+- A request is served warm only when a fresh interpreter would have imported the preloaded modules the same way:
+  every environment variable those imports read (recorded while the zygote imported them) equals the zygote's,
+  except the few the child sets again itself (Lightning's import-time rank, the temp dir); no ``PYTHON*`` or
+  ``LD_*`` variable other than ``PYTHONPATH`` / ``PYTHONUNBUFFERED`` differs; no new ``PYTHONPATH`` entry holds a
+  ``sitecustomize`` / ``usercustomize``, a module that shadows a preloaded one, or a ``torch.backends`` entry point
+  (torch loads those at import); the command line uses only ``-u``, ``-B``, ``-W``, ``-c``, ``-m`` or a script.
+  Anything else runs cold: the shim ``exec``s the real interpreter. Tests about interpreter start-up itself (import
+  order, what an import pulls in) ask for a fresh process (``run_python(..., fresh=True)``).
+- The child gets the caller's stdin / stdout / stderr (passed over the socket), working directory, environment,
+  ``sys.argv`` and ``sys.path``, a new ``__main__`` module, and ends as any interpreter does (atexit hooks, thread
+  joins, finalisation), so exit statuses, tracebacks and teardown behave as in a fresh process.
+- ``sys.executable`` in the child is the shim, so the ranks Lightning's launcher and torchrun start (from
+  ``sys.executable``) are warm too. The shim forwards the signals a test or a launcher sends it to the child, and
+  exits with the child's status (a child killed by signal N kills the shim with N). A shim that dies (a test's
+  timeout kills it) takes its child with it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+#: The environment variable that gives a shim the zygote's socket.
+SOCKET_VARIABLE = "LIGHTNING_NPU_TEST_WARM_PYTHON"
+#: Set to 1 to run every subprocess in a fresh interpreter (to compare, or to rule the zygote out).
+COLD_VARIABLE = "LIGHTNING_NPU_TEST_COLD"
+#: What the zygote imports before serving (what nearly every test subprocess imports first).
+PRELOAD = (
+    "numpy", "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+    "torch.distributed.tensor", "torch.distributed.run", "lightning.fabric", "lightning.pytorch",
+    "lightning.pytorch.cli",
+)
+#: Read at import but set again in the child: the rank Lightning's rank_zero_only took at import, the temp dir
+#: tempfile caches, and the shell's own bookkeeping.
+SET_IN_CHILD = frozenset({"RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "TMPDIR", "TEMP", "TMP",
+                          "PWD", "OLDPWD", "_", "SHLVL"})
+#: Interpreter variables the child applies itself; every other PYTHON* variable must equal the zygote's.
+APPLIED_IN_CHILD = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED"})
+#: Signals the shim passes on to its child (SIGKILL cannot be caught: the zygote sees the shim die instead).
+FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGCONT", "SIGTSTP")
+
+SHIM = """#!{python} -IS
+import json, os, signal, socket, sys
+REAL = {python!r}
+def cold():
+    os.execv(REAL, [REAL] + sys.argv[1:])
+path = os.environ.get({variable!r})
+if not path:
+    cold()
+sock = socket.socket(socket.AF_UNIX)
+try:
+    sock.connect(path)
+except OSError:
+    cold()
+request = json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}}).encode()
+socket.send_fds(sock, [b"R"], [0, 1, 2])
+sock.sendall(len(request).to_bytes(8, "big") + request)
+replies = sock.makefile("rb")
+reply = json.loads(replies.readline() or b'{{"cold": true}}')
+if reply.get("cold"):
+    sock.close()
+    cold()
+pid = reply["pid"]
+for name in {forwarded!r}:
+    signal.signal(getattr(signal, name), lambda number, frame: os.kill(pid, number))
+line = replies.readline()
+if not line:
+    sys.stderr.write("warm python: the zygote went away before process " + str(pid) + " ended\\n")
+    os._exit(1)
+status = json.loads(line)
+if "signal" in status:
+    if status["signal"] not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(status["signal"], signal.SIG_DFL)
+    os.kill(os.getpid(), status["signal"])
+os._exit(status.get("exit", 1))
+"""
+
+
+# ---- the test process's side ------------------------------------------------------------------------------------
+
+class WarmPython:
+    """A zygote started on first use, stopped when the test process exits."""
+
+    def __init__(self) -> None:
+        self._process: Optional[subprocess.Popen] = None
+        self._directory: Optional[tempfile.TemporaryDirectory] = None
+        self.shim: Optional[str] = None
+        self.socket: Optional[str] = None
+
+    def command(self, env: dict[str, str]) -> str:
+        """The interpreter to start a subprocess with: the shim, after adding what it needs to ``env``; the real
+        one when ``LIGHTNING_NPU_TEST_COLD=1``."""
+        if os.environ.get(COLD_VARIABLE) == "1":
+            return sys.executable
+        self._start()
+        env[SOCKET_VARIABLE] = self.socket
+        return self.shim
+
+    def _start(self) -> None:
+        if self._process is not None:
+            return
+        self._directory = tempfile.TemporaryDirectory(prefix="lnpu-warm-")
+        directory = Path(self._directory.name)
+        self.socket = str(directory / "zygote.sock")
+        self.shim = str(directory / "python")
+        Path(self.shim).write_text(SHIM.format(python=sys.executable, variable=SOCKET_VARIABLE,
+                                               forwarded=FORWARDED))
+        os.chmod(self.shim, 0o755)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", SOCKET_VARIABLE)}
+        log = open(directory / "zygote.log", "wb")
+        self._process = subprocess.Popen([sys.executable, __file__, self.socket, self.shim, str(os.getpid())],
+                                         env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        log.close()
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.socket):
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the warm-python zygote did not start:\n{(directory / 'zygote.log').read_text()}")
+            time.sleep(0.05)
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+        if self._directory is not None:
+            self._directory.cleanup()
+
+
+# ---- the zygote -------------------------------------------------------------------------------------------------
+
+#: Packages that copy or scan the whole environment at import (``os.environ.items()``, ``dict(os.environ)``,
+#: reading every value) and use only the variables with a prefix: what they read counts as that prefix. A scan by
+#: any other package makes every variable it read count (the zygote then serves less warm, never wrongly).
+PREFIX_SCANS = {"tqdm": "TQDM_", "fsspec": "FSSPEC_"}
+
+
+def _preload() -> tuple[set[str], tuple[str, ...], dict[str, str], dict[str, str]]:
+    """Import PRELOAD; return the names of the environment variables those imports read, the prefixes of the
+    variables they scanned for, the environment before them, and the variables they set (torch sets some)."""
+    before = dict(os.environ)
+    read: set[str] = set()
+    prefixes: set[str] = set()
+    environ = type(os.environ)
+    originals = {name: getattr(environ, name) for name in ("__getitem__", "get", "__contains__")}
+
+    def recording(original):
+        def method(self, key, *args):
+            depth = 1
+            if "_collections_abc" in sys._getframe(depth).f_code.co_filename:  # items() / values()
+                depth += 1
+            reader = sys._getframe(depth).f_globals.get("__name__", "").partition(".")[0]
+            if reader in PREFIX_SCANS:
+                prefixes.add(PREFIX_SCANS[reader])
+            else:
+                read.add(key)
+            return original(self, key, *args)
+        return method
+
+    for name, original in originals.items():
+        setattr(environ, name, recording(original))
+    try:
+        import importlib
+
+        for module in PRELOAD:
+            importlib.import_module(module)
+    finally:
+        for name, original in originals.items():
+            setattr(environ, name, original)
+    set_by_imports = {key: value for key, value in os.environ.items() if before.get(key) != value}
+    return {key for key in read if isinstance(key, str)}, tuple(sorted(prefixes)), before, set_by_imports
+
+
+def _command(argv: list[str]) -> Optional[dict[str, Any]]:
+    """The interpreter options and what to run, or None for a command line the child does not reproduce."""
+    options: dict[str, Any] = {"unbuffered": False, "no_bytecode": False, "warnings": []}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-u":
+            options["unbuffered"] = True
+        elif arg == "-B":
+            options["no_bytecode"] = True
+        elif arg == "-W" and i + 1 < len(argv):
+            options["warnings"].append(argv[i + 1])
+            i += 1
+        elif arg in ("-c", "-m") and i + 1 < len(argv):
+            return {**options, "kind": arg, "target": argv[i + 1], "args": argv[i + 2:]}
+        elif arg.startswith("-"):
+            return None
+        else:
+            return {**options, "kind": "script", "target": arg, "args": argv[i + 1:]}
+        i += 1
+    return None  # an interactive interpreter
+
+
+def _shadows(entry: str, preloaded: set[str]) -> bool:
+    """Whether a new sys.path entry would change what a fresh interpreter imports at start-up or with torch."""
+    try:
+        names = os.listdir(entry or ".")
+    except OSError:
+        return False
+    for name in names:
+        stem = name[:-3] if name.endswith(".py") else name
+        if stem in ("sitecustomize", "usercustomize") or stem in preloaded:
+            return True
+        if name.endswith((".dist-info", ".egg-info")):
+            entry_points = Path(entry, name, "entry_points.txt")
+            if entry_points.is_file() and "[torch.backends]" in entry_points.read_text(errors="replace"):
+                return True
+    return False
+
+
+def _cold_reason(request: dict[str, Any], read_at_import: set[str], scanned: tuple[str, ...], own: dict[str, str],
+                 preloaded: set[str]) -> Optional[str]:
+    """Why a fresh interpreter could import differently from the zygote (``own``: its environment before the
+    imports), or None."""
+    if _command(request["argv"]) is None:
+        return "command line"
+    env = request["env"]
+    for key in read_at_import - SET_IN_CHILD:
+        if env.get(key) != own.get(key):
+            return f"{key} read at import"
+    for key in set(env) | set(own):
+        if scanned and key.startswith(scanned) and env.get(key) != own.get(key):
+            return f"{key} scanned at import"
+        if key.startswith(("PYTHON", "LD_")) and key not in APPLIED_IN_CHILD and env.get(key) != own.get(key):
+            return key
+    for entry in env.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and _shadows(os.path.join(request["cwd"], entry), preloaded):
+            return f"PYTHONPATH entry {entry}"
+    return None
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+    stream = conn.makefile("rb")
+    size = int.from_bytes(stream.read(8), "big")
+    return json.loads(stream.read(size)), fds
+
+
+def _send(conn: socket.socket, message: dict[str, Any]) -> None:
+    try:
+        conn.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:
+        pass  # the shim is gone
+
+
+def serve(path: str, parent: int) -> tuple[dict[str, Any], list[int], dict[str, str]]:
+    """Serve requests until the test process ``parent`` is gone; in a forked child, return its request, its
+    descriptors and the environment variables the imports set."""
+    read_at_import, scanned, own, set_by_imports = _preload()
+    preloaded = {name.partition(".")[0] for name in sys.modules}
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path + ".tmp")
+    listener.listen(64)
+    os.rename(path + ".tmp", path)  # the test process waits for this name
+    children: dict[socket.socket, int] = {}
+    while os.getppid() == parent:
+        ready, _, _ = select.select([listener, *children], [], [], 0.05)
+        for sock in ready:
+            if sock is listener:
+                conn, _ = listener.accept()
+                try:
+                    request, fds = _receive(conn)
+                except (OSError, ValueError):
+                    conn.close()
+                    continue
+                reason = _cold_reason(request, read_at_import, scanned, own, preloaded)
+                if reason is not None:
+                    sys.stderr.write(f"cold: {reason}: {request['argv'][:3]}\n")
+                    _send(conn, {"cold": True})
+                    conn.close()
+                    for fd in fds:
+                        os.close(fd)
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    for other in (*children, conn):
+                        other.close()
+                    return request, fds, set_by_imports
+                for fd in fds:
+                    os.close(fd)
+                _send(conn, {"pid": pid})
+                children[conn] = pid
+            elif not sock.recv(1):  # the shim died (killed by a timeout): so does its process
+                try:
+                    os.kill(children[sock], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = next(c for c, p in children.items() if p == pid)
+            del children[conn]
+            if os.WIFSIGNALED(status):
+                _send(conn, {"signal": os.WTERMSIG(status)})
+            else:
+                _send(conn, {"exit": os.WEXITSTATUS(status)})
+            conn.close()
+    for pid in children.values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sys.exit(0)
+
+
+def become(request: dict[str, Any], fds: list[int], set_by_imports: dict[str, str], shim: str,
+           base_path: list[str]) -> dict[str, Any]:
+    """Turn this forked child into the process the request asked for (its environment plus what the imports set,
+    as they would have in it); return what to run."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.environ.update(set_by_imports)
+    tempfile.tempdir = None
+    import numpy
+    from lightning.fabric.utilities import rank_zero
+
+    numpy.random.seed()  # a fresh interpreter seeds it from the OS; forked children would share the zygote's
+    rank = rank_zero._get_rank() or 0
+    for name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero",
+                 "lightning_utilities.core.rank_zero"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "rank_zero_only"):
+            module.rank_zero_only.rank = rank
+    command = _command(request["argv"])
+    unbuffered = command["unbuffered"] or bool(request["env"].get("PYTHONUNBUFFERED"))
+    sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=unbuffered)
+    sys.stderr.reconfigure(line_buffering=True, write_through=unbuffered)
+    sys.dont_write_bytecode = sys.dont_write_bytecode or command["no_bytecode"]
+    import warnings
+
+    for option in command["warnings"]:
+        warnings._setoption(option)
+    sys.executable = shim
+    extra = [entry for entry in request["env"].get("PYTHONPATH", "").split(os.pathsep) if entry]
+    first = {"script": os.path.dirname(os.path.abspath(command["target"])), "-m": os.getcwd(), "-c": ""}
+    sys.path[:] = [first[command["kind"]], *[os.path.abspath(e) for e in extra], *base_path]
+    return command
+
+
+def run(command: dict[str, Any]) -> None:
+    """Run the script, module or code as ``python`` would, in a new ``__main__`` module."""
+    import builtins
+    import runpy
+    import types
+
+    if command["kind"] == "-m":
+        sys.argv = ["-m", *command["args"]]
+        runpy._run_module_as_main(command["target"])
+        return
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins
+    if command["kind"] == "script":
+        filename = command["target"]
+        main.__file__ = filename
+        sys.argv = [filename, *command["args"]]
+        source = Path(filename).read_bytes()
+    else:
+        filename = "<string>"
+        sys.argv = ["-c", *command["args"]]
+        source = command["target"]
+    sys.modules["__main__"] = main
+    exec(compile(source, filename, "exec"), main.__dict__)
+
+
+if __name__ == "__main__":
+    _socket, _shim, _parent = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    _base_path = sys.path[1:]  # without this file's directory
+    _request, _fds, _set_by_imports = serve(_socket, _parent)
+    _command_to_run = become(_request, _fds, _set_by_imports, _shim, _base_path)
+    del _request, _fds, _set_by_imports, _socket, _parent
+    run(_command_to_run)
