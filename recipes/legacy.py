@@ -24,10 +24,14 @@ import types
 from pathlib import Path
 from typing import Optional, Sequence
 
+from recipes import families
+
 #: The old package itself, an empty namespace whose submodules are the aliases below.
 PACKAGE = "recipes.llama2"
+#: The package of the family the old recipe was: the default family, that of checkpoints naming none.
+_FAMILY_PACKAGE = families.FAMILIES[families.DEFAULT_FAMILY].rpartition(".")[0]
 MODULES: dict[str, str] = {
-    **{f"{PACKAGE}.{name}": f"recipes.models.llama.{name}" for name in ("model", "config", "memory_profile")},
+    **{f"{PACKAGE}.{name}": f"{_FAMILY_PACKAGE}.{name}" for name in ("model", "config", "memory_profile")},
     **{
         f"{PACKAGE}.{name}": f"recipes.decoder.{name}"
         for name in ("data", "sft_data", "tokenizer", "lora", "lora_config", "lora_export", "checkpoint_layout",

@@ -4,6 +4,7 @@ paths in the old assets directory) still loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,7 +18,6 @@ import yaml
 from lightning_npu.plan import load_spec
 from recipes import convert, families, generate, train
 from recipes.decoder import checkpoint_layout
-from recipes.decoder.family import DecoderFamily
 from recipes.decoder.module import DecoderLM
 from recipes.models.llama.config import LLaMAConfig
 from recipes.models.llama.model import LLaMA
@@ -93,7 +93,7 @@ def test_resuming_a_checkpoint_as_another_family_is_refused_before_training(tmp_
     class OtherConfig(LLaMAConfig):
         """A stand-in second family's config (the registry's lookup is by class)."""
 
-    other = DecoderFamily(config_class=OtherConfig, model_class=LLaMA, hf=families.get("llama").hf)
+    other = dataclasses.replace(families.get("llama"), config_class=OtherConfig)
     monkeypatch.setitem(families.FAMILIES, "other", "unused")
     real_get = families.get
     monkeypatch.setattr(families, "get", lambda name: other if name == "other" else real_get(name))
@@ -127,3 +127,17 @@ def test_an_old_config_is_planned_by_the_profile_its_old_class_path_names(tmp_pa
     # The planner imports profiles without torch; the alias keeps it so.
     script = "import sys, recipes.llama2.memory_profile; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", script], cwd=REPO, timeout=120).returncode == 0
+
+
+def test_lora_adapts_the_sites_the_family_names_and_refuses_a_target_it_lacks(monkeypatch):
+    from recipes.decoder.lora import LoRAConfig, add_lora
+
+    llama = families.get("llama")
+    config = LLaMAConfig.from_preset("tiny", **SHAPE)
+    adapted = add_lora(LLaMA(config), LoRAConfig(targets=["q", "gate"]))
+    assert {type(adapted.layers[0].attention.wq).__name__, type(adapted.layers[0].feed_forward.w_gate_up).__name__} == {
+        "LoRALinear"}
+    without_gate = dataclasses.replace(llama, lora_sites={k: v for k, v in llama.lora_sites.items() if k != "gate"})
+    monkeypatch.setattr(families, "get", lambda name: without_gate)
+    with pytest.raises(ValueError, match=r"names 'gate', which the 'llama' family's blocks do not have; choose among"):
+        add_lora(LLaMA(config), LoRAConfig(targets=["q", "gate"]))

@@ -36,10 +36,17 @@ class HFFormat:
     peft_targets: Mapping[str, str]
 
 
+#: Where a LoRA target sits in a block: (the ``Linear``'s module path inside the block, the index of the row block
+#: of its weight the target is, how many equal row blocks the weight has: 2 for a fused gate/up, else 1).
+LoRASite = tuple[str, int, int]
+
+
 @dataclass(frozen=True)
 class DecoderFamily:
-    """A model family: its config and model classes, and its Hugging Face format."""
+    """A model family: its config and model classes, its Hugging Face format, and where each LoRA target
+    (``lora_config.TARGETS``) sits in its blocks (``lora_sites``, one per target it supports)."""
 
     config_class: type
     model_class: type[nn.Module]
     hf: HFFormat
+    lora_sites: Mapping[str, LoRASite]

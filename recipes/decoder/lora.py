@@ -1,11 +1,11 @@
-"""LoRA adapters on a model of the recipe (the LLaMA family's ``LLaMA``, or any family whose blocks hold the
-projections ``lora_config.TARGETS`` names as ``Linear`` layers): adding them to a built model, their names, merging them. The
-configuration (``LoRAConfig``, ``TARGETS``) lives in the torch-free ``lora_config.py`` and is re-exported here.
+"""LoRA adapters on a model of any of the recipe's families: adding them to a built model, their names, merging them.
+The configuration (``LoRAConfig``, the target names ``TARGETS``) lives in the torch-free ``lora_config.py``; where each
+target sits in a block is the family's (``DecoderFamily.lora_sites``).
 
-``add_lora(model, LoRAConfig(...))`` replaces each targeted projection of every ``TransformerBlock`` with a
+``add_lora(model, LoRAConfig(...))`` replaces each targeted projection of every block with a
 ``LoRALinear`` that keeps the base ``weight`` under its old name (so ``init_from`` and the HF name map see the
 base layout unchanged) and adds, per target, ``lora_a.<target>.weight`` [rank, in] and
-``lora_b.<target>.weight`` [rows, rank]::
+``lora_b.<target>.weight`` [rows, rank]; in the LLaMA family::
 
     layers.{i}.attention.wq.lora_a.q.weight              [rank, dim]
     layers.{i}.attention.wq.lora_b.q.weight              [n_heads * head_dim, rank]
@@ -29,9 +29,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from recipes.decoder.lora_config import TARGETS, LoRAConfig
 from recipes import families
+from recipes.decoder.family import LoRASite
 from recipes.decoder.layers import Linear
+from recipes.decoder.lora_config import LoRAConfig
 
 ADAPTER_MARKERS = (".lora_a.", ".lora_b.")
 
@@ -100,7 +101,7 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
         param.requires_grad_(False)
     sites: dict[str, tuple[int, dict[str, int]]] = {}
     for name in config.targets:
-        path, block, blocks = TARGETS[name]
+        path, block, blocks = lora_site(model.config, name)
         sites.setdefault(path, (blocks, {}))[1][name] = block
     for layer in model.layers:
         for path, (blocks, adapted) in sites.items():
@@ -156,9 +157,18 @@ def check_adapter_state(
                              f"{tuple(shape)} for lora.rank={config.rank}")
 
 
-def adapter_name(layer: int, target: str, kind: str) -> str:
+def lora_site(model_config: Any, target: str) -> LoRASite:
+    """Where ``target`` sits in a block of the model of ``model_config`` (its family's ``lora_sites``)."""
+    sites = families.of_config(model_config).lora_sites
+    if target not in sites:
+        raise ValueError(f"lora.targets names {target!r}, which the {families.name_of_config(model_config)!r} family's "
+                         f"blocks do not have; choose among {list(sites)}")
+    return sites[target]
+
+
+def adapter_name(model_config: Any, layer: int, target: str, kind: str) -> str:
     """The model parameter name of ``target``'s A (``kind="lora_a"``) or B (``"lora_b"``) in block ``layer``."""
-    return f"layers.{layer}.{TARGETS[target][0]}.{kind}.{target}.weight"
+    return f"layers.{layer}.{lora_site(model_config, target)[0]}.{kind}.{target}.weight"
 
 
 def merged_state_dict(
@@ -170,11 +180,12 @@ def merged_state_dict(
     merged = dict(base)
     for layer in range(model_config.n_layers):
         for target in config.targets:
-            path, block, blocks = TARGETS[target]
+            path, block, blocks = lora_site(model_config, target)
             name = f"layers.{layer}.{path}.weight"
             weight = merged[name].float().clone()
             rows = weight.shape[0] // blocks
-            b, a = adapters[adapter_name(layer, target, "lora_b")], adapters[adapter_name(layer, target, "lora_a")]
+            b = adapters[adapter_name(model_config, layer, target, "lora_b")]
+            a = adapters[adapter_name(model_config, layer, target, "lora_a")]
             weight[block * rows : (block + 1) * rows] += (b.float() @ a.float()) * config.scaling
             merged[name] = weight.to(base[name].dtype)
     return merged

@@ -1,4 +1,4 @@
-"""The LoRA configuration of the recipe (``LoRAConfig``) and the projections it can target (``TARGETS``).
+"""The LoRA configuration of the recipe (``LoRAConfig``) and the names of the projections it can target (``TARGETS``).
 
 Torch-free, so that ``memory_profile.py`` (which ``lightning-npu plan`` imports to read a config) validates a
 config's ``lora:`` exactly as training does; ``lora.py`` (the adapters themselves) re-exports both names.
@@ -9,18 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
-#: Target name -> (module path inside a TransformerBlock, the rows of that weight it adapts: its index among the
-#: weight's equal row blocks, and how many blocks there are). Gate and up share the fused ``w_gate_up`` (gate rows
-#: first), see model.py.
-TARGETS: dict[str, tuple[str, int, int]] = {
-    "q": ("attention.wq", 0, 1),
-    "k": ("attention.wk", 0, 1),
-    "v": ("attention.wv", 0, 1),
-    "o": ("attention.wo", 0, 1),
-    "gate": ("feed_forward.w_gate_up", 0, 2),
-    "up": ("feed_forward.w_gate_up", 1, 2),
-    "down": ("feed_forward.w_down", 0, 1),
-}
+#: The projections LoRA can adapt, by the names PEFT configs use for a decoder layer's: attention query, key, value
+#: and output, and the SwiGLU MLP's gate, up and down. Each family says where they sit in its blocks
+#: (``DecoderFamily.lora_sites``).
+TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ def peft_state_dict(adapters: Mapping[str, Tensor], config: Any, lora: LoRAConfi
         for target in lora.targets:
             for kind, peft_kind in PEFT_KINDS.items():
                 key = f"{PEFT_PREFIX}{layer}.{peft_targets[target]}.{peft_kind}.weight"
-                out[key] = adapters[adapter_name(layer, target, kind)].contiguous()
+                out[key] = adapters[adapter_name(config, layer, target, kind)].contiguous()
     return out
 
 

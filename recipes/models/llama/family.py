@@ -15,4 +15,14 @@ FAMILY = DecoderFamily(
         name_map=hf.hf_name_map,
         peft_targets=hf.PEFT_TARGETS,
     ),
+    # Gate and up share the fused ``w_gate_up`` (gate rows first), see model.py.
+    lora_sites={
+        "q": ("attention.wq", 0, 1),
+        "k": ("attention.wk", 0, 1),
+        "v": ("attention.wv", 0, 1),
+        "o": ("attention.wo", 0, 1),
+        "gate": ("feed_forward.w_gate_up", 0, 2),
+        "up": ("feed_forward.w_gate_up", 1, 2),
+        "down": ("feed_forward.w_down", 0, 1),
+    },
 )
