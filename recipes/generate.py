@@ -208,8 +208,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def main(argv: Optional[Iterable[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="Generate text with a recipe or Hugging Face checkpoint of any model family of the recipe"
-                                     f" ({', '.join(sorted(families.FAMILIES))}).")
+    parser = argparse.ArgumentParser(description="Generate text with a recipe or Hugging Face checkpoint of any model"
+                                     f" family of the recipe ({', '.join(sorted(families.FAMILIES))}).")
     parser.add_argument("checkpoint", type=Path, help="recipe .ckpt file, sharded checkpoint dir, or HF dir")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=64)

@@ -19,10 +19,11 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import types
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from recipes import families
 
@@ -78,12 +79,12 @@ def install() -> None:
         sys.meta_path.insert(0, _Finder())
 
 
-def moved_path(path: Path) -> Path:
+def moved_path(path: Union[str, os.PathLike]) -> str:
     """A recorded path that no longer exists and lies in the old assets directory (of any checkout: data.py
-    records it absolute), as the same file in this checkout's new one if that exists; any other path unchanged."""
-    parts = path.parts
+    records it absolute), as the same file in this checkout's new one if that exists; any other path as given."""
+    parts = Path(path).parts
     for i in range(len(parts) - len(OLD_ASSETS) + 1):
-        if parts[i:i + len(OLD_ASSETS)] == OLD_ASSETS and not path.exists():
+        if parts[i:i + len(OLD_ASSETS)] == OLD_ASSETS and not Path(path).exists():
             moved = _REPO_ROOT / NEW_ASSETS / Path(*parts[i + len(OLD_ASSETS):])
-            return moved if moved.exists() else path
-    return path
+            return str(moved) if moved.exists() else os.fspath(path)
+    return os.fspath(path)

@@ -141,3 +141,31 @@ def test_lora_adapts_the_sites_the_family_names_and_refuses_a_target_it_lacks(mo
     monkeypatch.setattr(families, "get", lambda name: without_gate)
     with pytest.raises(ValueError, match=r"names 'gate', which the 'llama' family's blocks do not have; choose among"):
         add_lora(LLaMA(config), LoRAConfig(targets=["q", "gate"]))
+
+
+def test_a_config_saved_by_a_run_of_the_llama2_layout_parses_and_finds_its_data(tmp_path, monkeypatch, capsys):
+    """The data section of the config.yaml LightningCLI saved next to such a run (class path and paths as written)."""
+    old_assets = tmp_path / "old-checkout" / "recipes" / "llama2" / "assets"
+    saved = {
+        "seed_everything": 1234,
+        "model": {"preset": "tiny", "config": SHAPE, "learning_rate": 0.003},
+        "data": {"class_path": "recipes.llama2.data.TextDataModule",
+                 "init_args": {"path": str(old_assets / "corpus.jsonl"), "tokenizer": str(old_assets / "tokenizer"),
+                               "seq_len": 32, "batch_size": 2, "val_fraction": 0.02}},
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2,
+                    "strategy": {"class_path": "lightning_npu.NPUFSDPStrategy",
+                                 "init_args": {"auto_wrap_policy": ["recipes.llama2.model.TransformerBlock"]}}},
+    }
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(saved))
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with pytest.raises(SystemExit) as exited:
+        train.main(["fit", "--config", str(config), "--print_config"])
+    assert exited.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["family"] == "llama"
+    from jsonargparse.typing import import_object
+
+    data = import_object(printed["data"]["class_path"])(**printed["data"]["init_args"])
+    assert data.path == str(REPO / "recipes" / "assets" / "corpus.jsonl")
+    assert data.tokenizer_path == str(ASSETS_TOKENIZER)

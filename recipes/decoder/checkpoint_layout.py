@@ -202,7 +202,7 @@ def tokenizer_from_metadata(metadata: Mapping[str, Any]) -> Optional[str]:
                 path = Path(value)
                 if not path.is_absolute() and not path.exists() and (_REPO_ROOT / path).exists():
                     path = _REPO_ROOT / path
-                return str(legacy.moved_path(path))
+                return legacy.moved_path(path)
     return None
 
 
@@ -274,5 +274,6 @@ def some_names(names: list[str], limit: int = 5) -> str:
 
 def describe_shape(config: Any) -> str:
     """The integer fields of ``config`` (those that set tensor shapes), for messages."""
-    fields = config.to_dict().items()
-    return ", ".join(f"{name}={value}" for name, value in fields if isinstance(value, int) and not isinstance(value, bool))
+    integral = [(name, value) for name, value in config.to_dict().items()
+                if isinstance(value, int) and not isinstance(value, bool)]
+    return ", ".join(f"{name}={value}" for name, value in integral)

@@ -48,6 +48,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from recipes import legacy
 from recipes.decoder.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
@@ -253,8 +254,9 @@ class TextDataModule(L.LightningDataModule):
         if tokenize_num_proc is not None:
             _check_positive("tokenize_num_proc", tokenize_num_proc, "a process count, or null for one")
 
-        self.path = str(path)
-        self.tokenizer_path = str(tokenizer)
+        # A config saved by a run of the recipe's former layout names the embedded data in its old directory.
+        self.path = legacy.moved_path(str(path))
+        self.tokenizer_path = legacy.moved_path(str(tokenizer))
         self.text_column = text_column
         self.seq_len = seq_len
         self.batch_size = batch_size

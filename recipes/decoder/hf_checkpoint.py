@@ -92,8 +92,8 @@ def hf_to_recipe_state_dict(hf_state_dict: Mapping[str, Tensor], config: Any) ->
     if unknown:
         raise CheckpointError(
             f"The Hugging Face checkpoint has {len(unknown)} tensor(s) that the recipe's model of this config.json "
-            f"({type(config).__name__}) does not: {some_names(unknown)}. Only the architecture its family implements"
-            " (for LLaMA: no biases, untied or tied embeddings) can be converted."
+            f"({type(config).__name__}) does not: {some_names(unknown)}. Only checkpoints of the architecture its"
+            " family implements can be converted."
         )
     out: dict[str, Tensor] = {}
     for ours, theirs in name_map.items():

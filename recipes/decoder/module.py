@@ -1,5 +1,6 @@
-"""The recipe's LightningModule, for every model family (``family``, in ``recipes/families.py``): next-token loss, AdamW without weight decay on norms and
-biases, linear warmup then cosine decay to a floor, optional initialisation from Hugging Face weights, optional LoRA adapters.
+"""The recipe's LightningModule, for every model family (``family``, in ``recipes/families.py``): next-token loss,
+AdamW without weight decay on norms and biases, linear warmup then cosine decay to a floor, optional initialisation
+from Hugging Face weights, optional LoRA adapters.
 
 The model is built in ``configure_model``, under ``npu_fsdp`` on the meta device: it is initialised shard by
 shard (``reset_parameters``) after the strategy has sharded it, so no rank ever holds the full 7B model.

@@ -1,5 +1,5 @@
-"""Supervised fine-tuning (SFT) data for the recipe (every model family): chat or instruction samples, formatted, tokenised once
-(cached), labelled on assistant tokens only, packed into rows of ``seq_len`` tokens, sharded and resumable.
+"""Supervised fine-tuning (SFT) data for the recipe (every model family): chat or instruction samples, formatted,
+tokenised once (cached), labelled on assistant tokens only, packed into rows of ``seq_len`` tokens, sharded and resumable.
 
 Samples (one JSON object per JSON Lines line, one row of Parquet / ``save_to_disk``, or one item of a JSON list):
   * chat: ``{"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}`` -- an optional first

@@ -60,7 +60,9 @@ def lightning_npu_memory_profile(model: Mapping[str, Any]) -> DecoderProfile:
     ``lora``) builds, for a section of this family."""
     family = str(model.get("family", families.DEFAULT_FAMILY))
     if families.FAMILIES.get(family) != f"{__package__}.family":
-        raise ValueError(f"model.family={family!r} is not the family of {__name__} (known: {sorted(families.FAMILIES)})")
+        raise ValueError(
+            f"model.family={family!r} is not the family of {__name__} (the families: {sorted(families.FAMILIES)})"
+        )
     preset = str(model.get("preset", DEFAULT_PRESET))
     overrides = model.get("config") or {}
     if not isinstance(overrides, Mapping):
