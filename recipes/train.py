@@ -91,10 +91,14 @@ class RecipeCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand:
             config = self.config[subcommand]
+            model = config.get("model")
+            try:
+                family = families.get(model.family)
+            except ValueError as err:
+                sys.exit(f"error: {err}")
             ckpt_path = config.get("ckpt_path")
             if ckpt_path not in (None, "last", "hpc", "best", "registry"):
-                model = config.get("model")
-                configured = families.get(model.family).config_class.from_preset(model.preset, **(model.config or {}))
+                configured = family.config_class.from_preset(model.preset, **(model.config or {}))
                 check_resume_checkpoint(str(ckpt_path), configured)
 
     def instantiate_classes(self) -> None:

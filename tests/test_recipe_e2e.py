@@ -181,10 +181,12 @@ STRATEGY = "--trainer.strategy.init_args."
         ([STRATEGY + "zero_stage", "4"], "error: trainer.strategy (NPUFSDPStrategy): zero_stage=4 is not supported"),
         ([STRATEGY + "activation_checkpointing_ratio", "1.5"],
          "error: trainer.strategy (NPUFSDPStrategy): activation_checkpointing_ratio=1.5 must lie in [0, 1]"),
+        (["--model.family", "mixtral"],
+         "error: model.family='mixtral' is not a model family of the recipe; the families are ['llama']"),
     ],
     ids=["missing-ckpt", "seq-len", "vocab", "missing-data", "missing-init-from", "ckpt-fewer-layers",
          "ckpt-other-dim", "ckpt-not-a-checkpoint", "empty-jsonl", "bad-jsonl-line", "parquet-without-text",
-         "zero-stage", "ac-ratio"],
+         "zero-stage", "ac-ratio", "unknown-family"],
 )
 def test_bad_input_fails_before_workers_and_writes_nothing(tmp_path, args, message):
     """Catches each configuration error surfacing only inside the workers (both ranks' tracebacks), after a
