@@ -62,13 +62,13 @@ def worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, Dataset
 
     from lightning_npu import NPUFSDPStrategy
-    from recipes.llama2.model import TransformerBlock
-    from recipes.llama2.module import LLaMA2
+    from recipes.models.llama.model import TransformerBlock
+    from recipes.decoder.module import DecoderLM
 
     torch.manual_seed(0)
     ac_ratio = VARIANTS[args.worker]
     preset, fields = _model_fields(args)
-    module = LLaMA2(preset=preset, config=fields, warmup_steps=args.warmup)
+    module = DecoderLM(preset=preset, config=fields, warmup_steps=args.warmup)
     total = args.warmup + args.steps
     accelerated = args.device != "cpu"
 

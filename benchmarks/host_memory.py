@@ -7,7 +7,7 @@ Hugging Face weights (``init_from``), 2 simulated NPUs (LIGHTNING_NPU_SIMULATE=2
     python benchmarks/host_memory.py --cases configure_model --dim 1024 --layers 4   # a quick small run
 
 Each case is one ``python -m torch.distributed.run --standalone --nproc-per-node 2`` of this file fitting the
-recipe's ``LLaMA2`` (``max_steps=0``: setup, ``on_fit_start``, no step) with
+recipe's ``DecoderLM`` (``max_steps=0``: setup, ``on_fit_start``, no step) with
 ``Trainer(accelerator="npu", devices=2, strategy=NPUFSDPStrategy(), precision="32-true")``. Setup cases:
 
 - ``configure_model``: the model is built in ``configure_model`` for real; npu_fsdp builds it for real on rank 0
@@ -15,7 +15,7 @@ recipe's ``LLaMA2`` (``max_steps=0``: setup, ``on_fit_start``, no step) with
 - ``init``: the model is built in ``__init__``, so every rank holds a full copy before sharding;
 - ``meta_reset``: the recipe's own path: the meta device everywhere, then ``reset_parameters`` shard by shard.
 
-``init_from``: the recipe's path (``meta_reset``), then ``LLaMA2.on_fit_start`` loads a bf16 safetensors
+``init_from``: the recipe's path (``meta_reset``), then ``DecoderLM.on_fit_start`` loads a bf16 safetensors
 ``LlamaForCausalLM`` checkpoint (made once with ``transformers`` under ``--hf-dir``) through ``load_pretrained``.
 ``--before-root`` runs the same case with another checkout's ``lightning_npu`` and ``recipes`` (PYTHONPATH).
 
@@ -101,28 +101,28 @@ def worker(args: argparse.Namespace) -> None:
 
     import lightning_npu
     from lightning_npu import NPUFSDPStrategy
-    from recipes.llama2.model import LLaMA
-    from recipes.llama2.module import LLaMA2
+    from recipes.models.llama.model import LLaMA
+    from recipes.decoder.module import DecoderLM
 
     torch.set_num_threads(1)
     config = _llama_config(args)
     record: dict[str, Any] = {"case": args.worker, "lightning_npu": str(Path(lightning_npu.__file__).parents[1])}
 
-    class BuiltInConfigureModel(LLaMA2):
+    class BuiltInConfigureModel(DecoderLM):
         """Builds the model for real in configure_model (the strategy decides which ranks build it on meta)."""
 
         def configure_model(self) -> None:
             if self.model is None:
                 self.model = LLaMA(self.config)
 
-    class BuiltInInit(LLaMA2):
+    class BuiltInInit(DecoderLM):
         """Builds the model for real in __init__: every rank holds the full model before sharding."""
 
         def __init__(self, **kwargs: Any) -> None:
             super().__init__(**kwargs)
             self.model = LLaMA(self.config)
 
-    class MeasuredInitFrom(LLaMA2):
+    class MeasuredInitFrom(DecoderLM):
         """The recipe's module; the resident set around its on_fit_start (where init_from is loaded)."""
 
         def on_fit_start(self) -> None:
@@ -133,7 +133,7 @@ def worker(args: argparse.Namespace) -> None:
             record["rss_after"] = _rss_bytes()
 
     class AfterSetup(Callback):
-        def on_fit_start(self, trainer: Trainer, pl_module: LLaMA2) -> None:
+        def on_fit_start(self, trainer: Trainer, pl_module: DecoderLM) -> None:
             if args.worker in SETUP_CASES:
                 record["peak"] = _peak_bytes()
                 record["rss_after"] = _rss_bytes()
@@ -153,7 +153,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.worker in SETUP_CASES:
         record["baseline"] = _rss_bytes()
         record["peak_before"] = _peak_bytes()
-    module_class = {"configure_model": BuiltInConfigureModel, "init": BuiltInInit, "meta_reset": LLaMA2,
+    module_class = {"configure_model": BuiltInConfigureModel, "init": BuiltInInit, "meta_reset": DecoderLM,
                     "init_from": MeasuredInitFrom}[args.worker]
     if args.worker == "init_from":
         kwargs["init_from"] = args.hf_dir
@@ -225,8 +225,8 @@ def main() -> None:
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         parser.error(f"--cases {unknown} unknown: choose among {', '.join(CASES)}")
-    if args.before_root is not None and not (args.before_root / "recipes" / "llama2" / "module.py").is_file():
-        parser.error(f"--before-root {args.before_root} holds no recipes/llama2/module.py: give a checkout of this"
+    if args.before_root is not None and not (args.before_root / "recipes" / "decoder" / "module.py").is_file():
+        parser.error(f"--before-root {args.before_root} holds no recipes/decoder/module.py: give a checkout of this"
                      " repository")
     runs = [(c, REPO, c) for c in cases]
     if "init_from" in cases and args.before_root is not None:

@@ -3,7 +3,7 @@
     python benchmarks/plan_accuracy.py                 # all 17 cases, ~7 min on 2 cores
     python benchmarks/plan_accuracy.py --cases base,ac1 --out /tmp/plan_accuracy.json
 
-Each case trains the recipe's LLaMA2 LightningModule for a few steps with
+Each case trains the recipe's DecoderLM LightningModule for a few steps with
 ``Trainer(accelerator="npu", strategy=NPUFSDPStrategy(...))`` on the simulated runtime
 (LIGHTNING_NPU_SIMULATE=<devices>), varying width, depth, sequence, micro-batch, ZeRO stage, activation
 checkpointing, precision, attention kernel and gradient accumulation. The planner's estimate for the same
@@ -85,7 +85,7 @@ def case_spec(case: dict[str, Any]):
     """The planner's PlanSpec for a case (its ``lora``, if any, as the recipe's profile reads it), with the CPU's
     settings."""
     from lightning_npu.plan import PlanSpec
-    from recipes.llama2.memory_profile import lightning_npu_memory_profile
+    from recipes.models.llama.memory_profile import lightning_npu_memory_profile
 
     profile = lightning_npu_memory_profile({"preset": "tiny", "config": case["model"], "lora": case.get("lora")})
     return PlanSpec(
@@ -132,15 +132,15 @@ def worker(case: dict[str, Any], out: Path) -> None:
 
     from benchmarks._memory import calibration, memory_curve
     from lightning_npu import NPUFSDPStrategy
-    from recipes.llama2.model import TransformerBlock
-    from recipes.llama2.module import LLaMA2
+    from recipes.models.llama.model import TransformerBlock
+    from recipes.decoder.module import DecoderLM
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     calibrated = calibration()  # in this process, before the run: the profiler must report known sizes exactly
-    module = LLaMA2(preset="tiny", config=case["model"], warmup_steps=1)
+    module = DecoderLM(preset="tiny", config=case["model"], warmup_steps=1)
     if case.get("lora"):  # LoRA on a base initialised in place: the same tensors as one loaded from init_from
-        from recipes.llama2.lora import LoRAConfig
+        from recipes.decoder.lora import LoRAConfig
 
         module.lora = LoRAConfig.from_value(case["lora"])
         module.on_fit_start = lambda: None  # nothing to load

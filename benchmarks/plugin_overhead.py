@@ -6,7 +6,7 @@
 Both sides train the recipe's tiny LLaMA-2 (32-true) on 2 CPU processes over gloo with the same shapes and steps:
 
 - Lightning: ``Trainer(accelerator="npu", devices=2, strategy=NPUFSDPStrategy(auto_wrap_policy=[TransformerBlock]))``
-  on the simulated runtime (LIGHTNING_NPU_SIMULATE=2) fitting ``recipes.llama2.module.LLaMA2``: the auto-wrap policy
+  on the simulated runtime (LIGHTNING_NPU_SIMULATE=2) fitting ``recipes.decoder.module.DecoderLM``: the auto-wrap policy
   gives the same FSDP units as the raw loop (``strategy="npu_fsdp"`` alone would shard the model as one unit);
 - raw: ``torch.multiprocessing`` spawns 2 processes that ``fully_shard`` every TransformerBlock and then the model
   (torch's default: the root keeps its parameters gathered from forward to backward, as npu_fsdp's root does),
@@ -76,12 +76,12 @@ def lightning_worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader
 
     from lightning_npu import NPUFSDPStrategy
-    from recipes.llama2.model import TransformerBlock
-    from recipes.llama2.module import LLaMA2
+    from recipes.models.llama.model import TransformerBlock
+    from recipes.decoder.module import DecoderLM
 
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
-    module = LLaMA2(preset="tiny", warmup_steps=args.warmup)
+    module = DecoderLM(preset="tiny", warmup_steps=args.warmup)
     total = args.warmup + args.steps
 
     class Clock(Callback):
@@ -115,9 +115,9 @@ def raw_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
-    from recipes.llama2.config import LLaMAConfig
-    from recipes.llama2.model import LLaMA
-    from recipes.llama2.module import warmup_cosine
+    from recipes.models.llama.config import LLaMAConfig
+    from recipes.models.llama.model import LLaMA
+    from recipes.decoder.module import warmup_cosine
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

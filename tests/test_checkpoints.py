@@ -63,7 +63,7 @@ def test_crash_during_save_keeps_last_checkpoint_resumable(tmp_path, uninterrupt
 def test_async_save_trains_identically_and_leaves_complete_checkpoints(tmp_path, uninterrupted):
     """async_save=True: the same losses as blocking saves, the final last.ckpt is complete (written before fit()
     returns) and top-k rotation deleted the older checkpoint only once the newer one existed."""
-    from recipes.llama2.checkpoint_layout import read_recipe_metadata
+    from recipes.decoder.checkpoint_layout import read_recipe_metadata
 
     result = _run(tmp_path / "out", tmp_path / "ckpts", "--epochs", "2", "--async-save")
     assert result["losses"] == pytest.approx(uninterrupted["losses"], abs=1e-6)

@@ -16,8 +16,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoTokenizer
 
-import recipes.llama2.data as data_mod
-from recipes.llama2.data import (
+import recipes.decoder.data as data_mod
+from recipes.decoder.data import (
     ASSETS_DIR,
     DEFAULT_TOKENIZER,
     PackedBlocks,
@@ -655,7 +655,7 @@ def test_build_script_rebuilds_the_committed_instruction_set_byte_for_byte(tmp_p
 def test_committed_instructions_are_short_trainable_samples_of_both_formats():
     """Catches an instruction set SFTDataModule would refuse, one mostly longer than the tiny recipe's 256-token rows,
     or one that no longer exercises instruction samples (with and without input) and chats (system, two turns)."""
-    from recipes.llama2.sft_data import to_messages, tokenize_conversation
+    from recipes.decoder.sft_data import to_messages, tokenize_conversation
 
     tok = AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER)
     path = ASSETS_DIR / "instructions.jsonl"

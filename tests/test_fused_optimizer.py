@@ -8,7 +8,7 @@ from lightning.pytorch import Trainer
 from lightning_npu import runtime
 from lightning_npu.runtime.npu import NPURuntime
 from lightning_npu.runtime.simulated import SimulatedRuntime
-from recipes.llama2.module import LLaMA2
+from recipes.decoder.module import DecoderLM
 from tests.helpers import SCRIPTS, read_json, run_python
 from tests.npu_fake import install_fake_torch_npu
 
@@ -22,7 +22,7 @@ def fake_npu_runtime(monkeypatch):
 
 
 def _recipe_optimizer(tmp_path, **trainer_options):
-    module = LLaMA2(preset="tiny", config={"n_layers": 1})
+    module = DecoderLM(preset="tiny", config={"n_layers": 1})
     module.configure_model()
     module.trainer = Trainer(max_steps=10, logger=False, default_root_dir=tmp_path, **trainer_options)
     return module.configure_optimizers()["optimizer"]

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.llama2 import checkpoint_layout, hf_checkpoint
-from recipes.llama2.config import LLaMAConfig
-from recipes.llama2.generate import generate, main, sample_next_token
-from recipes.llama2.model import LLaMA
+from recipes.decoder import checkpoint_layout, hf_checkpoint
+from recipes.models.llama.config import LLaMAConfig
+from recipes.generate import generate, main, sample_next_token
+from recipes.models.llama.model import LLaMA
 from tests.test_llama_model import small_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -217,7 +217,7 @@ def test_generate_runs_as_a_script(tmp_path, tokenizer_dir):
     result = subprocess.run(
         [
             sys.executable,
-            str(REPO_ROOT / "recipes/llama2/generate.py"),
+            str(REPO_ROOT / "recipes/generate.py"),
             str(tmp_path / "r.ckpt"),
             "--tokenizer",
             str(tokenizer_dir),

@@ -13,9 +13,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_npu.strategies.checkpoint import is_sharded_checkpoint
-from recipes.llama2 import checkpoint_layout, convert, hf_checkpoint
-from recipes.llama2.config import LLaMAConfig
-from recipes.llama2.model import LLaMA
+from recipes import convert
+from recipes.decoder import checkpoint_layout, hf_checkpoint
+from recipes.models.llama.config import LLaMAConfig
+from recipes.models.llama.model import LLaMA
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 97
@@ -130,9 +131,9 @@ _FSDP_SAVE_SCRIPT = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save
-    from recipes.llama2 import checkpoint_layout
-    from recipes.llama2.config import LLaMAConfig
-    from recipes.llama2.model import LLaMA
+    from recipes.decoder import checkpoint_layout
+    from recipes.models.llama.config import LLaMAConfig
+    from recipes.models.llama.model import LLaMA
 
     def run(rank, out, store_file):
         dist.init_process_group("gloo", init_method="file://" + store_file, rank=rank, world_size=2)
@@ -370,7 +371,7 @@ def test_convert_runs_as_a_script_from_any_directory(tmp_path):
     result = subprocess.run(
         [
             sys.executable,
-            str(REPO_ROOT / "recipes/llama2/convert.py"),
+            str(REPO_ROOT / "recipes/convert.py"),
             "from-hf",
             str(tmp_path / "hf"),
             str(tmp_path / "r.ckpt"),

@@ -11,11 +11,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from recipes.llama2 import convert, hf_checkpoint, memory_profile
-from recipes.llama2.checkpoint_layout import CheckpointError, load_recipe_checkpoint
-from recipes.llama2.config import LLAMA3_PRESETS, PRESETS, LLaMAConfig
-from recipes.llama2.data import check_vocab_fits
-from recipes.llama2.model import LLaMA, rotary_cos_sin, rotary_frequencies
+from recipes import convert
+from recipes.decoder import hf_checkpoint
+from recipes.models.llama import memory_profile
+from recipes.decoder.checkpoint_layout import CheckpointError, load_recipe_checkpoint
+from recipes.models.llama.config import LLAMA3_PRESETS, PRESETS, LLaMAConfig
+from recipes.decoder.data import check_vocab_fits
+from recipes.models.llama.model import LLaMA, rotary_cos_sin, rotary_frequencies
 
 VOCAB, SEQ = 97, 64
 #: A short pretraining length, so that the scaling's three bands all hold frequencies at head_dim 32 (wavelengths
@@ -271,7 +273,7 @@ def test_llama3_8b_config_names_a_llama3_preset_the_planner_reads():
     """Catches the shipped config drifting from the preset table (a typo'd preset fails here, not on 8 NPUs)."""
     import yaml
 
-    document = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes/llama2/configs/llama3_8b.yaml").read_text())
+    document = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes/models/llama/configs/llama3_8b.yaml").read_text())
     profile = memory_profile.lightning_npu_memory_profile(document["model"])
     assert profile.num_params() == PARAMETER_COUNTS[document["model"]["preset"]]
     assert document["data"]["seq_len"] <= LLaMAConfig.from_preset(document["model"]["preset"]).max_seq_len

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipes.llama2.config import PRESETS, LLaMAConfig
-from recipes.llama2.model import LLaMA, TransformerBlock
+from recipes.models.llama.config import PRESETS, LLaMAConfig
+from recipes.models.llama.model import LLaMA, TransformerBlock
 
 
 def small_config(**overrides) -> LLaMAConfig:
@@ -261,7 +261,7 @@ def test_packed_rows_give_every_sample_the_logits_and_gradients_it_gets_alone():
 def test_packed_forward_takes_boundaries_as_a_tensor_and_explicit_positions_alike():
     """Catches cu_seqlens tensors read differently from lists, and position_ids ignored (shifted positions must
     change the logits) or refused when they are the samples' own."""
-    from recipes.llama2.model import positions_in_samples
+    from recipes.models.llama.model import positions_in_samples
 
     config = small_config()
     model = random_model(config)

@@ -10,13 +10,13 @@ import os
 import pytest
 import torch
 
-from recipes.llama2 import convert
-from recipes.llama2.checkpoint_layout import read_model_tensors, save_recipe_checkpoint
-from recipes.llama2.config import LLaMAConfig
-from recipes.llama2.data import DEFAULT_TOKENIZER
-from recipes.llama2.lora import LoRAConfig, add_lora, is_adapter_name
-from recipes.llama2.model import LLaMA
-from recipes.llama2.module import LLaMA2
+from recipes import convert
+from recipes.decoder.checkpoint_layout import read_model_tensors, save_recipe_checkpoint
+from recipes.models.llama.config import LLaMAConfig
+from recipes.decoder.data import DEFAULT_TOKENIZER
+from recipes.decoder.lora import LoRAConfig, add_lora, is_adapter_name
+from recipes.models.llama.model import LLaMA
+from recipes.decoder.module import DecoderLM
 from tests.helpers import SCRIPTS, read_json, run_python
 
 ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -77,17 +77,17 @@ def test_lora_without_init_from_is_refused_before_training():
     """Catches a LoRA run (or resume) accepted without init_from: its checkpoints hold no base weights, so the
     base would silently be random."""
     with pytest.raises(ValueError, match=r"model.lora=.* needs model.init_from, but init_from=None.*--model.init_from"):
-        LLaMA2(lora={"rank": 4, "targets": ["q"]})
+        DecoderLM(lora={"rank": 4, "targets": ["q"]})
 
 
 def test_lora_resume_with_other_adapters_is_refused(tmp_path):
     """Catches a resume whose lora settings differ from the checkpoint's being accepted with its adapters half
     loaded (strict loading must compare against this run's adapters, not the base)."""
-    module = LLaMA2(preset="tiny", init_from=str(tmp_path / "base.ckpt"), lora={"rank": 4, "targets": ["q", "v"]})
+    module = DecoderLM(preset="tiny", init_from=str(tmp_path / "base.ckpt"), lora={"rank": 4, "targets": ["q", "v"]})
     module.configure_model()
     state = module.state_dict()
     assert state and all(is_adapter_name(k) for k in state)
-    other = LLaMA2(preset="tiny", init_from=str(tmp_path / "base.ckpt"), lora={"rank": 4, "targets": ["q"]})
+    other = DecoderLM(preset="tiny", init_from=str(tmp_path / "base.ckpt"), lora={"rank": 4, "targets": ["q"]})
     other.configure_model()
     with pytest.raises(ValueError, match="does not hold the adapters of lora=.*unexpected"):
         other.load_state_dict(state)
@@ -127,7 +127,7 @@ def test_lora_trains_only_adapters_equally_under_ddp_and_fsdp_and_resumes_exactl
 def _lora_checkpoint(tmp_path, config, lora):
     """A LoRA checkpoint as the LightningModule writes it (its state_dict: adapters only), with nonzero adapters."""
     base = _base_checkpoint(tmp_path / "base.ckpt", config)
-    module = LLaMA2(preset="tiny", config=config.to_dict(), init_from=str(base), lora=lora)
+    module = DecoderLM(preset="tiny", config=config.to_dict(), init_from=str(base), lora=lora)
     module.configure_model()
     module.model.load_state_dict(read_model_tensors(base)[1], strict=False)
     generator = torch.Generator().manual_seed(1)
@@ -186,7 +186,7 @@ def test_a_full_model_loaded_from_its_checkpoint_is_validated_as_loaded_not_as_i
 
     config = LLaMAConfig.from_preset("tiny", n_layers=1)
     base = _base_checkpoint(tmp_path / "base.ckpt", config)
-    module = LLaMA2(preset="tiny", config=config.to_dict(), init_from=str(base))
+    module = DecoderLM(preset="tiny", config=config.to_dict(), init_from=str(base))
     module.configure_model()
     torch.manual_seed(5)
     module.model.reset_parameters()  # "fine-tuned" weights, unlike the base's
@@ -196,7 +196,7 @@ def test_a_full_model_loaded_from_its_checkpoint_is_validated_as_loaded_not_as_i
     tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = module.model(tokens)
-    loaded = LLaMA2.load_from_checkpoint(path)
+    loaded = DecoderLM.load_from_checkpoint(path)
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
     (logits,) = trainer.predict(loaded, DataLoader(tokens, batch_size=2))
     torch.testing.assert_close(logits, expected)
@@ -205,7 +205,7 @@ def test_a_full_model_loaded_from_its_checkpoint_is_validated_as_loaded_not_as_i
 def test_generate_reads_a_lora_checkpoint_on_its_recorded_base_or_on_one_given_after_it_moved(tmp_path, capsys):
     """Catches generate.py unable to read a LoRA checkpoint at all, and no way to name a base that moved (the error
     told users to pass --base, which generate.py did not take)."""
-    from recipes.llama2 import generate
+    from recipes import generate
 
     config = LLaMAConfig.from_preset("tiny", n_layers=1)
     base, checkpoint, recipe = _lora_checkpoint(tmp_path, config, {"rank": 2, "targets": ["q", "v"]})
@@ -227,8 +227,8 @@ def test_lora_flops_per_token_count_no_weight_gradients_for_the_frozen_base():
     high for the base's matmuls."""
     config = LLaMAConfig.from_preset("7b")
     lora = {"rank": 16, "targets": list(ALL_TARGETS)}
-    full = LLaMA2(preset="7b").flops_per_token
-    adapted = LLaMA2(preset="7b", init_from="base", lora=lora).flops_per_token
+    full = DecoderLM(preset="7b").flops_per_token
+    adapted = DecoderLM(preset="7b", init_from="base", lora=lora).flops_per_token
     adapters = 32 * 16 * (4 * (4096 + 4096) + 3 * (4096 + 11008))  # A [r, in] + B [out, r] per projection
     n = config.num_params(include_embedding=False)
     assert full - adapted == 2 * n - 6 * adapters
@@ -246,14 +246,14 @@ def test_to_hf_of_a_lora_checkpoint_without_merge_lora_is_refused(tmp_path, caps
                                               ("predict", "load_from_checkpoint")])
 def test_a_lora_checkpoint_evaluated_without_fit_runs_on_its_base_and_adapters(tmp_path, stage, restore):
     """`trainer.validate` / `trainer.predict` of a LoRA checkpoint (given as ckpt_path, or loaded with
-    LLaMA2.load_from_checkpoint) and no `fit` before: the base comes from init_from and the adapters from the
+    DecoderLM.load_from_checkpoint) and no `fit` before: the base comes from init_from and the adapters from the
     checkpoint, so the module computes the merged model (generate.py's view of the checkpoint). Breakage seen: the
     base loaded only in on_fit_start (random base weights under evaluation); adapters of a loaded module redrawn
     as fresh ones (the base's outputs)."""
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
-    from recipes.llama2.generate import load_model
+    from recipes.generate import load_model
 
     config = LLaMAConfig.from_preset("tiny", n_layers=2)
     lora = {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "down"]}
@@ -263,9 +263,9 @@ def test_a_lora_checkpoint_evaluated_without_fit_runs_on_its_base_and_adapters(t
         merged = load_model(checkpoint)[0]
         expected = merged(tokens)
     if restore == "load_from_checkpoint":
-        module, ckpt_path = LLaMA2.load_from_checkpoint(checkpoint), None
+        module, ckpt_path = DecoderLM.load_from_checkpoint(checkpoint), None
     else:
-        module, ckpt_path = LLaMA2(preset="tiny", config=config.to_dict(), init_from=str(base), lora=lora), str(checkpoint)
+        module, ckpt_path = DecoderLM(preset="tiny", config=config.to_dict(), init_from=str(base), lora=lora), str(checkpoint)
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
     if stage == "predict":
         (logits,) = trainer.predict(module, DataLoader(tokens, batch_size=2), ckpt_path=ckpt_path)

@@ -59,7 +59,7 @@ def test_more_bad_steps_than_allowed_stops_at_the_one_over(tmp_path):
 def test_recipe_with_a_diverging_learning_rate_stops_without_a_nan_checkpoint_or_generate_line(tmp_path):
     """Catches: the recipe training on with a diverged model, saving it (last.ckpt), and printing its 'generate'
     command for it."""
-    from recipes.llama2.checkpoint_layout import load_recipe_checkpoint
+    from recipes.decoder.checkpoint_layout import load_recipe_checkpoint
 
     with pytest.raises(AssertionError) as failure:
         run_python([TRAIN, "fit", "--config", TINY, *SMALL, "--trainer.max_steps", "40", "--model.learning_rate", "1e9",

@@ -12,12 +12,12 @@ import torch
 
 from lightning_npu.cli import main
 from lightning_npu.plan import GIB, ModelShape, PlanError, PlanSpec, estimate, load_spec, max_micro_batch, state_bytes
-from recipes.llama2.config import LLaMAConfig
-from recipes.llama2.memory_profile import lightning_npu_memory_profile
+from recipes.models.llama.config import LLaMAConfig
+from recipes.models.llama.memory_profile import lightning_npu_memory_profile
 from tests.helpers import REPO
 
-CONFIG_7B = REPO / "recipes" / "llama2" / "configs" / "llama2_7b.yaml"
-CONFIG_7B_2NODES = REPO / "recipes" / "llama2" / "configs" / "llama2_7b_2nodes.yaml"
+CONFIG_7B = REPO / "recipes" / "models" / "llama" / "configs" / "llama2_7b.yaml"
+CONFIG_7B_2NODES = REPO / "recipes" / "models" / "llama" / "configs" / "llama2_7b_2nodes.yaml"
 # LLaMA-2 7B: embeddings + output (2 x 32000 x 4096), final norm, 32 blocks of wq/wk/wv/wo (4 x 4096^2),
 # gate/up/down (3 x 4096 x 11008) and two norms.
 PARAMS_7B = 2 * 32000 * 4096 + 4096 + 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096)
@@ -98,7 +98,7 @@ def _kernels_context(precision, kernels):
 @pytest.mark.parametrize(("precision", "kernels"), [("32-true", "reference"), ("bf16-mixed", "reference"),
                                                     ("32-true", "eager")])
 def test_block_activation_count_matches_the_tensors_autograd_saves(precision, kernels):
-    from recipes.llama2.model import TransformerBlock
+    from recipes.models.llama.model import TransformerBlock
 
     config = LLaMAConfig.from_preset("tiny")  # grouped-query attention: 4 query heads share 2 kv heads
     torch.manual_seed(0)
@@ -132,8 +132,8 @@ def test_lora_block_activation_count_matches_the_tensors_autograd_saves(lora, pr
     tensor for a frozen gain, missing the rank-r intermediates or the adapters' dropped-out inputs and masks, and,
     in the first block (frozen embedding: its input needs no gradient), counting tensors kept before its first
     adapter or dropout masks there."""
-    from recipes.llama2.lora import LoRAConfig, add_lora
-    from recipes.llama2.model import LLaMA
+    from recipes.decoder.lora import LoRAConfig, add_lora
+    from recipes.models.llama.model import LLaMA
 
     config = LLaMAConfig.from_preset("tiny", n_layers=1)
     torch.manual_seed(0)
@@ -245,7 +245,7 @@ def test_yaml_fields_are_read_and_flags_override_them(tmp_path):
         "data:\n  path: /path/to/nowhere\n  seq_len: 128\n  batch_size: 3\n"
         "trainer:\n  devices: 4\n  num_nodes: 2\n  precision: bf16-mixed\n  accumulate_grad_batches: 2\n"
         "  strategy:\n    class_path: lightning_npu.NPUFSDPStrategy\n    init_args:\n"
-        "      auto_wrap_policy: [recipes.llama2.model.TransformerBlock]\n      zero_stage: 2\n"
+        "      auto_wrap_policy: [recipes.models.llama.model.TransformerBlock]\n      zero_stage: 2\n"
         "      sharding: hybrid\n      activation_checkpointing_policy: [TransformerBlock]\n"
         "      activation_checkpointing_ratio: 0.5\n"
     )
@@ -264,7 +264,7 @@ def test_the_fine_tuning_configs_are_planned_at_their_data_class_settings_and_lo
     """Catches a `data: {class_path, init_args}` section (SFTDataModule) being read at its top level, which plans the
     model's longest sequence (131072 for LLaMA-3.1) at micro-batch 1 instead of the configured rows; and the shipped
     LoRA configs planned as full fine-tunes."""
-    configs = REPO / "recipes" / "llama2" / "configs"
+    configs = REPO / "recipes" / "models" / "llama" / "configs"
     llama3 = load_spec(configs / "llama3_8b_lora.yaml")
     assert (llama3.seq_len, llama3.micro_batch) == (8192, 1) and llama3.profile.adapters is not None
     sft = load_spec(configs / "llama2_7b_sft.yaml")
@@ -312,7 +312,7 @@ def test_json_output_and_exit_status_follow_the_verdict(capsys):
 def test_bad_configs_fail_with_the_value_and_the_fix(tmp_path, capsys, yaml_text, flags, message):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml_text)
-    assert main(["plan", "--config", str(config), "--profile", "recipes.llama2.memory_profile", *flags]) == 2
+    assert main(["plan", "--config", str(config), "--profile", "recipes.models.llama.memory_profile", *flags]) == 2
     assert message in capsys.readouterr().err
 
 

@@ -11,7 +11,7 @@ import sys
 from lightning_npu.plan import ModelShape, load_spec, report
 from tests.helpers import REPO, SUBPROCESS_TIMEOUT_S
 
-CONFIG_7B = REPO / "recipes" / "llama2" / "configs" / "llama2_7b.yaml"
+CONFIG_7B = REPO / "recipes" / "models" / "llama" / "configs" / "llama2_7b.yaml"
 SHAPE_7B = "hidden=4096,layers=32,heads=32,kv_heads=32,ffn=11008,vocab=32000,max_seq_len=4096"
 #: Runs the console command after checking where the package comes from and that no recipe is importable.
 _RUN = """

@@ -10,7 +10,7 @@ from lightning_npu.cli import main
 from lightning_npu.plan import DecoderProfile, ModelShape, PlanError, estimate, load_spec, report
 from tests.helpers import REPO
 
-CONFIG_7B = REPO / "recipes" / "llama2" / "configs" / "llama2_7b.yaml"
+CONFIG_7B = REPO / "recipes" / "models" / "llama" / "configs" / "llama2_7b.yaml"
 SHAPE_7B = "hidden=4096,layers=32,heads=32,kv_heads=32,ffn=11008,vocab=32000,max_seq_len=4096"
 
 

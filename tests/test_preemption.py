@@ -91,7 +91,7 @@ def test_sigterm_stops_every_rank_saves_and_exits_143_then_resumes(tmp_path, tar
 
     checkpoints = sorted((tmp_path / "lightning_logs" / "version_0" / "checkpoints").glob("preempted-step=*.ckpt"))
     assert len(checkpoints) == 1, rest[-3000:]
-    from recipes.llama2.checkpoint_layout import read_recipe_metadata
+    from recipes.decoder.checkpoint_layout import read_recipe_metadata
 
     step = read_recipe_metadata(checkpoints[0])["global_step"]
     assert checkpoints[0].name == f"preempted-step={step}.ckpt" and step >= 10

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipes.llama2 import train
-from recipes.llama2.module import LLaMA2
+from recipes import train
+from recipes.decoder.module import DecoderLM
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "recipes" / "llama2" / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "recipes" / "models").glob("*/configs/*.yaml"))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.name)
@@ -24,9 +24,9 @@ def test_every_shipped_config_parses_and_builds_its_module(config, capsys, monke
     model = dict(printed["model"])
     if model.get("lora") and not model.get("init_from"):
         model["init_from"] = "given on the command line"  # tiny_sft_lora.yaml: --model.init_from <pretrained ckpt>
-    module = LLaMA2(**model)
+    module = DecoderLM(**model)
     assert module.config.max_seq_len >= printed["data"]["init_args"]["seq_len"]
-    assert printed["data"]["class_path"].startswith("recipes.llama2.")
+    assert printed["data"]["class_path"].startswith("recipes.decoder.")
     if config.name == "tiny_sft_lora.yaml":  # no path given: SFTDataModule's own default, not the text data's
         assert printed["data"]["init_args"]["path"].endswith("assets/instructions.jsonl")
         assert printed["data"]["init_args"]["val_fraction"] == 0.05
@@ -43,4 +43,4 @@ def test_a_run_without_a_data_section_trains_on_the_embedded_text(capsys, monkey
     with pytest.raises(SystemExit):
         train.main(["fit", "--model.preset", "tiny", "--print_config"])
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["data"]["class_path"] == "recipes.llama2.data.TextDataModule"
+    assert printed["data"]["class_path"] == "recipes.decoder.data.TextDataModule"

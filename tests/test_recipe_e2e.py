@@ -12,9 +12,9 @@ from tests.helpers import REPO, run_python
 pytestmark = pytest.mark.slow  # every test here starts processes or trains (or shares a fixture that does)
 
 
-TRAIN = str(REPO / "recipes/llama2/train.py")
-TINY = str(REPO / "recipes/llama2/configs/tiny.yaml")
-TINY_SFT_LORA = str(REPO / "recipes/llama2/configs/tiny_sft_lora.yaml")
+TRAIN = str(REPO / "recipes/train.py")
+TINY = str(REPO / "recipes/models/llama/configs/tiny.yaml")
+TINY_SFT_LORA = str(REPO / "recipes/models/llama/configs/tiny_sft_lora.yaml")
 SMALL = ["--data.seq_len", "64", "--data.max_documents", "60", "--data.batch_size", "4",
          "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "4", "--trainer.log_every_n_steps", "2",
          "--trainer.enable_progress_bar", "false", "--model.warmup_steps", "2"]
@@ -38,12 +38,12 @@ def pretrained(tmp_path_factory):
 
 
 def test_fit_resume_generate_export_roundtrip(pretrained):
-    from recipes.llama2.checkpoint_layout import load_recipe_checkpoint, read_recipe_metadata
+    from recipes.decoder.checkpoint_layout import load_recipe_checkpoint, read_recipe_metadata
 
     tmp_path, ckpt, stdout = pretrained
     assert ckpt.is_dir() and (ckpt / ".metadata").is_file()  # sharded DCP checkpoint
     assert "train loss: first" in stdout and f"checkpoint: {ckpt}" in stdout
-    assert f"recipes/llama2/generate.py {ckpt} --prompt" in stdout
+    assert f"recipes/generate.py {ckpt} --prompt" in stdout
     assert read_recipe_metadata(ckpt)["global_step"] == 8
 
     _train(tmp_path, "--trainer.max_steps", "12", "--ckpt_path", str(ckpt))
@@ -51,15 +51,15 @@ def test_fit_resume_generate_export_roundtrip(pretrained):
     assert read_recipe_metadata(resumed)["global_step"] == 12
     assert ckpt.is_dir()  # the first run's checkpoint is untouched
 
-    out = run_python([str(REPO / "recipes/llama2/generate.py"), str(resumed), "--prompt", "The",
+    out = run_python([str(REPO / "recipes/generate.py"), str(resumed), "--prompt", "The",
                       "--max-new-tokens", "8"], simulate=None)
     assert "new tokens" in out.stdout + out.stderr
 
     hf_dir = tmp_path / "hf"
-    run_python([str(REPO / "recipes/llama2/convert.py"), "to-hf", str(resumed), str(hf_dir)], simulate=None)
+    run_python([str(REPO / "recipes/convert.py"), "to-hf", str(resumed), str(hf_dir)], simulate=None)
     from transformers import LlamaForCausalLM
 
-    from recipes.llama2.model import LLaMA
+    from recipes.models.llama.model import LLaMA
 
     config, state = load_recipe_checkpoint(resumed)
     recipe = LLaMA(config)
@@ -85,8 +85,8 @@ def test_pretrain_then_lora_sft_then_peft_adapter_and_merged_model_agree(pretrai
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
-    from recipes.llama2 import convert
-    from recipes.llama2.generate import load_model
+    from recipes import convert
+    from recipes.generate import load_model
 
     _, base, _ = pretrained
     root = tmp_path / "sft"
@@ -96,7 +96,7 @@ def test_pretrain_then_lora_sft_then_peft_adapter_and_merged_model_agree(pretrai
                       "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "2",
                       "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root)])
     lora = _last_checkpoint(root, 0)
-    assert f"export the adapter: python recipes/llama2/convert.py to-peft {lora} lora-adapter" in run.stdout
+    assert f"export the adapter: python recipes/convert.py to-peft {lora} lora-adapter" in run.stdout
     assert "SFTDataModule:" in run.stdout + run.stderr and "train loss: first" in run.stdout
     assert _size(lora) * 5 < _size(base)  # measured: 1.7 MB vs 15.7 MB (sharded, each with its AdamW state)
 
@@ -118,9 +118,9 @@ def test_pretrain_then_lora_sft_then_peft_adapter_and_merged_model_agree(pretrai
 
 def _tiny_checkpoint(tmp_path):
     """A 4-layer tiny recipe checkpoint file (random weights), as an earlier run would have saved."""
-    from recipes.llama2.config import LLaMAConfig
-    from recipes.llama2.checkpoint_layout import save_recipe_checkpoint
-    from recipes.llama2.model import LLaMA
+    from recipes.models.llama.config import LLaMAConfig
+    from recipes.decoder.checkpoint_layout import save_recipe_checkpoint
+    from recipes.models.llama.model import LLaMA
 
     config = LLaMAConfig.from_preset("tiny")
     return str(save_recipe_checkpoint(tmp_path / "in" / "tiny.ckpt", config, LLaMA(config).state_dict()))
@@ -181,10 +181,12 @@ STRATEGY = "--trainer.strategy.init_args."
         ([STRATEGY + "zero_stage", "4"], "error: trainer.strategy (NPUFSDPStrategy): zero_stage=4 is not supported"),
         ([STRATEGY + "activation_checkpointing_ratio", "1.5"],
          "error: trainer.strategy (NPUFSDPStrategy): activation_checkpointing_ratio=1.5 must lie in [0, 1]"),
+        (["--model.family", "mixtral"],
+         "error: model.family='mixtral' is not a model family of the recipe; the families are ['llama']"),
     ],
     ids=["missing-ckpt", "seq-len", "vocab", "missing-data", "missing-init-from", "ckpt-fewer-layers",
          "ckpt-other-dim", "ckpt-not-a-checkpoint", "empty-jsonl", "bad-jsonl-line", "parquet-without-text",
-         "zero-stage", "ac-ratio"],
+         "zero-stage", "ac-ratio", "unknown-family"],
 )
 def test_bad_input_fails_before_workers_and_writes_nothing(tmp_path, args, message):
     """Catches each configuration error surfacing only inside the workers (both ranks' tracebacks), after a
@@ -229,7 +231,7 @@ def test_prepare_tokenises_once_and_training_on_two_ranks_then_starts_from_the_c
                    env={"LOCAL_RANK": "0", "NODE_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": "29531"}, timeout=120)
     text = str(outside.value)
-    assert "NotPreparedError" in text and "python recipes/llama2/train.py prepare --config" in text
+    assert "NotPreparedError" in text and "python recipes/train.py prepare --config" in text
     assert "Tokenising" not in text and "Initializing distributed" not in text
 
     prepared = run_python([TRAIN, "prepare", "--config", TINY, *data_args, "--data.tokenize_num_proc", "2"],

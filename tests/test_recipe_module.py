@@ -4,7 +4,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from recipes.llama2.module import LLaMA2, warmup_cosine
+from recipes.decoder.module import DecoderLM, warmup_cosine
 from tests.helpers import SCRIPTS, read_json, run_python
 
 
@@ -19,7 +19,7 @@ def test_warmup_then_cosine_to_the_floor():
 
 
 def test_no_weight_decay_on_norms_and_biases(tmp_path):
-    module = LLaMA2(preset="tiny", weight_decay=0.05)
+    module = DecoderLM(preset="tiny", weight_decay=0.05)
     module.configure_model()
     trainer = Trainer(accelerator="cpu", max_steps=100, logger=False, default_root_dir=tmp_path)
     module.trainer = trainer
@@ -33,21 +33,21 @@ def test_no_weight_decay_on_norms_and_biases(tmp_path):
 
 
 def test_checkpoint_hparams_describe_the_architecture():
-    module = LLaMA2(preset="tiny", config={"n_layers": 2})
+    module = DecoderLM(preset="tiny", config={"n_layers": 2})
     assert module.hparams["config"]["n_layers"] == 2
-    assert LLaMA2(**module.hparams).config == module.config  # reloading from hparams rebuilds the same model
+    assert DecoderLM(**module.hparams).config == module.config  # reloading from hparams rebuilds the same model
 
 
 def test_bad_schedule_settings_are_rejected():
     with pytest.raises(ValueError, match="min_lr_ratio=1.5 must lie in"):
-        LLaMA2(min_lr_ratio=1.5)
+        DecoderLM(min_lr_ratio=1.5)
     with pytest.raises(ValueError, match="warmup_steps=-1"):
-        LLaMA2(warmup_steps=-1)
+        DecoderLM(warmup_steps=-1)
 
 
 def test_loss_of_a_batch_is_next_token_cross_entropy():
     torch.manual_seed(0)
-    module = LLaMA2(preset="tiny")
+    module = DecoderLM(preset="tiny")
     module.configure_model()
     batch = {"input_ids": torch.randint(0, 2048, (2, 16))}
     batch["labels"] = torch.roll(batch["input_ids"], -1, dims=1)

@@ -1,4 +1,4 @@
-"""SFT data (recipes/llama2/sft_data.py): formatting, assistant-only labels, packing, overlong samples, bad samples,
+"""SFT data (recipes/decoder/sft_data.py): formatting, assistant-only labels, packing, overlong samples, bad samples,
 resume and sharding, with the embedded real tokenizer (LLaMA-2 format) and a saved copy of it with a chat template."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from recipes.llama2.data import DEFAULT_TOKENIZER
-from recipes.llama2.sft_data import IGNORE_INDEX, BadSampleError, SFTDataModule, collate_packed, tokenize_conversation
-from recipes.llama2.tokenizer import load_tokenizer
+from recipes.decoder.data import DEFAULT_TOKENIZER
+from recipes.decoder.sft_data import IGNORE_INDEX, BadSampleError, SFTDataModule, collate_packed, tokenize_conversation
+from recipes.decoder.tokenizer import load_tokenizer
 
 # A small template in the style of the common ones: role headers, the assistant's EOS ending its turn, BOS first.
 _TEMPLATE = (

@@ -102,7 +102,7 @@ def test_srun_started_ranks_train_and_the_requeue_signal_saves_requeues_and_resu
     assert read_json(tmp_path / "requeued" / "losses.json") == pytest.approx(expected[3:], abs=1e-6)
 
 
-SBATCH = REPO / "recipes/llama2/slurm/train_2nodes.sbatch"
+SBATCH = REPO / "recipes/slurm/train_2nodes.sbatch"
 
 
 def _sbatch_options(text):
@@ -132,7 +132,7 @@ def test_readme_sbatch_script_matches_the_two_node_config():
     options = _sbatch_options(text)
     run = [line.split() for line in text.splitlines() if line.startswith("srun ")]
     assert len(run) == 1 and run[0][run[0].index("python") + 1:run[0].index("python") + 3] == [
-        "recipes/llama2/train.py", "fit"]
+        "recipes/train.py", "fit"]
     config = yaml.safe_load((REPO / run[0][run[0].index("--config") + 1]).read_text())
     trainer = config["trainer"]
     assert int(options["--ntasks-per-node"]) == trainer["devices"]

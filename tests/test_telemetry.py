@@ -25,7 +25,7 @@ from lightning_npu.telemetry import (
     mfu,
     tokens_per_second,
 )
-from recipes.llama2.config import LLaMAConfig
+from recipes.models.llama.config import LLaMAConfig
 
 BATCH, SEQ, VOCAB, DIM = 4, 16, 32, 8
 TOKENS_PER_MICRO_BATCH = BATCH * SEQ  # 64

@@ -1,13 +1,13 @@
 """Will a model fit in NPU memory? Per-device peak memory of one training step under npu_fsdp, itemised, for
 ZeRO-2 and ZeRO-3, with the verdict against the device memory and the largest micro-batch that fits.
 
-    lightning-npu plan --config recipes/llama2/configs/llama2_7b.yaml --devices 8 --device-memory 64
+    lightning-npu plan --config recipes/models/llama/configs/llama2_7b.yaml --devices 8 --device-memory 64
     lightning-npu plan --model-shape hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab=128256,max_seq_len=8192 \\
         --devices 8 --precision bf16-mixed --seq-len 4096 --micro-batch 1
 
 The model comes from what it is given. A recipe config: the YAML is read, never run (no data, tokenizer or weights
 are touched; placeholder paths are fine), and the model's memory profile is the ``memory_profile`` module next to
-the model classes the config names (``recipes/llama2/memory_profile.py``; the protocol is in
+the model classes the config names (``recipes/models/llama/memory_profile.py``; the protocol is in
 ``lightning_npu.plan.profile``). Or a decoder given by its shapes (``--model-shape``; keys hidden, layers, heads,
 kv_heads, ffn, vocab, max_seq_len), planned as a LLaMA-style decoder (RMSNorm, grouped-query attention with
 rotary, SwiGLU MLP, untied embeddings, fp32 logits), each block an FSDP unit. Flags override the YAML.

@@ -112,7 +112,7 @@ def _read_yaml(path: Path) -> Mapping[str, Any]:
 
     if not path.is_file():
         raise PlanError(
-            f"config {str(path)!r} does not exist; give a recipe YAML such as recipes/llama2/configs/tiny.yaml"
+            f"config {str(path)!r} does not exist; give a recipe YAML such as recipes/models/llama/configs/tiny.yaml"
         )
     try:
         document = yaml.safe_load(path.read_text()) or {}

@@ -1,7 +1,7 @@
 """How a model tells the planner its memory profile, without the package importing the model.
 
 The protocol. A model's package holds a module named ``memory_profile`` next to the module that defines the
-model's classes (``recipes/llama2/memory_profile.py`` next to ``recipes/llama2/model.py``), importable without
+model's classes (``recipes/models/llama/memory_profile.py`` next to ``recipes/models/llama/model.py``), importable without
 torch, defining::
 
     def lightning_npu_memory_profile(model: Mapping[str, Any]) -> lightning_npu.plan.DecoderProfile
@@ -82,14 +82,14 @@ def find_profile(config: Optional[Path], paths: Iterable[str], explicit: Optiona
     where = f" {config}" if config is not None else ""
     raise PlanError(
         f"no memory profile for the model of config{where}: it names no model class by import path with a"
-        f" {PROFILE_MODULE}.py next to it (e.g. auto_wrap_policy: [recipes.llama2.model.TransformerBlock]);"
+        f" {PROFILE_MODULE}.py next to it (e.g. auto_wrap_policy: [recipes.models.llama.model.TransformerBlock]);"
         f" pass --profile MODULE, or give the model's shapes with --model-shape"
     )
 
 
 def class_arguments(section: Mapping[str, Any]) -> Mapping[str, Any]:
     """A config section's arguments: its ``init_args`` when it is a ``class_path`` + ``init_args`` pair (LightningCLI's
-    form for a subclass, e.g. ``data: {class_path: recipes.llama2.sft_data.SFTDataModule, init_args: {...}}``), else
+    form for a subclass, e.g. ``data: {class_path: recipes.decoder.sft_data.SFTDataModule, init_args: {...}}``), else
     the section itself."""
     if isinstance(section.get("class_path"), str):
         arguments = section.get("init_args") or {}

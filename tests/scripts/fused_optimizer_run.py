@@ -13,7 +13,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
 from lightning_npu.runtime.simulated import SimulatedRuntime
-from recipes.llama2.module import LLaMA2
+from recipes.decoder.module import DecoderLM
 
 
 class Record(Callback):
@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     SimulatedRuntime.fused_optimizer = True  # what NPURuntime says; the simulation itself keeps torch's default
     seed_everything(0)
-    module = LLaMA2(preset="tiny", config={"n_layers": 2, "max_seq_len": 32}, warmup_steps=1, learning_rate=1e-3)
+    module = DecoderLM(preset="tiny", config={"n_layers": 2, "max_seq_len": 32}, warmup_steps=1, learning_rate=1e-3)
     record = Record()
     trainer = Trainer(
         accelerator="npu", devices=2, strategy="npu_fsdp", precision="bf16-mixed", gradient_clip_val=1.0,

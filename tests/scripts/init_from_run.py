@@ -15,9 +15,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from recipes.llama2.config import LLaMAConfig
-from recipes.llama2.model import LLaMA
-from recipes.llama2.module import load_pretrained
+from recipes.models.llama.config import LLaMAConfig
+from recipes.models.llama.model import LLaMA
+from recipes.decoder.module import load_pretrained
 
 
 def sharded_model(config: LLaMAConfig) -> LLaMA:

@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.data import DataLoader
 
 import lightning_npu  # noqa: F401  (registers the npu accelerator and strategies)
-from recipes.llama2.checkpoint_layout import read_model_tensors
-from recipes.llama2.lora import initial_adapter_state, is_adapter_name
-from recipes.llama2.module import LLaMA2
+from recipes.decoder.checkpoint_layout import read_model_tensors
+from recipes.decoder.lora import initial_adapter_state, is_adapter_name
+from recipes.decoder.module import DecoderLM
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}
 SEED = 11
@@ -45,7 +45,7 @@ def batches(vocab: int) -> DataLoader:
 
 def fit(out: Path, base: str, strategy: str, ckpt_path=None):
     seed_everything(SEED)
-    model = LLaMA2(preset="tiny", learning_rate=1e-2, warmup_steps=0, weight_decay=0.0, init_from=base, lora=LORA)
+    model = DecoderLM(preset="tiny", learning_rate=1e-2, warmup_steps=0, weight_decay=0.0, init_from=base, lora=LORA)
     losses = Losses()
     checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", every_n_epochs=1, save_top_k=-1)
     trainer = Trainer(

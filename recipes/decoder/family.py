@@ -1,0 +1,52 @@
+"""What the shared recipe needs from a model family: ``DecoderFamily``, one per folder under ``recipes/models/``,
+registered by name in ``recipes/families.py``.
+
+A family's config class is a dataclass with ``from_preset(name, **overrides)`` (a ``tiny`` preset among them:
+``DecoderLM``'s default), ``from_dict`` / ``to_dict`` (what checkpoints store), ``vocab_size``, ``max_seq_len``,
+``n_layers``, ``tie_embeddings``, ``num_params(include_embedding)`` and ``flops_per_token(seq_len)``. Its model class is built from that config alone and is a causal decoder:
+``model(input_ids, cu_seqlens=None, position_ids=None, cache=None, start_pos=0)`` gives logits, ``new_cache(batch,
+capacity)`` a key/value cache, ``tok_embeddings`` the input embedding and ``layers`` the blocks (what configs
+shard and checkpoint by, and where LoRA adds its adapters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class HFFormat:
+    """How a family's models are written in Hugging Face ``transformers``.
+
+    ``model_types``: the ``config.json`` ``model_type`` values the family reads (the first is what it writes).
+    ``config_from_hf(hf_config, source=...)``: the family's config from a ``config.json``, refusing what the family
+    cannot hold exactly. ``config_dict(config, dtype=..., extra=...)``: the ``config.json`` of an equal HF model.
+    ``name_map(config)``: recipe parameter name -> the HF names it is made of, more than one for a fused weight
+    (the HF tensors concatenated along dim 0 in that order). ``peft_targets``: LoRA target -> the HF submodule of a
+    decoder layer that PEFT adapts for it (``lora_export.py``).
+    """
+
+    model_types: tuple[str, ...]
+    config_from_hf: Callable[..., Any]
+    config_dict: Callable[..., dict[str, Any]]
+    name_map: Callable[[Any], dict[str, tuple[str, ...]]]
+    peft_targets: Mapping[str, str]
+
+
+#: Where a LoRA target sits in a block: (the ``Linear``'s module path inside the block, the index of the row block
+#: of its weight the target is, how many equal row blocks the weight has: 2 for a fused gate/up, else 1).
+LoRASite = tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    """A model family: its config and model classes, its Hugging Face format, and where each LoRA target
+    (``lora_config.TARGETS``) sits in its blocks (``lora_sites``, one per target it supports)."""
+
+    config_class: type
+    model_class: type[nn.Module]
+    hf: HFFormat
+    lora_sites: Mapping[str, LoRASite]

@@ -1,0 +1,284 @@
+"""Hugging Face ``*ForCausalLM`` checkpoints in and out of the recipe, for every model family: renaming (and fusing)
+tensors by the family's name map, ``config.json`` through the family's converters (``DecoderFamily.hf``; the family
+of a directory is the one reading its ``model_type``), safetensors / ``pytorch_model.bin`` directories, and the two
+conversions (``convert.py`` is their command line).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from recipes.decoder.checkpoint_layout import (
+    CheckpointError,
+    PathLike,
+    check_state_dict,
+    describe_shape,
+    existing_path,
+    expected_shapes,
+    load_recipe_checkpoint,
+    read_recipe_metadata,
+    save_recipe_checkpoint,
+    some_names,
+    tokenizer_from_metadata,
+)
+from recipes import families
+from recipes.decoder.tokenizer import has_tokenizer, load_tokenizer
+
+# Buffers that old HF checkpoints saved and that the recipe recomputes.
+_HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+#: The token embedding and output head of every HF ``*ForCausalLM`` (the tied-embedding rules below use them).
+HF_EMBEDDING, HF_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+_HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+# --------------------------------------------------------------------------------------------------
+# The family's formats
+# --------------------------------------------------------------------------------------------------
+
+
+def hf_name_map(config: Any) -> dict[str, tuple[str, ...]]:
+    """Recipe parameter name -> the Hugging Face names it is made of, by the family of ``config``."""
+    return families.of_config(config).hf.name_map(config)
+
+
+def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json") -> Any:
+    """The model config of an HF ``config.json``, read by the family of its ``model_type``."""
+    family = families.of_hf_model_type(hf_config.get("model_type"))
+    if family is None:
+        raise CheckpointError(
+            f"{source}: model_type={hf_config.get('model_type')!r}; the recipe's model families convert"
+            f" {families.hf_model_types()} (recipes/families.py)."
+        )
+    return family.hf.config_from_hf(hf_config, source=source)
+
+
+def hf_config_dict(config: Any, *, dtype: torch.dtype, extra: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """The ``config.json`` of the HF model equal to the recipe's model of ``config``."""
+    return families.of_config(config).hf.config_dict(config, dtype=dtype, extra=extra)
+
+
+def hf_to_recipe_state_dict(hf_state_dict: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
+    """Rename (and fuse, where the name map joins several HF tensors into one) an HF state dict into the recipe's
+    layout, by the name map of ``config``'s family.
+
+    Rotary buffers (``rotary_emb.inv_freq``) are dropped; any other unknown name, a missing tensor or
+    a shape that disagrees with ``config`` raises ``CheckpointError`` naming the Hugging Face tensor. With
+    ``config.tie_embeddings`` the checkpoint may omit ``lm_head.weight`` (Hugging Face saves tied weights once);
+    one that has it must hold the embedding matrix there.
+    """
+    name_map = hf_name_map(config)
+    shapes = expected_shapes(config)
+    hf_state_dict = dict(hf_state_dict)
+    embedding, head = hf_state_dict.get(HF_EMBEDDING), hf_state_dict.get(HF_HEAD)
+    if config.tie_embeddings and embedding is not None:
+        if head is None:
+            # The recipe's state dict names the tied matrix twice (see model.py); loading copies into one parameter.
+            hf_state_dict[HF_HEAD] = embedding
+        elif head.shape != embedding.shape or not torch.equal(head, embedding):
+            raise CheckpointError(
+                f"config.json sets tie_word_embeddings=true but {HF_HEAD!r} differs from {HF_EMBEDDING!r}; "
+                "a tied model has one matrix. Set tie_word_embeddings=false if the checkpoint is untied."
+            )
+    known = {hf for parts in name_map.values() for hf in parts}
+    unknown = [k for k in hf_state_dict if k not in known and not k.endswith(_HF_IGNORED_SUFFIXES)]
+    if unknown:
+        raise CheckpointError(
+            f"The Hugging Face checkpoint has {len(unknown)} tensor(s) that the recipe's model of this config.json "
+            f"({type(config).__name__}) does not: {some_names(unknown)}. Only checkpoints of the architecture its"
+            " family implements can be converted."
+        )
+    out: dict[str, Tensor] = {}
+    for ours, theirs in name_map.items():
+        missing = [hf for hf in theirs if hf not in hf_state_dict]
+        if missing:
+            raise CheckpointError(
+                f"The Hugging Face checkpoint lacks {missing[0]!r} (needed for {ours!r}). Is a weight shard missing, "
+                f"or does num_hidden_layers={config.n_layers} in config.json overstate the layers?"
+            )
+        want = list(shapes[ours])
+        want[0] //= len(theirs)
+        for hf in theirs:
+            if list(hf_state_dict[hf].shape) != want:
+                raise CheckpointError(
+                    f"Hugging Face tensor {hf!r} has shape {tuple(hf_state_dict[hf].shape)} but config.json "
+                    f"({describe_shape(config)}) implies {tuple(want)}. The weights and config.json disagree."
+                )
+        tensors = [hf_state_dict[hf] for hf in theirs]
+        out[ours] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+    return out
+
+
+def recipe_to_hf_state_dict(state_dict: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
+    """Inverse of ``hf_to_recipe_state_dict``: split gate/up and rename, after ``check_state_dict``; a tied model
+    gets no ``lm_head.weight``. The gate/up halves are copies, not views: safetensors refuses tensors that share a
+    buffer."""
+    check_state_dict(state_dict, config, source="The recipe checkpoint")
+    out: dict[str, Tensor] = {}
+    for ours, theirs in hf_name_map(config).items():
+        tensor = state_dict[ours]
+        if config.tie_embeddings and theirs == (HF_HEAD,):
+            continue  # tied: Hugging Face stores the matrix once, as the embedding (and ties lm_head at load)
+        if len(theirs) == 1:
+            out[theirs[0]] = tensor.contiguous()
+        else:
+            for hf, part in zip(theirs, tensor.chunk(len(theirs), dim=0), strict=True):
+                out[hf] = part.clone()
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face directories
+# --------------------------------------------------------------------------------------------------
+
+
+def is_hf_directory(path: PathLike) -> bool:
+    """Whether ``path`` looks like a Hugging Face model directory (has ``config.json``)."""
+    return Path(path).is_dir() and (Path(path) / "config.json").is_file()
+
+
+def load_hf_state_dict(hf_dir: PathLike) -> dict[str, Tensor]:
+    """Every tensor of an HF directory: ``model.safetensors``, ``pytorch_model.bin``, or their sharded
+    forms (``*.index.json`` + shards), on the CPU, names as stored."""
+    hf_dir = existing_path(hf_dir, "Hugging Face directory")
+    for index_name in _HF_INDEX_FILES:
+        index_path = hf_dir / index_name
+        if index_path.is_file():
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            state_dict: dict[str, Tensor] = {}
+            for shard in sorted(set(weight_map.values())):
+                shard_path = hf_dir / shard
+                if not shard_path.is_file():
+                    raise CheckpointError(f"{index_path} lists shard {shard!r}, which is missing from {hf_dir}.")
+                state_dict.update(_load_weight_file(shard_path))
+            return state_dict
+    for name in _HF_WEIGHT_FILES:
+        if (hf_dir / name).is_file():
+            return _load_weight_file(hf_dir / name)
+    raise CheckpointError(
+        f"{hf_dir} has no weights: expected one of {list(_HF_WEIGHT_FILES + _HF_INDEX_FILES)}. "
+        "Download the full model (e.g. `huggingface-cli download <repo> --local-dir DIR`)."
+    )
+
+
+def load_hf_checkpoint(hf_dir: PathLike) -> tuple[Any, dict[str, Tensor]]:
+    """A local HF directory as ``(model config, recipe state dict)``; weights keep their dtype."""
+    hf_dir = existing_path(hf_dir, "Hugging Face directory")
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{hf_dir} has no config.json; it is not a Hugging Face model directory.")
+    hf_config = json.loads(config_path.read_text())
+    config = config_from_hf(hf_config, source=str(config_path))
+    state_dict = hf_to_recipe_state_dict(load_hf_state_dict(hf_dir), config)
+    return config, state_dict
+
+
+def save_hf_checkpoint(
+    config: Any,
+    state_dict: Mapping[str, Tensor],
+    out_dir: PathLike,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer_path: Optional[PathLike] = None,
+) -> Path:
+    """Write a recipe state dict as an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads:
+    ``config.json`` and safetensors (sharded with an index beyond ``max_shard_bytes``). With
+    ``tokenizer_path``, the tokenizer is saved alongside and its bos/eos ids go into the config."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    hf_state_dict = recipe_to_hf_state_dict(state_dict, config)
+    dtypes = {t.dtype for t in hf_state_dict.values()}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"The checkpoint mixes dtypes {sorted(map(str, dtypes))}; HF configs carry one dtype.")
+    extra: dict[str, Any] = {}
+    if tokenizer_path is not None:
+        extra = _save_tokenizer(tokenizer_path, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, tensor in hf_state_dict.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], out_dir / "model.safetensors", metadata=metadata)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, out_dir / file_name, metadata=metadata)
+            weight_map.update(dict.fromkeys(shard, file_name))
+        total = sum(t.numel() * t.element_size() for t in hf_state_dict.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    hf_config = hf_config_dict(config, dtype=dtypes.pop(), extra=extra)
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    return out_dir
+
+
+def _save_tokenizer(tokenizer_path: PathLike, out_dir: Path) -> dict[str, Any]:
+    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer.save_pretrained(str(out_dir))
+    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+
+
+def _load_weight_file(path: Path) -> dict[str, Tensor]:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path), device="cpu")
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Conversions
+# --------------------------------------------------------------------------------------------------
+
+
+def convert_hf_to_recipe(hf_dir: PathLike, out_path: PathLike) -> Path:
+    """HF directory -> consolidated recipe checkpoint. The HF directory is recorded as the tokenizer
+    path when it holds a tokenizer, so ``generate.py`` finds it."""
+    config, state_dict = load_hf_checkpoint(hf_dir)
+    tokenizer = str(Path(hf_dir).resolve()) if has_tokenizer(hf_dir) else None
+    return save_recipe_checkpoint(out_path, config, state_dict, tokenizer_path=tokenizer)
+
+
+def convert_recipe_to_hf(
+    checkpoint_path: PathLike,
+    out_dir: PathLike,
+    *,
+    tokenizer_path: Optional[PathLike] = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Recipe checkpoint (file or sharded directory) -> HF directory. The tokenizer defaults to the one
+    recorded in the checkpoint, if any and if it still exists."""
+    config, state_dict = load_recipe_checkpoint(checkpoint_path)
+    if tokenizer_path is None:
+        tokenizer_path = recorded_tokenizer(checkpoint_path, read_recipe_metadata(checkpoint_path))
+    return save_hf_checkpoint(
+        config, state_dict, out_dir, max_shard_bytes=max_shard_bytes, tokenizer_path=tokenizer_path
+    )
+
+
+def recorded_tokenizer(checkpoint_path: PathLike, metadata: dict) -> Optional[str]:
+    """The tokenizer a checkpoint's metadata records, if it still exists (a warning says so when it is gone)."""
+    stored = tokenizer_from_metadata(metadata)
+    if stored is not None and not has_tokenizer(stored):
+        warnings.warn(f"The tokenizer recorded in {checkpoint_path} ({stored}) is gone; exporting without one.",
+                      stacklevel=3)
+        return None
+    return stored
+

@@ -1,0 +1,66 @@
+"""The LoRA configuration of the recipe (``LoRAConfig``) and the names of the projections it can target (``TARGETS``).
+
+Torch-free, so that ``memory_profile.py`` (which ``lightning-npu plan`` imports to read a config) validates a
+config's ``lora:`` exactly as training does; ``lora.py`` (the adapters themselves) re-exports both names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional
+
+#: The projections LoRA can adapt, by the names PEFT configs use for a decoder layer's: attention query, key, value
+#: and output, and the SwiGLU MLP's gate, up and down. Each family says where they sit in its blocks
+#: (``DecoderFamily.lora_sites``).
+TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA hyper-parameters: ``rank`` (r), ``alpha`` (the update is scaled by alpha / rank), ``dropout`` on the
+    adapters' input, and ``targets`` among ``TARGETS`` (q, k, v, o, gate, up, down)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "v")
+
+    def __post_init__(self) -> None:
+        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+        object.__setattr__(self, "targets", targets)
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"lora.rank={self.rank!r} must be an integer >= 1 (the adapters' inner dimension)")
+        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0:
+            raise ValueError(f"lora.alpha={self.alpha!r} must be a number > 0 (the update is scaled by alpha / rank)")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout={self.dropout!r} must lie in [0, 1): the drop probability of the input")
+        unknown = [t for t in targets if t not in TARGETS]
+        if unknown:
+            raise ValueError(f"lora.targets has unknown name(s) {unknown}; choose among {list(TARGETS)}")
+        if not targets:
+            raise ValueError(f"lora.targets is empty; name at least one of {list(TARGETS)}")
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"lora.targets={list(targets)} names a target twice; list each once")
+        # Canonical order, so equal configs compare (and are saved) equal.
+        object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in targets))
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["targets"] = list(self.targets)
+        return out
+
+    @classmethod
+    def from_value(cls, value: Any) -> Optional["LoRAConfig"]:
+        """A ``LoRAConfig`` from a dict of its fields (the LightningCLI / checkpoint form), a config, or None."""
+        if value is None or isinstance(value, LoRAConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"model.lora={value!r} must be a mapping {{rank, alpha, dropout, targets}} or null")
+        unknown = set(value) - {"rank", "alpha", "dropout", "targets"}
+        if unknown:
+            raise ValueError(f"model.lora has unknown key(s) {sorted(unknown)}; it takes rank, alpha, dropout, targets")
+        return cls(**value)

@@ -1,0 +1,135 @@
+"""A LoRA checkpoint of the recipe out to Hugging Face: a PEFT adapter, or the merged full model.
+
+A LoRA checkpoint (see ``module.py``) holds the adapters and ``hyper_parameters["lora"]``; its base is
+``hyper_parameters["init_from"]``. ``export_peft`` writes ``adapter_config.json`` + ``adapter_model.safetensors``
+for ``peft.PeftModel.from_pretrained`` on the HF export of that base (``convert.py to-hf``); the recipe's
+adapters map one to one onto PEFT's (each half of the fused gate/up has its own, see ``lora.py``), so only names
+change. ``export_merged_hf`` adds ``alpha / rank * B @ A`` to the base and writes a plain HF directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from torch import Tensor
+
+from recipes import families
+from recipes.decoder.checkpoint_layout import (
+    CheckpointError,
+    PathLike,
+    config_from_hparams,
+    read_model_tensors,
+)
+from recipes.decoder.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES, recorded_tokenizer, save_hf_checkpoint
+from recipes.decoder.lora import LoRAConfig, adapter_name, check_adapter_state, merged_state_dict
+
+#: PEFT saves adapter keys under the wrapped model's names, without the adapter name ("default").
+PEFT_PREFIX = "base_model.model.model.layers."
+PEFT_KINDS = {"lora_a": "lora_A", "lora_b": "lora_B"}
+
+
+def read_lora_checkpoint(path: PathLike) -> tuple[Any, LoRAConfig, dict[str, Tensor], dict[str, Any]]:
+    """The model config, LoRA config, adapter tensors and metadata of a LoRA recipe checkpoint (file or sharded
+    directory); ``CheckpointError`` if it is not one."""
+    metadata, tensors = read_model_tensors(path)
+    hparams = metadata.get("hyper_parameters") or {}
+    if not hparams.get("lora"):
+        raise CheckpointError(
+            f"{path} is not a LoRA checkpoint (its hyper_parameters have no 'lora'): it holds the full model. "
+            "Use `convert.py to-hf` without --merge-lora for it."
+        )
+    config = config_from_hparams(hparams, source=str(path))
+    lora = LoRAConfig.from_value(hparams["lora"])
+    check_adapter_state(tensors, config, lora, source=f"LoRA checkpoint {path}")
+    return config, lora, tensors, metadata
+
+
+def is_lora_checkpoint(path: PathLike) -> bool:
+    """Whether the recipe checkpoint at ``path`` was written by a LoRA run (reads its metadata only)."""
+    from recipes.decoder.checkpoint_layout import read_recipe_metadata
+
+    return bool((read_recipe_metadata(path).get("hyper_parameters") or {}).get("lora"))
+
+
+def peft_state_dict(adapters: Mapping[str, Tensor], config: Any, lora: LoRAConfig) -> dict[str, Tensor]:
+    """The recipe's adapters under PEFT's names (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``)."""
+    peft_targets = families.of_config(config).hf.peft_targets
+    out = {}
+    for layer in range(config.n_layers):
+        for target in lora.targets:
+            for kind, peft_kind in PEFT_KINDS.items():
+                key = f"{PEFT_PREFIX}{layer}.{peft_targets[target]}.{peft_kind}.weight"
+                out[key] = adapters[adapter_name(config, layer, target, kind)].contiguous()
+    return out
+
+
+def peft_config(lora: LoRAConfig, config: Any, base: Optional[str] = None) -> dict[str, Any]:
+    """``adapter_config.json`` for ``lora`` on the model of ``config``: PEFT's LoRA on a causal LM, scaling
+    alpha / r (no rsLoRA), on the HF submodules the family names for the targets."""
+    peft_targets = families.of_config(config).hf.peft_targets
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": [peft_targets[t].rpartition(".")[2] for t in lora.targets],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+
+
+def export_peft(checkpoint: PathLike, out_dir: PathLike) -> Path:
+    """LoRA recipe checkpoint -> PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+    from safetensors.torch import save_file
+
+    config, lora, adapters, metadata = read_lora_checkpoint(checkpoint)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(peft_state_dict(adapters, config, lora), out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+    base = (metadata.get("hyper_parameters") or {}).get("init_from")
+    (out_dir / "adapter_config.json").write_text(json.dumps(peft_config(lora, config, base), indent=2) + "\n")
+    return out_dir
+
+
+def read_merged(
+    checkpoint: PathLike, *, base: Optional[PathLike] = None
+) -> tuple[Any, dict[str, Tensor], dict[str, Any]]:
+    """The model config, the merged full state dict (base + ``alpha / rank * B @ A``) and the metadata of a LoRA
+    recipe checkpoint. The base defaults to the checkpoint's ``init_from``."""
+    from recipes.decoder.module import read_pretrained
+
+    config, lora, adapters, metadata = read_lora_checkpoint(checkpoint)
+    base = base or (metadata.get("hyper_parameters") or {}).get("init_from")
+    if not base:
+        raise CheckpointError(
+            f"{checkpoint} records no init_from, so its base weights are unknown; pass --base with the base model "
+            "(the Hugging Face directory or recipe checkpoint the LoRA run started from)."
+        )
+    if not Path(base).exists():
+        raise FileNotFoundError(
+            f"The base of LoRA checkpoint {checkpoint}, {str(base)!r} (its init_from), does not exist; pass --base with"
+            " where that model is now (the Hugging Face directory or recipe checkpoint the LoRA run started from)."
+        )
+    return config, merged_state_dict(read_pretrained(str(base), config), adapters, config, lora), metadata
+
+
+def export_merged_hf(
+    checkpoint: PathLike,
+    out_dir: PathLike,
+    *,
+    base: Optional[PathLike] = None,
+    tokenizer_path: Optional[PathLike] = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """LoRA recipe checkpoint + its base -> HF directory of the merged model. The base defaults to the
+    checkpoint's ``init_from``, the tokenizer to the one the checkpoint records (if it still exists)."""
+    config, merged, metadata = read_merged(checkpoint, base=base)
+    if tokenizer_path is None:
+        tokenizer_path = recorded_tokenizer(checkpoint, metadata)
+    return save_hf_checkpoint(config, merged, out_dir, max_shard_bytes=max_shard_bytes, tokenizer_path=tokenizer_path)

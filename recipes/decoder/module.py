@@ -1,0 +1,283 @@
+"""The recipe's LightningModule, for every model family (``family``, in ``recipes/families.py``): next-token loss,
+AdamW without weight decay on norms and biases, linear warmup then cosine decay to a floor, optional initialisation
+from Hugging Face weights, optional LoRA adapters.
+
+The model is built in ``configure_model``, under ``npu_fsdp`` on the meta device: it is initialised shard by
+shard (``reset_parameters``) after the strategy has sharded it, so no rank ever holds the full 7B model.
+
+With ``lora`` the base weights are frozen and only the adapters train (``lora.py``). A LoRA checkpoint is small:
+its ``state_dict`` holds the adapter weights only (``model.layers.N.attention.wq.lora_a.q.weight`` ...), next to
+the optimizer state (adapters only), the LR schedule, the loop counters, the data position and the
+hyper-parameters (``lora`` and ``init_from`` included). The base is never saved: it comes from ``init_from`` at
+every start, fresh or resumed, which is why LoRA needs ``init_from``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import nullcontext
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor
+from torch.nn import functional as F
+
+from recipes import families
+from recipes.decoder.lora import (
+    LoRAConfig,
+    adapter_shapes,
+    add_lora,
+    check_adapter_state,
+    initial_adapter_state,
+    is_adapter_name,
+)
+
+
+class DecoderLM(LightningModule):
+    """A causal decoder language model of one of the recipe's model families.
+
+    Args:
+        family: the model family (``recipes/families.py``: ``llama`` for LLaMA-2 and LLaMA-3), whose config class,
+            presets and model this builds; recorded in checkpoints.
+        preset: named architecture of the family (LLaMA: ``tiny``, ``7b``, ``13b``, ``config.LLAMA3_PRESETS``).
+        config: fields of the family's config that override the preset (e.g. ``{max_seq_len: 2048}``).
+        learning_rate: peak learning rate after warmup.
+        min_lr_ratio: the cosine decay's floor as a fraction of ``learning_rate``.
+        warmup_steps: optimizer steps of linear warmup from 0.
+        weight_decay: AdamW decay for matrices; norms and biases get none.
+        betas, eps: AdamW moments.
+        init_from: a local Hugging Face directory or a recipe checkpoint of the family to start from (fine-tuning).
+        tokenizer_path: recorded in checkpoints so generation finds the tokenizer.
+        lora: ``{rank, alpha, dropout, targets}`` (see ``lora.LoRAConfig``) to train LoRA adapters on a frozen base
+            loaded from ``init_from``; None trains every weight.
+    """
+
+    def __init__(
+        self,
+        family: str = families.DEFAULT_FAMILY,
+        preset: str = "tiny",
+        config: Optional[dict[str, Any]] = None,
+        learning_rate: float = 3e-4,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 100,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        init_from: Optional[str] = None,
+        tokenizer_path: Optional[str] = None,
+        lora: Optional[dict[str, Any]] = None,
+    ) -> None:
+        super().__init__()
+        self.family = families.get(family)
+        self.config = self.family.config_class.from_preset(preset, **(config or {}))
+        self.lora = LoRAConfig.from_value(lora)
+        if self.lora is not None and not init_from:
+            raise ValueError(
+                f"model.lora={self.lora.to_dict()} needs model.init_from, but init_from={init_from!r}: a LoRA run "
+                "trains adapters on a frozen base, and its checkpoints hold the adapters only, so the base weights "
+                "must come from init_from at every start, a resume included. Pass --model.init_from with the base "
+                "(a Hugging Face directory or a recipe checkpoint), the same one the run started from."
+            )
+        if init_from:  # recorded absolute, so a LoRA checkpoint finds its base from any working directory
+            init_from = os.path.abspath(init_from)
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio={min_lr_ratio!r} must lie in [0, 1]: the LR floor as a fraction of the peak")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps!r} must be >= 0")
+        self.save_hyperparameters()
+        # The full architecture, so checkpoints are self-describing whatever the preset table becomes.
+        self.hparams["config"] = self.config.to_dict()
+        self.hparams["lora"] = None if self.lora is None else self.lora.to_dict()
+        self.model: Optional[torch.nn.Module] = None
+        self._initial_weights_loaded = False
+        self._state_restored = False  # set by on_load_checkpoint: the weights (a LoRA run's adapters) are a checkpoint's
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            with torch.device("meta") if _shards_parameters(self) else nullcontext():
+                self.model = self.family.model_class(self.config)
+                if self.lora is not None:
+                    add_lora(self.model, self.lora)  # before the strategy wraps it: FSDP2 copies requires_grad
+
+    @property
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token at the configured context length (the family config's flops_per_token). With LoRA the
+        frozen weights' matmuls run forward and for the input gradients only (4 FLOPs per weight, not 6: no weight
+        gradient), the adapters' all three."""
+        seq_len = getattr(getattr(self.trainer, "datamodule", None), "seq_len", None) if self._trainer else None
+        flops = self.config.flops_per_token(seq_len)
+        if self.lora is not None:
+            adapters = sum(shape.numel() for shape in adapter_shapes(self.config, self.lora).values())
+            flops += 6 * adapters - 2 * self.config.num_params(include_embedding=False)
+        return flops
+
+    def count_tokens(self, batch: dict[str, Tensor]) -> int:
+        return batch["input_ids"].numel()
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.model(input_ids)
+
+    def _loss(self, batch: dict[str, Any]) -> Tensor:
+        """Mean cross-entropy over the labelled tokens (-100 marks the others: prompts and padding in SFT rows).
+        Packed rows (``cu_seqlens``, ``position_ids``: ``sft_data.collate_packed``) attend within each sample."""
+        logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
+                            position_ids=batch.get("position_ids"))
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        # Not on the progress bar: Lightning turns progress-bar values into Python numbers every step, a host sync
+        # that stalls the NPU; TokenThroughputMonitor prints the loss at logging steps.
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def on_fit_start(self) -> None:
+        self._load_initial_weights()
+
+    def on_validation_start(self) -> None:
+        self._load_initial_weights()
+
+    def on_predict_start(self) -> None:
+        self._load_initial_weights()
+
+    def _load_initial_weights(self) -> None:
+        """Once, when the module first runs (``fit``, ``validate`` or ``predict``, after the strategy has set it up
+        and restored any checkpoint): the weights ``init_from`` gives. A LoRA model always needs its base from there,
+        since its checkpoints hold the adapters only; a full model only when no checkpoint was restored, neither by the
+        trainer (``ckpt_path``) nor into the module itself (``DecoderLM.load_from_checkpoint``)."""
+        if self._initial_weights_loaded:
+            return
+        self._initial_weights_loaded = True
+        fresh = self.trainer.ckpt_path is None and not self._state_restored
+        if self.lora is not None:
+            # A LoRA checkpoint holds no base weights: they come from init_from on a resume too. A fresh run also
+            # gets its first adapters here, drawn from the seed alone (identical under every strategy).
+            load_pretrained(self.model, self.hparams.init_from, self.config, lora=self.lora, fresh_adapters=fresh)
+        elif self.hparams.init_from and fresh:  # a resumed full fine-tune restores its own weights
+            load_pretrained(self.model, self.hparams.init_from, self.config)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Not in load_state_dict: strategies call that for other reasons (npu_fsdp hands out the first weights).
+        self._state_restored = True
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The module's state; with LoRA only the adapters' (the frozen base comes from ``init_from``)."""
+        state = super().state_dict(*args, **kwargs)
+        if self.lora is not None:
+            for name in [name for name in state if not is_adapter_name(name)]:
+                del state[name]
+        return state
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """With LoRA, ``state_dict`` holds the adapters only (a LoRA checkpoint): with ``strict`` it must hold
+        exactly this run's adapters; the base weights are left alone."""
+        if self.lora is None:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if strict:
+            check_adapter_state(_without_prefix(state_dict, "model."), self.config, self.lora,
+                                source="The checkpoint being resumed")
+        return super().load_state_dict(state_dict, strict=False, assign=assign)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        decay, no_decay = [], []
+        for param in self.model.parameters():
+            if not param.requires_grad:  # the frozen base of a LoRA run: no gradients, no optimizer state
+                continue
+            # Matrices (linear and embedding weights) decay; norm gains and biases (vectors) do not.
+            (decay if param.ndim >= 2 else no_decay).append(param)
+        # One fused kernel per step where the runtime backs it (NPUs: torch_npu's _fused_adamw_, which also runs on
+        # FSDP2's DTensor shards); torch's default (foreach) elsewhere, the CPU simulation included. fp16 with
+        # clipping stays unfused: a fused step unscales internally, too late for the clip to see true gradients.
+        from lightning_npu.accelerator import NPUAccelerator
+
+        accelerator = self.trainer.accelerator
+        fused = isinstance(accelerator, NPUAccelerator) and accelerator.runtime.fused_optimizer
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None and self.trainer.gradient_clip_val:
+            fused = False
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas), eps=self.hparams.eps,
+            fused=True if fused else None,
+        )
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        schedule = warmup_cosine(self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _shards_parameters(module: LightningModule) -> bool:
+    """Whether the module is being set up by a strategy that shards parameters (FSDP2) and so initialises
+    modules built on the meta device itself."""
+    return module._trainer is not None and isinstance(module.trainer.strategy, ModelParallelStrategy)
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
+    """LR multiplier: linear from 0 to 1 over ``warmup_steps``, then cosine from 1 down to ``min_ratio`` at
+    ``total_steps``, and ``min_ratio`` after."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+def _without_prefix(state_dict: Any, prefix: str) -> dict[str, Any]:
+    return {key[len(prefix):] if key.startswith(prefix) else key: value for key, value in state_dict.items()}
+
+
+def load_pretrained(
+    model: torch.nn.Module, path: str, config: Any, *, lora: Optional[LoRAConfig] = None, fresh_adapters: bool = False
+) -> None:
+    """Copy weights from a Hugging Face directory or a recipe checkpoint into ``model`` (sharded or not).
+
+    With ``lora`` (a model with adapters) only the base weights are loaded, and with ``fresh_adapters`` the
+    adapters get their first values too (``lora.initial_adapter_state`` from rank 0's seed).
+
+    Only rank 0 reads the weights (a full host copy: 13.5 GB for 7B in bf16); every rank receives its shard from
+    rank 0. Rank 0's checks (shapes, config) reach every rank, so all fail together with the same message.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    distributed = dist.is_available() and dist.is_initialized()
+    state_dict: dict[str, Tensor] = {}
+    problem: list[Optional[ValueError]] = [None]
+    if not distributed or dist.get_rank() == 0:
+        try:
+            state_dict = read_pretrained(path, config)
+            if lora is not None and fresh_adapters:
+                state_dict.update(initial_adapter_state(config, lora, seed=torch.initial_seed()))
+        except ValueError as error:  # CheckpointError included
+            problem = [error]
+    if distributed:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise problem[0]
+    # Strict unless the adapters are left as they are (a resumed LoRA run: they come from its checkpoint).
+    strict = lora is None or fresh_adapters
+    options = StateDictOptions(full_state_dict=True, strict=strict, broadcast_from_rank0=distributed)
+    set_model_state_dict(model, state_dict, options=options)
+
+
+def read_pretrained(path: str, config: Any) -> dict[str, Tensor]:
+    """The weights at ``path`` (a Hugging Face directory or a recipe checkpoint), checked against ``config``."""
+    from recipes.decoder.checkpoint_layout import check_state_dict, load_recipe_checkpoint
+    from recipes.decoder.hf_checkpoint import is_hf_directory, load_hf_checkpoint
+
+    source_config, state_dict = (load_hf_checkpoint if is_hf_directory(path) else load_recipe_checkpoint)(path)
+    if source_config != config:
+        raise ValueError(
+            f"init_from={path!r} holds a model of shape {source_config} but the recipe is configured as {config};"
+            " set model.preset / model.config to match the weights"
+        )
+    check_state_dict(state_dict, config, source=path)
+    return state_dict

@@ -1,0 +1,1 @@
+"""Model families of the recipe, one folder each; ``recipes/families.py`` registers them."""

@@ -1,0 +1,227 @@
+"""LLaMA-2 and LLaMA-3 architecture hyper-parameters, named presets, and parameter / FLOP counts."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+#: The rotary scaling rule the recipe implements: LLaMA-3.1's "llama3" (see ``LLaMAConfig.rope_scaling``).
+ROPE_SCALING_TYPE = "llama3"
+#: Its parameters (Hugging Face's names) and the type each is stored as.
+ROPE_SCALING_KEYS = {
+    "factor": float,
+    "low_freq_factor": float,
+    "high_freq_factor": float,
+    "original_max_position_embeddings": int,
+}
+
+
+@dataclass
+class LLaMAConfig:
+    """Shape of a LLaMA decoder. ``n_kv_heads`` < ``n_heads`` gives grouped-query attention;
+    ``None`` means ``n_heads`` (multi-head attention, as in LLaMA-2 7B and 13B).
+
+    ``rope_theta`` is the rotary base (LLaMA-2 10000, LLaMA-3 500000). ``rope_scaling``, when set, stretches the
+    rotary wavelengths by LLaMA-3.1's "llama3" rule: a mapping of ``factor``, ``low_freq_factor``,
+    ``high_freq_factor`` and ``original_max_position_embeddings`` (optionally ``rope_type: llama3``), stored
+    normalised with ``rope_type``. ``tie_embeddings`` makes the output projection the token embedding matrix
+    (one parameter, as in LLaMA-3.2 1B and 3B). The defaults are LLaMA-2's."""
+
+    vocab_size: int = 32000
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: Optional[int] = None
+    ffn_hidden_dim: int = 11008
+    max_seq_len: int = 4096
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict[str, Any]] = None
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.rope_scaling is not None:
+            self.rope_scaling = normalise_rope_scaling(self.rope_scaling)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first inconsistent field, why, and what would work."""
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LLaMAConfig.{name}={value!r} is invalid: it must be a positive integer.")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"LLaMAConfig.{name}={value!r} is invalid: it must be a positive number.")
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"LLaMAConfig.dim={self.dim} is not divisible by n_heads={self.n_heads}: every head gets "
+                f"dim // n_heads channels. Pick n_heads among the divisors of {self.dim}."
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"LLaMAConfig.n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}: grouped-query "
+                f"attention shares each key/value head among n_heads // n_kv_heads query heads. "
+                f"Pick n_kv_heads among the divisors of {self.n_heads}."
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim = dim // n_heads = {self.head_dim} is odd; rotary embeddings rotate channel pairs, "
+                "so head_dim must be even. Change dim or n_heads."
+            )
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"LLaMAConfig.tie_embeddings={self.tie_embeddings!r} is invalid: it must be true or false.")
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.dim // self.n_heads
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Number of parameters. ``include_embedding=False`` leaves out the input embedding table (but
+        keeps the output projection, which costs FLOPs), the convention for FLOP counts. With tied embeddings the
+        one shared matrix is counted once, as the output projection."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        attention = self.dim * self.dim * 2 + self.dim * kv_dim * 2  # wq, wo, wk, wv
+        mlp = 3 * self.dim * self.ffn_hidden_dim
+        norms = 2 * self.dim
+        total = self.n_layers * (attention + mlp + norms) + self.dim + self.vocab_size * self.dim
+        if include_embedding and not self.tie_embeddings:  # tied: the output projection is the embedding table
+            total += self.vocab_size * self.dim
+        return total
+
+    def flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        """Training FLOPs per token (forward + backward) at ``seq_len`` (default ``max_seq_len``).
+
+        ``6 * N`` for the weight matmuls, N = ``num_params(include_embedding=False)``, plus
+        ``12 * n_layers * seq_len * dim`` for attention scores and weighted values. This is the PaLM
+        (appendix B) and torchtitan accounting: the causal mask's skipped half is still counted, so MFU
+        figures compare with published ones.
+        """
+        seq_len = self.max_seq_len if seq_len is None else seq_len
+        return 6 * self.num_params(include_embedding=False) + 12 * self.n_layers * seq_len * self.dim
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields (what checkpoints store)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "LLaMAConfig":
+        """Inverse of ``to_dict``; unknown keys are an error so typos are not silently dropped."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"Unknown LLaMAConfig field(s) {unknown}; the fields are {sorted(known)}.")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "LLaMAConfig":
+        """A named preset (``PRESETS`` or ``LLAMA3_PRESETS``) with some fields replaced, e.g.
+        ``from_preset("7b", max_seq_len=2048)``."""
+        table = PRESETS if name in PRESETS else LLAMA3_PRESETS
+        if name not in table:
+            raise ValueError(
+                f"Unknown LLaMA preset {name!r}; the presets are {sorted(PRESETS)} (LLaMA-2) and "
+                f"{sorted(LLAMA3_PRESETS)} (LLaMA-3 family)."
+            )
+        values = dict(table[name])
+        values.update(overrides)
+        return cls.from_dict(values)
+
+
+# The tiny preset runs on a laptop CPU. Its vocabulary matches the tokenizer shipped in
+# recipes/assets/tokenizer (2048 entries) and n_kv_heads < n_heads exercises the GQA paths.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=2048, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden_dim=352, max_seq_len=256),
+    "7b": dict(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden_dim=11008, max_seq_len=4096
+    ),
+    "13b": dict(
+        vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_hidden_dim=13824, max_seq_len=4096
+    ),
+}
+
+
+def normalise_rope_scaling(scaling: Any) -> dict[str, Any]:
+    """``rope_scaling`` checked and stored as ``{"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings}`` (floats, and an int for the length), so configs read from a YAML file, a
+    checkpoint or an HF ``config.json`` compare equal. Raises ``ValueError`` naming the bad entry and the fix."""
+    where = "LLaMAConfig.rope_scaling"
+    if not isinstance(scaling, Mapping):
+        raise ValueError(
+            f"{where}={scaling!r} is invalid: give a mapping of {sorted(ROPE_SCALING_KEYS)} (LLaMA-3.1's rule), "
+            "or null for plain rotary embeddings."
+        )
+    values = dict(scaling)
+    rope_type = values.pop("rope_type", ROPE_SCALING_TYPE)
+    if rope_type != ROPE_SCALING_TYPE:
+        raise ValueError(
+            f"{where}.rope_type={rope_type!r} is not implemented: the recipe implements {ROPE_SCALING_TYPE!r} "
+            "(LLaMA-3.1/3.2) scaling only. Drop rope_scaling for plain rotary embeddings."
+        )
+    unknown = sorted(set(values) - set(ROPE_SCALING_KEYS))
+    missing = sorted(set(ROPE_SCALING_KEYS) - set(values))
+    if unknown or missing:
+        raise ValueError(
+            f"{where} has unknown key(s) {unknown} and lacks {missing}; {ROPE_SCALING_TYPE!r} scaling takes exactly "
+            f"{sorted(ROPE_SCALING_KEYS)} (e.g. LLaMA-3.1: factor 8, low_freq_factor 1, high_freq_factor 4, "
+            "original_max_position_embeddings 8192)."
+        )
+    out: dict[str, Any] = {"rope_type": ROPE_SCALING_TYPE}
+    for key, kind in ROPE_SCALING_KEYS.items():
+        value = values[key]
+        integral = kind is int and isinstance(value, int)
+        if isinstance(value, bool) or not (integral or (kind is float and isinstance(value, (int, float)))) or value <= 0:
+            what = "a positive integer" if kind is int else "a positive number"
+            raise ValueError(f"{where}.{key}={value!r} is invalid: it must be {what}.")
+        out[key] = kind(value)
+    if out["factor"] < 1:
+        raise ValueError(
+            f"{where}.factor={out['factor']!r} is invalid: the factor divides the low frequencies, stretching their "
+            "wavelengths, so it must be >= 1 (LLaMA-3.1 uses 8, LLaMA-3.2 32)."
+        )
+    if out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ValueError(
+            f"{where}: high_freq_factor={out['high_freq_factor']!r} must exceed low_freq_factor="
+            f"{out['low_freq_factor']!r}; the band between them is blended with weight 1 / (high - low)."
+        )
+    return out
+
+
+# LLaMA-3 family presets. The checkpoints' config.json files are not in the installed packages (nothing is
+# downloaded), so each number names its source (docs: finetune-facts.md section 2):
+#   * vocab_size 128256, n_kv_heads 8 and rope_theta 500000: transformers' Mllama text-model defaults
+#     (transformers/models/mllama/configuration_mllama.py), the LLaMA-3.1 text decoder. Verified there.
+#   * dim 4096 / 32 layers / 32 heads / ffn 14336 / norm_eps 1e-5 for 8B: the published 8B shape; its parameter
+#     count, 8,030,261,248, is what a transformers LlamaForCausalLM of this shape holds (tests/test_llama3.py
+#     builds it on the meta device), and matches Meta's "8B". The per-field values: unverified here.
+#   * 3.1 scaling factor 8, low 1, high 4, original length 8192, and max_seq_len 131072: third-party copy,
+#     unverified (Lightning-AI/litgpt litgpt/config.py).
+#   * 3.2-1B: head_dim 64 (2048 / 32 heads), scaling factor 32, tied embeddings: third-party copy, unverified
+#     (kevinstephano/thunder_model_blocks hf_llama/llama_config.py); 1,235,814,400 parameters with the tie.
+#   * 3.2-3B: 24 heads, dim 3072, tied embeddings: third-party copy, unverified (LocalResearchGroup/llm-foundry
+#     llmfoundry/models/llama/config.py); 28 layers and ffn 8192: unverified; 3,212,749,824 parameters.
+#   * 3.2 low/high factors 1/4 and original length 8192 (as 3.1): unverified.
+#   * LLaMA-3 (3.0) 8B: no scaling, max_seq_len 8192: unverified.
+# To check against a downloaded checkpoint: convert.py from-hf reads its config.json, and init_from refuses a
+# preset that differs from it, naming both.
+_LLAMA3_BASE: dict[str, Any] = dict(vocab_size=128256, n_kv_heads=8, norm_eps=1e-5, rope_theta=500000.0)
+_LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+_LLAMA32_SCALING = dict(_LLAMA31_SCALING, factor=32.0)
+_LLAMA3_8B = dict(_LLAMA3_BASE, dim=4096, n_layers=32, n_heads=32, ffn_hidden_dim=14336)
+LLAMA3_PRESETS: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(_LLAMA3_8B, max_seq_len=8192),
+    "llama3.1-8b": dict(_LLAMA3_8B, max_seq_len=131072, rope_scaling=_LLAMA31_SCALING),
+    "llama3.2-1b": dict(
+        _LLAMA3_BASE, dim=2048, n_layers=16, n_heads=32, ffn_hidden_dim=8192, max_seq_len=131072,
+        rope_scaling=_LLAMA32_SCALING, tie_embeddings=True,
+    ),
+    "llama3.2-3b": dict(
+        _LLAMA3_BASE, dim=3072, n_layers=28, n_heads=24, ffn_hidden_dim=8192, max_seq_len=131072,
+        rope_scaling=_LLAMA32_SCALING, tie_embeddings=True,
+    ),
+}

@@ -1,0 +1,73 @@
+"""The LLaMA recipe's memory profile for ``lightning-npu plan`` (the protocol: ``lightning_npu.plan.profile``).
+
+Torch-free: the planner imports it to read a config. The recipe's TransformerBlock is the decoder block
+``lightning_npu.plan.decoder`` counts (RMSNorm, grouped-query attention with rotary, fused gate/up SwiGLU, fp32
+logits: see model.py), so the profile is that decoder at the preset's shape: LLaMA-2's, or the LLaMA-3 family's
+(vocabulary 128256, 8 kv heads). With ``tie_embeddings`` (LLaMA-3.2 1B/3B) the root unit holds one
+[vocab, dim] matrix where the generic decoder has two (``TiedDecoderProfile``). With ``lora`` (validated by the
+recipe's own ``LoRAConfig``) the profile is a LoRA run: the base frozen, adapters of the configured rank beside
+the targeted projections, which are the decoder's projections of the same names (gate and up: the halves of the
+fused w_gate_up, each with its own adapter, as lora.py builds them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from lightning_npu.plan import DecoderProfile, LowRankAdapters, ModelShape, RootParameters
+from recipes import families
+from recipes.models.llama.config import LLaMAConfig
+from recipes.decoder.lora_config import LoRAConfig
+
+#: The class the recipe's configs shard and checkpoint by (auto_wrap_policy / activation_checkpointing_policy).
+BLOCK_CLASS = "recipes.models.llama.model.TransformerBlock"
+#: DecoderLM's default preset (module.py), used when a config's model: section names none.
+DEFAULT_PRESET = "tiny"
+
+
+@dataclass(frozen=True)
+class TiedRootParameters(RootParameters):
+    """The root unit of a model whose output projection is its token embedding: ``output`` is the same matrix as
+    ``embedding``, so the unit (its shards, gathered copy and gradient) holds it once. The planner allocates the
+    shared gradient at the output projection's backward, and the embedding's backward adds a second transient
+    [vocab, dim] gradient that autograd sums into it."""
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [self.embedding, self.final_norm]
+
+
+@dataclass(frozen=True)
+class TiedDecoderProfile(DecoderProfile):
+    """The recipe's decoder with ``tie_embeddings``: one [vocab, dim] parameter in the root unit."""
+
+    def root_parameters(self) -> RootParameters:
+        m = self.shape
+        return TiedRootParameters(embedding=(m.vocab_size, m.dim), final_norm=(m.dim,), output=(m.vocab_size, m.dim))
+
+
+def adapters(lora: Any) -> Optional[LowRankAdapters]:
+    """The planner's adapters for a config's ``model.lora`` value (None: full fine-tuning)."""
+    config = LoRAConfig.from_value(lora)
+    if config is None:
+        return None
+    return LowRankAdapters(rank=config.rank, projections=config.targets, dropout=config.dropout > 0)
+
+
+def lightning_npu_memory_profile(model: Mapping[str, Any]) -> DecoderProfile:
+    """The profile of the DecoderLM module a config's ``model:`` section (``family``, ``preset``, ``config``,
+    ``lora``) builds, for a section of this family."""
+    family = str(model.get("family", families.DEFAULT_FAMILY))
+    if families.FAMILIES.get(family) != f"{__package__}.family":
+        raise ValueError(
+            f"model.family={family!r} is not the family of {__name__} (the families: {sorted(families.FAMILIES)})"
+        )
+    preset = str(model.get("preset", DEFAULT_PRESET))
+    overrides = model.get("config") or {}
+    if not isinstance(overrides, Mapping):
+        raise ValueError(f"model.config must be a mapping of LLaMAConfig fields, not {overrides!r}")
+    config = LLaMAConfig.from_preset(preset, **dict(overrides))
+    profile = TiedDecoderProfile if config.tie_embeddings else DecoderProfile
+    return profile(ModelShape.of(config), name=f"LLaMA {preset}", block_class=BLOCK_CLASS,
+                   adapters=adapters(model.get("lora")))
