@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_npu.strategies.fsdp import FSDPOptions
-from lightning_npu.strategies.parallelize import build_mesh
+from lightning_npu.strategies.mesh import build_mesh
 from tests.scripts.trainer_run import Block, Net
 
 
@@ -36,13 +36,13 @@ def main() -> None:
         ("hybrid_zero2", FSDPOptions(auto_wrap_policy=["Block"], zero_stage=2, sharding="hybrid"), 2),
         ("offload", FSDPOptions(auto_wrap_policy=[Block], cpu_offload=True), 1),
     ]:
-        mesh = build_mesh("cpu", 8, num_nodes, options.sharding)
+        mesh = build_mesh("cpu", options.layout(num_nodes, 8 // num_nodes), options.sharding)
         net = Net(width=32)
         options.parallelize(net, mesh, "32-true")
         results[name] = {"mesh": list(mesh.shape), **layout(net)}
 
     # Blocks the user already sharded keep their own settings; the rest follow the policy.
-    mesh = build_mesh("cpu", 8, 1, "full")
+    mesh = build_mesh("cpu", FSDPOptions().layout(1, 8), "full")
     net = Net(width=32)
     fully_shard(net.blocks[1], mesh=mesh, reshard_after_forward=False)
     FSDPOptions(auto_wrap_policy=[Block], zero_stage=3).parallelize(net, mesh, "32-true")
