@@ -28,6 +28,12 @@ def layout(net: nn.Module) -> dict:
     }
 
 
+def column_plan(model: nn.Module, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return {f"blocks.{i}.linear": ColwiseParallel() for i in range(len(model.blocks))}
+
+
 def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
     results = {}
@@ -40,6 +46,16 @@ def main() -> None:
         net = Net(width=32)
         options.parallelize(net, mesh, "32-true")
         results[name] = {"mesh": list(mesh.shape), **layout(net)}
+
+    # Hybrid sharding with tensor parallelism: mesh (2 nodes, 2, 1, 2); each block's Linear split columnwise over tp,
+    # then sharded over dp_shard_cp and replicated over the nodes.
+    options = FSDPOptions(auto_wrap_policy=[Block], sharding="hybrid", tensor_parallel_size=2,
+                          tensor_parallel_plan=column_plan)
+    mesh = build_mesh("cpu", options.layout(2, 4), options.sharding)
+    net = Net(width=32)
+    options.parallelize(net, mesh, "32-true")
+    results["hybrid_tp"] = {"mesh": list(mesh.shape), "dims": list(mesh.mesh_dim_names), **layout(net),
+                            "sampler_rank": options.layout(2, 4).data_parallel_rank(5)}
 
     # Blocks the user already sharded keep their own settings; the rest follow the policy.
     mesh = build_mesh("cpu", FSDPOptions().layout(1, 8), "full")
