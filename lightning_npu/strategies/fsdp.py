@@ -291,12 +291,17 @@ class _FSDPStrategyBase(BackendFromRuntime):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Each data-parallel replica draws its own batches; the ranks of a tensor- or context-parallel group share one.
+        # Under plain sharding every rank is its own replica (ModelParallelStrategy's mesh would say otherwise).
         layout = self.layout
+        if not layout.model_parallel:
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
         return {"num_replicas": layout.data_parallel_size, "rank": layout.data_parallel_rank(self.global_rank)}
 
+    @override
     def _configure_launcher(self) -> None:
-        # Every process (the launching one first) passes here before any worker or process group starts.
-        self.layout  # noqa: B018 -- raises on sizes the devices cannot form
+        # Every process (the launching one first) passes here before any worker or process group starts: sizes the
+        # devices cannot form fail here, with the numbers and the fix.
+        self.options.layout(self.num_nodes, self.num_processes)
         super()._configure_launcher()
 
     def _reduce_group(self, group: Optional[Any]) -> Optional[Any]:
