@@ -149,6 +149,9 @@ OVERRIDDEN = (
     Fenced(_FABRIC_DDP, "_get_process_group_backend"),
     Fenced(_TRAINER_FSDP2, "_get_process_group_backend"),
     Fenced(_FABRIC_FSDP2, "_get_process_group_backend"),
+    # Runs in every process before any worker starts: where npu_fsdp checks its mesh sizes against the devices.
+    Fenced(_TRAINER_FSDP2, "_configure_launcher"),
+    Fenced(_FABRIC_FSDP2, "_configure_launcher"),
     # Refuses every SyncBatchNorm of a CPU module; the simulated NPU's HostSyncBatchNorm trains there.
     Fenced("torch.nn.parallel:DistributedDataParallel", "_passing_sync_batchnorm_handle"),
 )
@@ -182,6 +185,7 @@ ACCESSED = (
     # Where a device mesh keeps its process groups: the objects (recent torch) or only their names (older).
     Fenced(_DEVICE_MESH, "_pg_registry|_dim_group_names|_dim_group_infos", instance=True),
     Fenced("torch.distributed.tensor:DTensor", "_spec", instance=True),
+    Fenced(_DEVICE_MESH, "_flatten"),
 )
 
 FENCED: tuple[Fenced, ...] = (*IMPORTED.values(), *OVERRIDDEN, *ACCESSED)
@@ -321,6 +325,11 @@ def setup_distributed(strategy: Any) -> None:
 def set_device_mesh(owner: Any, mesh: Any) -> None:
     """Give a strategy or LightningModule the mesh its public ``device_mesh`` property returns."""
     owner._device_mesh = mesh
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """A 1-D view of ``mesh``'s dimensions, reachable from its root mesh as ``root[name]`` (a new process group)."""
+    return mesh._flatten(name)
 
 
 def layer_sync(strategy: Any) -> Optional[Any]:

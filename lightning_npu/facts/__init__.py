@@ -8,7 +8,8 @@ torch-free tools (``lightning-npu plan`` and ``doctor``) and the training code c
 - ``precisions``: the precision settings NPU runs accept, Lightning's aliases, their dtypes, and why the rest
   cannot run (``canonical_precision``).
 - ``options``: ``npu_fsdp``'s torch-free options (zero_stage, sharding, activation checkpointing ratio,
-  memory_fraction): defaults, validation with the fix in the message, which blocks a ratio checkpoints.
+  memory_fraction, tensor / context parallel sizes): defaults, validation with the fix in the message, which blocks
+  a ratio checkpoints, the mesh layout those sizes give a run (``MeshLayout``).
 - ``env``: the name of every environment variable the package reads or writes.
 - ``devices``: device ids -- torch_npu's reading of ``ASCEND_RT_VISIBLE_DEVICES`` and a ``devices=`` value.
 

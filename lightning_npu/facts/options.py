@@ -23,6 +23,10 @@ DEFAULT_SHARDING = "full"
 #: The share of the ``activation_checkpointing_policy`` blocks that recompute their activations.
 DEFAULT_ACTIVATION_CHECKPOINTING_RATIO = 1.0
 
+#: npu_fsdp's device mesh dimensions, outermost first: tensor parallelism innermost, so a tensor-parallel group is
+#: consecutive ranks (one node's fast links), and FSDP shards over ``dp_shard x cp``.
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+
 
 def check_zero_stage(value: Any) -> int:
     """``value`` if it is a supported ``zero_stage``; ValueError with the choices otherwise."""
@@ -61,6 +65,88 @@ def check_memory_fraction(value: Any) -> Optional[float]:
     return float(value)
 
 
+def check_parallel_size(option: str, value: Any) -> int:
+    """``value`` if it is a positive int (a mesh dimension's size); ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{option}={value!r} must be a positive integer (the number of devices in each group)")
+    return value
+
+
+def check_context_parallel_size(value: Any) -> int:
+    """``value`` if it is 1; the mesh has a ``cp`` dimension, but nothing shards attention over it yet."""
+    check_parallel_size("context_parallel_size", value)
+    if value > 1:
+        raise ValueError(
+            f"context_parallel_size={value}: context-parallel attention (Ulysses, ring) is not available in npu_fsdp"
+            " yet, so nothing would split the sequence over the cp ranks; use context_parallel_size=1 (and"
+            " tensor_parallel_size or plain sharding to save memory)"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """The sizes of npu_fsdp's mesh dimensions (``MESH_DIM_NAMES``) for one run, checked against the devices.
+
+    Rank ``((r * dp_shard + s) * cp + c) * tp + t`` sits at ``(r, s, c, t)``: consecutive ranks form a
+    tensor-parallel group, and ranks ``cp * tp`` apart are data-parallel replicas.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int = 1
+    tp: int = 1
+
+    @classmethod
+    def for_run(cls, *, num_nodes: int, devices_per_node: int, sharding: str, tensor_parallel_size: int = 1,
+                context_parallel_size: int = 1) -> MeshLayout:
+        """The layout of ``num_nodes x devices_per_node`` devices; ValueError with the numbers and the fix."""
+        tp, cp = tensor_parallel_size, context_parallel_size
+        world = num_nodes * devices_per_node
+        if devices_per_node % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the {devices_per_node} devices of each node: a"
+                " tensor-parallel group exchanges activations in every layer and must stay inside one node; use a"
+                f" divisor of {devices_per_node} ({', '.join(map(str, _divisors(devices_per_node)))})"
+            )
+        if world % (tp * cp):
+            raise ValueError(
+                f"tensor_parallel_size={tp} x context_parallel_size={cp} = {tp * cp} does not divide the world size"
+                f" {world} ({num_nodes} nodes x {devices_per_node} devices): the data-parallel size would not be a"
+                f" whole number; choose sizes whose product divides {world}"
+            )
+        dp_replicate = num_nodes if sharding == "hybrid" else 1
+        if sharding == "hybrid" and devices_per_node % (tp * cp):
+            raise ValueError(
+                f"sharding='hybrid' shards within each node of {devices_per_node} devices, which"
+                f" tensor_parallel_size={tp} x context_parallel_size={cp} = {tp * cp} does not divide; choose sizes"
+                f" whose product divides {devices_per_node}, or use sharding='full'"
+            )
+        return cls(dp_replicate, world // (dp_replicate * cp * tp), cp, tp)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether any rank shares its batch with another (tensor or context parallelism); else plain sharding."""
+        return self.tp > 1 or self.cp > 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different batches each step trains on (the sampler's replicas)."""
+        return self.dp_replicate * self.dp_shard
+
+    def data_parallel_rank(self, global_rank: int) -> int:
+        """Which of those batches ``global_rank`` trains on: the same for every rank of a TP or CP group."""
+        return global_rank // (self.cp * self.tp)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def evenly_spaced(count: int, ratio: float) -> list[int]:
     """Indices of ``round(count * ratio)``-ish items spread evenly over ``count`` (ratio 0.5 of 4 -> [1, 3]):
     the blocks ``activation_checkpointing_ratio`` selects among those the policy matches."""
@@ -76,12 +162,26 @@ class FSDPChoices:
     activation_checkpointing_ratio: float = DEFAULT_ACTIVATION_CHECKPOINTING_RATIO
     cpu_offload: bool = False
     memory_fraction: Optional[float] = None
+    tensor_parallel_size: int = 1
+    context_parallel_size: int = 1
+    #: Under tensor parallelism: norms and residuals sharded over the sequence (the plan decides how).
+    sequence_parallel: bool = True
+    #: Under tensor parallelism: the loss computed on vocabulary-sharded logits (torch's ``loss_parallel``).
+    loss_parallel: bool = True
 
     def __post_init__(self) -> None:
         check_zero_stage(self.zero_stage)
         check_sharding(self.sharding)
         check_activation_checkpointing_ratio(self.activation_checkpointing_ratio)
         check_memory_fraction(self.memory_fraction)
+        check_parallel_size("tensor_parallel_size", self.tensor_parallel_size)
+        check_context_parallel_size(self.context_parallel_size)
+
+    def layout(self, num_nodes: int, devices_per_node: int) -> MeshLayout:
+        """The mesh these options give ``num_nodes x devices_per_node`` devices (ValueError if they cannot)."""
+        return MeshLayout.for_run(num_nodes=num_nodes, devices_per_node=devices_per_node, sharding=self.sharding,
+                                  tensor_parallel_size=self.tensor_parallel_size,
+                                  context_parallel_size=self.context_parallel_size)
 
     @property
     def reshard_after_forward(self) -> bool:

@@ -68,6 +68,14 @@ def load_spec(
                              decoder)
     wrap = _class_names(strategy.get("auto_wrap_policy"), "auto_wrap_policy", decoder)
     ratio = float(options["activation_checkpointing_ratio"]) if ac_policy else 0.0
+    if int(options["tensor_parallel_size"]) != 1:
+        # Until the planner has TP's terms (weights / tp, split activations, SP buffers), its numbers would be plain
+        # sharding's: refused rather than wrong.
+        raise PlanError(
+            f"config {str(path)!r}: tensor_parallel_size={options['tensor_parallel_size']} is not modelled by the"
+            " planner yet (it would report plain sharding's memory); plan the run with tensor_parallel_size: 1 for"
+            " an upper bound on the weights and activations"
+        )
     notes = []
     if ac_ratio is not None:
         ratio = float(ac_ratio)

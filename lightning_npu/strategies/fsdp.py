@@ -1,5 +1,5 @@
-"""``"npu_fsdp"``: FSDP2 (``fully_shard``) applied by policy, with activation checkpointing, mixed precision,
-CPU offload, hybrid sharding and torch distributed checkpoints.
+"""``"npu_fsdp"``: FSDP2 (``fully_shard``) applied by policy, with tensor parallelism, activation checkpointing,
+mixed precision, CPU offload, hybrid sharding and torch distributed checkpoints, on one device mesh (``mesh``).
 
 torch_npu supports FSDP2 and DCP on Atlas A2/A3 but documents FSDP1's full-state APIs as unsupported,
 so this builds on Lightning's FSDP2 ``ModelParallelStrategy`` rather than its ``FSDPStrategy``.
@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveragi
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -30,6 +30,7 @@ from lightning_npu.facts.options import (
     DEFAULT_SHARDING,
     DEFAULT_ZERO_STAGE,
     FSDPChoices,
+    MeshLayout,
 )
 from lightning_npu.precision import mixed_precision_policy, precision_name
 from lightning_npu.strategies import initial_state
@@ -46,15 +47,20 @@ from lightning_npu.strategies.checkpoint import (
 from lightning_npu.strategies.clean_exit import destroy_at_exit
 from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta, with_host_backend
 from lightning_npu.strategies.fsdp1 import fsdp1_wrap_reported, refuse_fsdp1_units
+from lightning_npu.strategies.mesh import build_mesh, fsdp_mesh
 from lightning_npu.strategies.parallelize import (
     MODULE_CLASSES,
     SHARDING,
     STEP_METHODS,
+    TENSOR_PARALLEL_PLAN,
     apply_activation_checkpointing,
     apply_fsdp,
-    build_mesh,
+    apply_tensor_parallel,
+    import_tensor_parallel_plan,
     repeated_block_class,
     resolve_module_classes,
+    resolve_tensor_parallel_plan,
+    tensor_parallel_parameters,
 )
 from lightning_npu.strategies.rebind import ReplacedParameters
 from lightning_npu.strategies.sync_batchnorm import host_sync_batchnorm
@@ -73,16 +79,25 @@ class FSDPOptions(FSDPChoices):
 
     auto_wrap_policy: MODULE_CLASSES = None
     activation_checkpointing_policy: MODULE_CLASSES = None
+    tensor_parallel_plan: TENSOR_PARALLEL_PLAN = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tensor_parallel_plan is not None:
+            import_tensor_parallel_plan(self.tensor_parallel_plan)
 
     def parallelize(self, model: nn.Module, mesh: Any, precision: Optional[str], step_methods: Iterable[str] = ()) -> None:
-        """Checkpoint activations, then shard ``model``: blocks by policy, then ``model`` as the root unit."""
+        """Split ``model`` over the tensor-parallel ranks (by the plan), checkpoint activations, then shard it: blocks
+        by policy, then ``model`` as the root unit."""
         refuse_fsdp1_units(model)
+        if self.tensor_parallel_size > 1:
+            self._apply_tensor_parallel(model, mesh["tp"])
         ac_classes = resolve_module_classes(self.activation_checkpointing_policy, model, "activation_checkpointing_policy")
         checkpointed = apply_activation_checkpointing(model, ac_classes, float(self.activation_checkpointing_ratio))
         wrap_classes, chosen_by = self.wrap_classes(model)
         sharded = apply_fsdp(
             model,
-            mesh,
+            fsdp_mesh(mesh, self.sharding),
             wrap_classes=wrap_classes,
             reshard_after_forward=self.reshard_after_forward,
             mp_policy=mixed_precision_policy(precision),
@@ -93,6 +108,24 @@ class FSDPOptions(FSDPChoices):
             f"npu_fsdp: {len(sharded)} FSDP units ({chosen_by}; zero_stage={self.zero_stage},"
             f" sharding={self.sharding!r}), activation checkpointing on {len(checkpointed)} modules"
         )
+
+    def _apply_tensor_parallel(self, model: nn.Module, tp_mesh: Any) -> None:
+        plan = resolve_tensor_parallel_plan(self.tensor_parallel_plan, model)
+        planned = []
+        if plan is not None:
+            planned = apply_tensor_parallel(model, tp_mesh, plan, sequence_parallel=self.sequence_parallel,
+                                            loss_parallel=self.loss_parallel)
+        split = tensor_parallel_parameters(model)
+        if not split:
+            rank_zero_warn(
+                f"npu_fsdp: tensor_parallel_size={self.tensor_parallel_size}, but no parameter is split over the"
+                " tensor-parallel ranks, so each group of them computes the whole model on the same batch (correct"
+                " results, no memory saved). Give tensor_parallel_plan (an import path), a tensor_parallel_plan(mesh,"
+                " *, sequence_parallel, loss_parallel) method on the model, or shard it with parallelize_module on"
+                " self.device_mesh['tensor_parallel'] in configure_model."
+            )
+        rank_zero_info(f"npu_fsdp: tensor parallelism over {tp_mesh.size()} ranks: {len(split)} parameters split"
+                       f"{' (plan: ' + ', '.join(planned) + ')' if planned else ''}")
 
     def wrap_classes(self, model: nn.Module) -> tuple[tuple[type, ...], str]:
         """The block classes that become FSDP units, and how they were chosen (for the log).
@@ -161,10 +194,11 @@ def sharded_parameter_errors_explained() -> Generator[None, None, None]:
 
 
 def _explained(name: str) -> Any:
-    """A Trainer strategy method that runs Lightning's ``name`` with sharded-parameter errors explained."""
+    """A Trainer strategy method that runs Lightning's ``name`` with sharded-parameter errors explained (and inside
+    ``loss_parallel()`` under tensor parallelism)."""
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with sharded_parameter_errors_explained():
+        with sharded_parameter_errors_explained(), self._loss_parallel():
             return getattr(super(NPUFSDPStrategy, self), name)(*args, **kwargs)
 
     method.__name__ = method.__qualname__ = name
@@ -187,6 +221,15 @@ class _FSDPStrategyBase(BackendFromRuntime):
         process_group_backend: override the backend (default: hccl on NPUs, gloo when simulated).
         async_save: write sharded checkpoints in the background while training continues (see
             ``lightning_npu.strategies.checkpoint``); saves are atomic either way.
+        tensor_parallel_size: devices (consecutive ranks, inside one node) that split each layer between them and
+            train on the same batch; FSDP shards over the rest (``lightning_npu.strategies.mesh``).
+        context_parallel_size: devices that split the sequence; only 1 for now (no context-parallel attention yet).
+        sequence_parallel: under tensor parallelism, passed to the plan: norms and residuals split by sequence.
+        loss_parallel: under tensor parallelism, passed to the plan (vocabulary-sharded logits); the Trainer runs
+            the steps and backward inside torch's ``loss_parallel()``.
+        tensor_parallel_plan: import path of (or) a function ``plan(model, tp_mesh, *, sequence_parallel,
+            loss_parallel)`` returning ``parallelize_module``'s plan; default: the model's own
+            ``tensor_parallel_plan(tp_mesh, *, sequence_parallel, loss_parallel)`` method, if any.
     """
 
     options: FSDPOptions
@@ -205,6 +248,11 @@ class _FSDPStrategyBase(BackendFromRuntime):
         memory_fraction: Optional[float] = None,
         process_group_backend: Optional[str] = None,
         async_save: bool = False,
+        tensor_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        sequence_parallel: bool = True,
+        loss_parallel: bool = True,
+        tensor_parallel_plan: TENSOR_PARALLEL_PLAN = None,
     ) -> None:
         if async_save and not _is_sharded(state_dict_type):
             raise ValueError(
@@ -223,7 +271,9 @@ class _FSDPStrategyBase(BackendFromRuntime):
             auto_wrap_policy=auto_wrap_policy, zero_stage=zero_stage, sharding=sharding,
             activation_checkpointing_policy=activation_checkpointing_policy,
             activation_checkpointing_ratio=activation_checkpointing_ratio, cpu_offload=cpu_offload,
-            memory_fraction=memory_fraction,
+            memory_fraction=memory_fraction, tensor_parallel_size=tensor_parallel_size,
+            context_parallel_size=context_parallel_size, sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel, tensor_parallel_plan=tensor_parallel_plan,
         )
         self._checkpoints = CheckpointWriter(bool(async_save), timeout)
         # What rank 0's configure_model built (Trainer), and which parameters sharding replaced (Fabric).
@@ -234,9 +284,44 @@ class _FSDPStrategyBase(BackendFromRuntime):
         return {}
 
     @property
+    def layout(self) -> MeshLayout:
+        """The sizes of this run's mesh dimensions (ValueError with the fix if the devices cannot form it)."""
+        return self.options.layout(self.num_nodes, self.num_processes)
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank is its own data-parallel replica (ModelParallelStrategy's mesh would say otherwise).
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        # Each data-parallel replica draws its own batches; the ranks of a tensor- or context-parallel group share one.
+        # Under plain sharding every rank is its own replica (ModelParallelStrategy's mesh would say otherwise).
+        layout = self.layout
+        if not layout.model_parallel:
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return {"num_replicas": layout.data_parallel_size, "rank": layout.data_parallel_rank(self.global_rank)}
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Every process (the launching one first) passes here before any worker or process group starts: sizes the
+        # devices cannot form fail here, with the numbers and the fix.
+        self.options.layout(self.num_nodes, self.num_processes)
+        super()._configure_launcher()
+
+    def _reduce_group(self, group: Optional[Any]) -> Optional[Any]:
+        """The group a reduction without one runs over: every rank, or under tensor parallelism the ranks outside a
+        tensor-parallel group (``dp x cp``), whose members hold the same values."""
+        if group is None and self.layout.model_parallel:
+            return self.device_mesh["data_parallel"].get_group()
+        return group
+
+    @contextmanager
+    def _loss_parallel(self) -> Generator[None, None, None]:
+        """torch's ``loss_parallel()`` under tensor parallelism with ``loss_parallel=True`` (a cross entropy of
+        vocabulary-sharded logits, and its backward); nothing otherwise."""
+        if self.options.tensor_parallel_size > 1 and self.options.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            with loss_parallel():
+                yield
+        else:
+            yield
 
     def _get_process_group_backend(self) -> str:
         backend = super()._get_process_group_backend()
@@ -246,7 +331,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
         self.accelerator.setup_device(self.root_device)
         self.options.set_memory_fraction(self.accelerator, self.root_device)
         compat.setup_distributed(self)
-        mesh = build_mesh(self.root_device.type, self.world_size, self.num_nodes, self.options.sharding)
+        mesh = build_mesh(self.root_device.type, self.layout, self.options.sharding)
         compat.set_device_mesh(self, mesh)
         destroy_at_exit(mesh)
 
@@ -307,10 +392,12 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         # configure_model builds the model for real on rank 0 only; the other ranks build it on the meta device
         # and receive rank 0's values after sharding, so one host copy exists and every rank starts alike.
         # (The meta device everywhere, and reset_parameters() after sharding, is the model's own opt-in.)
+        # Under tensor parallelism every rank builds for real: parallelize_module in configure_model scatters rank
+        # 0's values and needs every rank to take part (a rank on the meta device would leave rank 0 waiting).
         # Rank 0 remembers what it built, for modules the user shards there (see initial_state). FSDP1's wrap()
         # there is reported: it does nothing under FSDP2.
         with fsdp1_wrap_reported("configure_model"):
-            if self.global_rank != 0:
+            if self.global_rank != 0 and not self.layout.model_parallel:
                 with torch.device("meta"):
                     yield
                 return
@@ -340,6 +427,10 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         # Gradient accumulation: reduce only in the micro-batch that steps (Lightning's base handles DDP only).
         with gradients_unsynced(self.model):
             yield
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        return super().reduce(tensor, self._reduce_group(group), reduce_op)
 
     # Lightning's step and backward methods, with sharded-parameter errors explained.
     training_step = _explained("training_step")
@@ -415,6 +506,10 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
         self._shard(module, self.precision)
         self._replaced.record(module, before)
         return module
+
+    @override
+    def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        return super().all_reduce(tensor, self._reduce_group(group), reduce_op)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

@@ -1,34 +1,84 @@
-"""Small functions that shard and checkpoint a finished model; the FSDP strategies call them by policy.
+"""Small functions that shard and checkpoint a finished model; the FSDP strategies call them by policy, in order:
+tensor parallelism by a plan, activation checkpointing, FSDP by policy, the root unit.
 
 The model code knows nothing of parallelism: which modules become FSDP units and which recompute their
-activations is decided here from module classes.
+activations is decided here from module classes; how a model splits over tensor-parallel ranks comes from a plan
+its family provides (``apply_tensor_parallel``).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable
-from typing import Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_npu.facts.options import evenly_spaced  # torch-free: lightning-npu plan picks the same blocks
 
 #: Module classes given as classes (Python) or as names: a dotted import path or a bare class name (YAML).
 MODULE_CLASSES = Union[Iterable[Union[str, type]], None]
 SHARDING = Literal["full", "hybrid"]
+#: A tensor-parallel plan: a callable ``plan(model, tp_mesh, *, sequence_parallel, loss_parallel)`` returning
+#: ``parallelize_module``'s plan (module name -> ParallelStyle), or its import path (``"pkg.module.function"``).
+TENSOR_PARALLEL_PLAN = Union[str, Callable[..., Any], None]
 
 
-def build_mesh(device_type: str, world_size: int, num_nodes: int, sharding: SHARDING) -> DeviceMesh:
-    """1-D mesh ``("shard",)`` for full sharding; 2-D ``("replicate", "shard")`` for hybrid sharding, which
-    shards within a node and replicates across nodes (so parameter all-gathers stay on the fast intra-node links)."""
-    if sharding == "hybrid":
-        if world_size % num_nodes:
-            raise ValueError(f"hybrid sharding needs the same number of devices on each of the {num_nodes} nodes")
-        return init_device_mesh(device_type, (num_nodes, world_size // num_nodes), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+def resolve_tensor_parallel_plan(spec: TENSOR_PARALLEL_PLAN, model: nn.Module) -> Optional[Callable[..., Any]]:
+    """The plan function ``spec`` names; without one, the model's own ``tensor_parallel_plan(tp_mesh, *,
+    sequence_parallel, loss_parallel)`` method, if it has one (None: the model is left as it is)."""
+    if spec is not None:
+        return import_tensor_parallel_plan(spec)
+    method = getattr(model, "tensor_parallel_plan", None)
+    return (lambda _model, mesh, **flags: method(mesh, **flags)) if callable(method) else None
+
+
+def import_tensor_parallel_plan(spec: Union[str, Callable[..., Any]]) -> Callable[..., Any]:
+    """The function an import path (``"pkg.module.function"`` or ``"pkg.module:function"``) names, or ``spec``
+    itself if it is one; ValueError otherwise (checked when the strategy is made, before workers start)."""
+    if callable(spec):
+        return spec
+    module_name, _, name = str(spec).replace(":", ".").rpartition(".")
+    try:
+        plan = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(
+            f"tensor_parallel_plan: cannot import {spec!r} ({error}); give the import path of a function"
+            " plan(model, tp_mesh, *, sequence_parallel, loss_parallel) -> {module name: ParallelStyle}"
+        ) from None
+    if not callable(plan):
+        raise ValueError(f"tensor_parallel_plan={spec!r} names an object of type {type(plan).__name__}, not a function")
+    return plan
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, plan: Callable[..., Any], *, sequence_parallel: bool, loss_parallel: bool,
+) -> list[str]:
+    """Split the modules ``plan`` names over the tensor-parallel ranks of ``tp_mesh``; returns their names.
+
+    Each rank keeps its local split of its own values (no scatter): rank 0's whole values reach every rank after
+    sharding (``initial_state``), so ranks that built on the meta device need no peer here.
+    """
+    from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+    styles = plan(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    if not isinstance(styles, dict) or not all(isinstance(style, ParallelStyle) for style in styles.values()):
+        raise TypeError(
+            f"tensor_parallel_plan returned {type(styles).__name__}; it must return a dict of module names to"
+            " torch.distributed.tensor.parallel styles (ColwiseParallel(), RowwiseParallel(), ...)"
+        )
+    parallelize_module(model, tp_mesh, styles, src_data_rank=None)
+    return sorted(styles)
+
+
+def tensor_parallel_parameters(model: nn.Module) -> list[str]:
+    """The names of ``model``'s parameters split over tensor-parallel ranks (by a plan or by the user's code)."""
+    from torch.distributed.tensor import DTensor
+
+    return [name for name, param in model.named_parameters()
+            if isinstance(param, DTensor) and {"tp", "tensor_parallel"} & set(param.device_mesh.mesh_dim_names or ())]
 
 
 def resolve_module_classes(spec: MODULE_CLASSES, model: nn.Module, option: str) -> tuple[type, ...]:
@@ -224,10 +274,13 @@ def _modules_inside_fsdp(model: nn.Module, fsdp_type: type) -> set[int]:
 __all__ = [
     "apply_activation_checkpointing",
     "apply_fsdp",
+    "apply_tensor_parallel",
     "average_gradients_over_ranks",
-    "build_mesh",
     "checkpointed_by_hand",
     "evenly_spaced",
+    "import_tensor_parallel_plan",
     "repeated_block_class",
     "resolve_module_classes",
+    "resolve_tensor_parallel_plan",
+    "tensor_parallel_parameters",
 ]

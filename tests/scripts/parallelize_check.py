@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_npu.strategies.fsdp import FSDPOptions
-from lightning_npu.strategies.parallelize import build_mesh
+from lightning_npu.strategies.mesh import build_mesh
 from tests.scripts.trainer_run import Block, Net
 
 
@@ -28,6 +28,12 @@ def layout(net: nn.Module) -> dict:
     }
 
 
+def column_plan(model: nn.Module, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return {f"blocks.{i}.linear": ColwiseParallel() for i in range(len(model.blocks))}
+
+
 def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
     results = {}
@@ -36,13 +42,23 @@ def main() -> None:
         ("hybrid_zero2", FSDPOptions(auto_wrap_policy=["Block"], zero_stage=2, sharding="hybrid"), 2),
         ("offload", FSDPOptions(auto_wrap_policy=[Block], cpu_offload=True), 1),
     ]:
-        mesh = build_mesh("cpu", 8, num_nodes, options.sharding)
+        mesh = build_mesh("cpu", options.layout(num_nodes, 8 // num_nodes), options.sharding)
         net = Net(width=32)
         options.parallelize(net, mesh, "32-true")
         results[name] = {"mesh": list(mesh.shape), **layout(net)}
 
+    # Hybrid sharding with tensor parallelism: mesh (2 nodes, 2, 1, 2); each block's Linear split columnwise over tp,
+    # then sharded over dp_shard_cp and replicated over the nodes.
+    options = FSDPOptions(auto_wrap_policy=[Block], sharding="hybrid", tensor_parallel_size=2,
+                          tensor_parallel_plan=column_plan)
+    mesh = build_mesh("cpu", options.layout(2, 4), options.sharding)
+    net = Net(width=32)
+    options.parallelize(net, mesh, "32-true")
+    results["hybrid_tp"] = {"mesh": list(mesh.shape), "dims": list(mesh.mesh_dim_names), **layout(net),
+                            "sampler_rank": options.layout(2, 4).data_parallel_rank(5)}
+
     # Blocks the user already sharded keep their own settings; the rest follow the policy.
-    mesh = build_mesh("cpu", 8, 1, "full")
+    mesh = build_mesh("cpu", FSDPOptions().layout(1, 8), "full")
     net = Net(width=32)
     fully_shard(net.blocks[1], mesh=mesh, reshard_after_forward=False)
     FSDPOptions(auto_wrap_policy=[Block], zero_stage=3).parallelize(net, mesh, "32-true")

@@ -1,0 +1,56 @@
+"""npu_fsdp's one device mesh, and the views of it each mechanism uses.
+
+Plain sharding (tensor and context parallel sizes 1) keeps its mesh: ``("shard",)``, or ``("replicate", "shard")``
+for hybrid sharding. With tensor or context parallelism the mesh is ``MESH_DIM_NAMES``
+``(dp_replicate, dp_shard, cp, tp)``, tp innermost, with flattened views named for their users:
+
+- ``"dp_shard_cp"``: FSDP shards parameters over these ranks (with ``"dp_replicate"`` for hybrid sharding);
+- ``"dp"``: the data-parallel replicas the sampler splits batches over (a TP or CP group shares its batch);
+- ``"data_parallel"`` / ``"tensor_parallel"``: Lightning ``ModelParallelStrategy``'s names, so a LightningModule
+  written for it (``configure_model`` calls ``parallelize_module`` and ``fully_shard`` on ``self.device_mesh``)
+  runs unchanged; ``"data_parallel"`` is every rank outside a TP group (``dp x cp``), over which the reduced
+  (logged) loss is averaged.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_npu import compat
+from lightning_npu.facts.options import MESH_DIM_NAMES, MeshLayout
+
+#: The flattened views of a model-parallel mesh: name -> the dimensions it joins.
+FLATTENED = {
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp": ("dp_replicate", "dp_shard"),
+    "data_parallel": ("dp_replicate", "dp_shard", "cp"),
+    "tensor_parallel": ("tp",),
+}
+
+
+def build_mesh(device_type: str, layout: MeshLayout, sharding: str) -> DeviceMesh:
+    """The run's mesh (see the module docstring); ``layout`` comes from the options (``FSDPChoices.layout``)."""
+    if layout.model_parallel:
+        mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIM_NAMES)
+        for name, dims in FLATTENED.items():
+            compat.flatten_mesh(mesh[dims], name)
+        return mesh
+    if sharding == "hybrid":
+        # Sharded within a node, replicated across nodes: parameter all-gathers stay on the fast intra-node links.
+        shape = (layout.dp_replicate, layout.dp_shard)
+        return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (layout.dp_shard,), mesh_dim_names=("shard",))
+
+
+def is_model_parallel(mesh: DeviceMesh) -> bool:
+    return mesh.mesh_dim_names == MESH_DIM_NAMES
+
+
+def fsdp_mesh(mesh: DeviceMesh, sharding: str) -> DeviceMesh:
+    """The mesh ``fully_shard`` shards over: ``dp_shard x cp`` (replicated over ``dp_replicate`` when hybrid)."""
+    if not is_model_parallel(mesh):
+        return mesh
+    return mesh["dp_replicate", "dp_shard_cp"] if sharding == "hybrid" else mesh["dp_shard_cp"]
+
+
+__all__ = ["FLATTENED", "build_mesh", "fsdp_mesh", "is_model_parallel"]
