@@ -15,6 +15,7 @@ CUDA in three places that matter here. Each is wrapped so it behaves as before f
 from __future__ import annotations
 
 import functools
+import inspect
 from types import ModuleType
 from typing import Any, Callable
 
@@ -22,6 +23,7 @@ import torch
 
 from lightning_npu import compat
 from lightning_npu.accelerator import NPUAccelerator
+from lightning_npu.facts.precisions import canonical_precision, is_int8_compute
 from lightning_npu.precision import build_precision, check_precision, needs_rebuild, precision_name
 from lightning_npu.runtime import get_runtime
 from lightning_npu.runtime.base import torch_grad_scaler
@@ -114,6 +116,20 @@ def install(connector_cls: type, plugins_namespace: ModuleType) -> None:
         return npu_precision(self, plugins_namespace)
 
     wrap(compat.CHECK_AND_INIT_PRECISION, init_precision)
+
+    # Lightning refuses precision="int8" as an unknown name; on an NPU say why int8 cannot train and what to use.
+    check_config = getattr(connector_cls, compat.CHECK_CONFIG)
+    signature = inspect.signature(check_config)
+
+    @functools.wraps(check_config)
+    def refuse_int8_compute(self: Any, *args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        precision = arguments.get("precision")
+        if is_npu(arguments.get("accelerator")) and precision is not None and is_int8_compute(str(precision)):
+            canonical_precision(precision)  # raises, with the reason and the alternatives
+        return check_config(self, *args, **kwargs)
+
+    setattr(connector_cls, compat.CHECK_CONFIG, refuse_int8_compute)
     setattr(connector_cls, _PATCHED, True)
 
 
