@@ -1,7 +1,8 @@
 """Teach Lightning's Trainer and Fabric connectors the NPU choices they cannot make themselves.
 
 Lightning 2.6 has no hook for third-party accelerators beyond its registries, and its connectors assume
-CUDA in three places that matter here. Each is wrapped so it behaves as before for every other accelerator:
+CUDA in three places that matter here, and refuses a precision it does not know before the plugin could say why.
+Each is wrapped so it behaves as before for every other accelerator:
 
 - ``_choose_strategy``: with ``accelerator="npu"`` and no strategy, pick ``npu_single`` (Lightning would put a
   one-device run on the CPU) or ``npu_ddp`` (Lightning's ``ddp`` enters a CUDA stream).
@@ -10,6 +11,8 @@ CUDA in three places that matter here. Each is wrapped so it behaves as before f
 - ``_check_and_init_precision``: build autocast for the runtime's device type (Lightning builds CUDA autocast
   for unknown accelerators, which does nothing on an NPU, and drops fp16 loss scaling), with the sharded
   loss scaler under npu_fsdp.
+- ``_check_config_and_set_final_flags``: ``precision="int8"`` (any ``int8...``) with ``accelerator="npu"`` fails
+  with why int8 compute cannot train on NPUs and what saves memory instead (Lightning's own error only lists names).
 """
 
 from __future__ import annotations
