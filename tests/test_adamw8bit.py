@@ -203,6 +203,8 @@ def test_recipe_selects_adamw8bit_and_refuses_unknown_optimizers(tmp_path):
 # --------------------------------------------------------------------------------------------------------------
 
 STEPS, RESUME_AT = 200, 190
+#: The launches take about 15 minutes on 2 shared CPU cores: 3 x 200 steps and 10 resumed on 2 ranks, 2 on 1.
+LONG = pytest.mark.timeout(3600)
 TINY_DATA = dict(seq_len=128, batch_size=8)  # tiny.yaml's
 
 
@@ -246,6 +248,7 @@ def tiny_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@LONG
 def test_tiny_recipe_losses_match_torch_adamw_and_a_per_tensor_scale_does_not(tiny_runs):
     _, ranks, _ = tiny_runs
     reference, eight_bit, per_tensor = (ranks[0][v]["losses"] for v in ("adamw", "adamw8bit", "per_tensor"))
@@ -256,6 +259,7 @@ def test_tiny_recipe_losses_match_torch_adamw_and_a_per_tensor_scale_does_not(ti
 
 
 @pytest.mark.slow
+@LONG
 def test_state_bytes_per_rank_match_the_planner(tiny_runs):
     _, ranks, _ = tiny_runs
     model = ModelShape(vocab_size=2048, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden_dim=352,
@@ -270,6 +274,7 @@ def test_state_bytes_per_rank_match_the_planner(tiny_runs):
 
 
 @pytest.mark.slow
+@LONG
 def test_resume_from_a_sharded_checkpoint_is_exact(tiny_runs):
     _, ranks, _ = tiny_runs
     run = ranks[0]["adamw8bit"]
@@ -277,6 +282,7 @@ def test_resume_from_a_sharded_checkpoint_is_exact(tiny_runs):
 
 
 @pytest.mark.slow
+@LONG
 def test_a_2_rank_checkpoint_restores_on_1_rank_and_its_full_forms_load_into_torch_adamw(tiny_runs):
     """2 -> 1 resharding restores exactly what was saved; the consolidated file and a state_dict_type="full" save
     hold fp32 moments torch.optim.AdamW loads; AdamW8bit under npu_fsdp loads the consolidated file back."""
