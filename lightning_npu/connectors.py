@@ -1,7 +1,8 @@
 """Teach Lightning's Trainer and Fabric connectors the NPU choices they cannot make themselves.
 
 Lightning 2.6 has no hook for third-party accelerators beyond its registries, and its connectors assume
-CUDA in three places that matter here. Each is wrapped so it behaves as before for every other accelerator:
+CUDA in three places that matter here, and refuses a precision it does not know before the plugin could say why.
+Each is wrapped so it behaves as before for every other accelerator:
 
 - ``_choose_strategy``: with ``accelerator="npu"`` and no strategy, pick ``npu_single`` (Lightning would put a
   one-device run on the CPU) or ``npu_ddp`` (Lightning's ``ddp`` enters a CUDA stream).
@@ -10,11 +11,14 @@ CUDA in three places that matter here. Each is wrapped so it behaves as before f
 - ``_check_and_init_precision``: build autocast for the runtime's device type (Lightning builds CUDA autocast
   for unknown accelerators, which does nothing on an NPU, and drops fp16 loss scaling), with the sharded
   loss scaler under npu_fsdp.
+- ``_check_config_and_set_final_flags``: ``precision="int8"`` (any ``int8...``) with ``accelerator="npu"`` fails
+  with why int8 compute cannot train on NPUs and what saves memory instead (Lightning's own error only lists names).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from types import ModuleType
 from typing import Any, Callable
 
@@ -22,6 +26,7 @@ import torch
 
 from lightning_npu import compat
 from lightning_npu.accelerator import NPUAccelerator
+from lightning_npu.facts.precisions import canonical_precision, is_int8_compute
 from lightning_npu.precision import build_precision, check_precision, needs_rebuild, precision_name
 from lightning_npu.runtime import get_runtime
 from lightning_npu.runtime.base import torch_grad_scaler
@@ -114,6 +119,20 @@ def install(connector_cls: type, plugins_namespace: ModuleType) -> None:
         return npu_precision(self, plugins_namespace)
 
     wrap(compat.CHECK_AND_INIT_PRECISION, init_precision)
+
+    # Lightning refuses precision="int8" as an unknown name; on an NPU say why int8 cannot train and what to use.
+    check_config = getattr(connector_cls, compat.CHECK_CONFIG)
+    signature = inspect.signature(check_config)
+
+    @functools.wraps(check_config)
+    def refuse_int8_compute(self: Any, *args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        precision = arguments.get("precision")
+        if is_npu(arguments.get("accelerator")) and precision is not None and is_int8_compute(str(precision)):
+            canonical_precision(precision)  # raises, with the reason and the alternatives
+        return check_config(self, *args, **kwargs)
+
+    setattr(connector_cls, compat.CHECK_CONFIG, refuse_int8_compute)
     setattr(connector_cls, _PATCHED, True)
 
 

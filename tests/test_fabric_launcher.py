@@ -65,6 +65,7 @@ def test_a_failing_script_makes_run_exit_1_with_the_failed_rank_and_its_exit_cod
         (["--strategy", "ddp"], "--strategy 'ddp' cannot run on NPUs; use one of npu_ddp, npu_fsdp, npu_single"),
         (["--devices", "2", "--strategy", "npu_single"], "--strategy npu_single runs one process"),
         (["--precision", "64-true"], "precision='64-true' is not supported on NPUs: HCCL cannot reduce float64"),
+        (["--precision", "int8-mixed"], "precision='int8-mixed' is not supported on NPUs: torch_npu's int8 matmuls"),
     ],
 )
 def test_bad_options_fail_with_a_clear_message_and_launch_nothing(tmp_path, capsys, simulate, options, message):

@@ -86,6 +86,7 @@ def test_lightning_precision_aliases_have_one_canonical_name(value, canonical):
     [
         (64, "precision=64 is not supported on NPUs: HCCL cannot reduce float64 tensors. Use one of '32-true',"),
         ("transformer-engine", "precision='transformer-engine' is not supported on NPUs: transformer-engine fp8"),
+        ("INT8-true", "precision='INT8-true' is not supported on NPUs: torch_npu's int8 matmuls"),
         ("bf16-mixed ", "precision='bf16-mixed ' is not supported on NPUs; use one of 32-true, bf16-mixed, bf16-true,"
                         " 16-mixed, 16-true"),
     ],

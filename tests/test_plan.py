@@ -244,7 +244,7 @@ def test_a_tensor_parallel_config_is_refused_rather_than_planned_as_plain_shardi
     config.write_text(
         "model:\n  preset: tiny\n"
         "trainer:\n  devices: 4\n  strategy:\n    class_path: lightning_npu.NPUFSDPStrategy\n    init_args:\n"
-        "      auto_wrap_policy: [recipes.llama2.model.TransformerBlock]\n      tensor_parallel_size: 2\n"
+        "      auto_wrap_policy: [recipes.models.llama.model.TransformerBlock]\n      tensor_parallel_size: 2\n"
     )
     with pytest.raises(PlanError, match=r"tensor_parallel_size=2 is not modelled by the planner yet"):
         load_spec(config)

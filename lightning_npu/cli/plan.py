@@ -60,9 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f" 1/2/4/8 devices-per-node rule (default {DEFAULT_PLAN_CHIP})")
     parser.add_argument("--kernels", choices=KERNELS, default="fused",
                         help="fused: torch_npu kernels (default); reference: PyTorch paths; eager: S x S attention")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="fused",
+    parser.add_argument("--optimizer", choices=OPTIMIZERS,
                         help="AdamW's implementation: fused (default; the recipe's on NPUs), foreach (torch's default on"
-                        " other accelerators), per-tensor (torch's on CPU tensors)")
+                        " other accelerators), per-tensor (torch's on CPU tensors), adamw8bit (lightning_npu.optim."
+                        "AdamW8bit, 8-bit moments; the default when the config's model says optimizer: adamw8bit)")
     parser.add_argument("--hccl-buffsize", type=float, help="HCCL_BUFFSIZE in MB (default: the environment's, or 200)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 

@@ -11,6 +11,7 @@ torch-free tools (``lightning-npu plan`` and ``doctor``) and the training code c
   memory_fraction, tensor / context parallel sizes): defaults, validation with the fix in the message, which blocks
   a ratio checkpoints, the mesh layout those sizes give a run (``MeshLayout``).
 - ``env``: the name of every environment variable the package reads or writes.
+- ``optim8bit``: which tensors AdamW8bit keeps 8-bit (from shape and shard count) and the bytes its state takes.
 - ``devices``: device ids -- torch_npu's reading of ``ASCEND_RT_VISIBLE_DEVICES`` and a ``devices=`` value.
 
 Modules here import only the standard library and each other (``tests/test_facts.py`` checks it).

@@ -44,6 +44,21 @@ UNSUPPORTED = {
 }
 
 
+#: Why no precision computes in int8 (``"int8"``, ``"int8-mixed"``, ``"int8-true"``, ...), and what saves memory
+#: instead.
+INT8_COMPUTE = (
+    "torch_npu's int8 matmuls (npu_quant_matmul, npu_weight_quant_batchmatmul) are documented for inference and have"
+    " no backward, so int8 compute cannot train. To save memory in training keep a bf16/fp16 precision and store the"
+    " optimizer's moments in 8 bits (lightning_npu.optim.AdamW8bit; the LLaMA recipe: --model.optimizer adamw8bit),"
+    " or, for LoRA, quantize the frozen base"
+)
+
+
+def is_int8_compute(text: str) -> bool:
+    """Whether a precision setting asks for int8 compute (any spelling starting ``int8``, e.g. ``int8-mixed``)."""
+    return text.strip().lower().startswith("int8")
+
+
 def canonical_precision(value: Any) -> str:
     """The canonical name (one of ``PRECISIONS``) of a precision setting such as ``"bf16"``, ``16`` or
     ``"bf16-mixed"``; ValueError naming the value, why it cannot run, and the choices otherwise."""
@@ -51,6 +66,8 @@ def canonical_precision(value: Any) -> str:
     text = ALIASES.get(text, text)
     if text in PRECISION_DTYPES:
         return text
+    if is_int8_compute(text):
+        raise ValueError(f"precision={value!r} is not supported on NPUs: {INT8_COMPUTE}.")
     if text in UNSUPPORTED:
         raise ValueError(
             f"precision={value!r} is not supported on NPUs: {UNSUPPORTED[text]}."

@@ -45,13 +45,14 @@ def load_spec(
     device_memory_gib: Optional[float] = None,
     chip: Optional[str] = None,
     kernels: str = "fused",
-    optimizer: str = "fused",
+    optimizer: Optional[str] = None,
     hccl_buffsize_mb: Optional[float] = None,
 ) -> PlanSpec:
     """A PlanSpec from a recipe YAML at ``path`` and/or the decoder shape ``model_shape``; keyword arguments win.
 
     The model's memory profile comes from ``model_shape`` if given, else from the config (``profile``, a module,
-    or the config's class paths: see ``lightning_npu.plan.profile``)."""
+    or the config's class paths: see ``lightning_npu.plan.profile``). ``optimizer`` defaults to ``adamw8bit`` when the
+    config's model section says ``optimizer: adamw8bit``, else to ``fused``."""
     if path is None and model_shape is None:
         raise PlanError("nothing to plan: give a recipe config (--config) or the model's shapes (--model-shape)")
     document = _read_yaml(Path(path)) if path is not None else {}
@@ -103,7 +104,8 @@ def load_spec(
             ac_ratio=ratio,
             cpu_offload=bool(options["cpu_offload"]),
             kernels=kernels,
-            optimizer=optimizer,
+            optimizer=optimizer or ("adamw8bit" if class_arguments(model_section).get("optimizer") == "adamw8bit"
+                                    else "fused"),
             hccl_buffsize_mb=buffsize,
             device_memory_gib=float(memory),
             chip=chip or DEFAULT_PLAN_CHIP,

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from lightning_npu.facts.precisions import PRECISION_DTYPES
 from lightning_npu.plan.replay import estimate, max_micro_batch
-from lightning_npu.plan.spec import GIB, ITEMS, PlanError, PlanSpec, chip_memory_gib
+from lightning_npu.plan.spec import GIB, ITEMS, OPTIMIZER_8BIT_LABEL, PlanError, PlanSpec, chip_memory_gib
 
 KIB = 1024
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -78,6 +78,8 @@ def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
                      " optimizer states only for those")
     lines.append("")
     labels = {key: label.format(**names) for key, label in ITEMS.items()}
+    if spec.optimizer == "adamw8bit":
+        labels["optimizer"] = OPTIMIZER_8BIT_LABEL
     if trainable < params:  # no gradients or AdamW moments for frozen weights: say so in their rows
         for key in FROZEN_FREE_ITEMS:
             labels[key] += ", trainable only"

@@ -30,6 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from lightning_npu.facts import optim8bit
 from lightning_npu.plan.decoder import FP32_BYTES
 from lightning_npu.plan.spec import GIB, ITEMS, MIB, Estimate, PlanSpec, check_zero_stage
 
@@ -44,6 +45,9 @@ BATCHES_HELD, TENSORS_PER_BATCH, INT64_BYTES = 2, 2, 8
 CROSS_ENTROPY_BACKWARD_TENSORS = 2
 #: AdamW's per-tensor loop holds a scratch of its largest two tensors; foreach holds sqrt(v) for every tensor.
 PER_TENSOR_SCRATCH_TENSORS = 2
+#: AdamW8bit's loop holds, for its largest tensor, fp32 copies of both moments, the denominator, the scaled block
+#: values and their int32 codes while re-quantizing.
+ADAMW8BIT_SCRATCH_TENSORS = 5
 #: The largest micro-batch ``max_micro_batch`` searches up to.
 MAX_MICRO_BATCH = 1 << 16
 
@@ -81,16 +85,19 @@ class _Unit:
     padded: int
     exact: int
     largest_shard: int
+    #: The part of ``shard`` whose AdamW8bit moments are 8-bit (``facts.optim8bit.quantizes``).
+    quantized_shard: int
 
 
 def _unit(name: str, shapes: Iterable[tuple[int, ...]], group: int) -> _Unit:
-    shard = padded = exact = largest = 0
+    shard = padded = exact = largest = quantized = 0
     for shape in shapes:
         rows, rest = shape[0], math.prod(shape[1:])
         local = -(-rows // group) * rest  # FSDP2 pads dim 0 to a multiple of the group size
         shard, padded, exact = shard + local, padded + local * group, exact + rows * rest
         largest = max(largest, local)
-    return _Unit(name, shard, padded, exact, largest)
+        quantized += local if optim8bit.quantizes(tuple(shape), group) else 0
+    return _Unit(name, shard, padded, exact, largest, quantized)
 
 
 def _units(spec: PlanSpec, trainable: bool = False) -> tuple[_Unit, list[_Unit]]:
@@ -112,7 +119,13 @@ def state_bytes(spec: PlanSpec) -> dict[str, float]:
     ones (in host memory instead under ``cpu_offload``)."""
     shards, trainable = (sum(unit.shard for unit in [root] + blocks) * spec.bytes.master
                          for root, blocks in (_units(spec), _units(spec, trainable=True)))
-    return {"parameters": shards, "gradients": trainable, "optimizer": 2 * trainable}
+    optimizer = 2 * trainable
+    if spec.optimizer == "adamw8bit":
+        root, blocks = _units(spec, trainable=True)
+        optimizer = sum(optim8bit.state_bytes(unit.quantized_shard, True)
+                        + optim8bit.state_bytes(unit.shard - unit.quantized_shard, False, spec.bytes.master)
+                        for unit in [root] + blocks)
+    return {"parameters": shards, "gradients": trainable, "optimizer": optimizer}
 
 
 class _StepReplay:
@@ -300,13 +313,15 @@ class _StepReplay:
 
     def optimizer_step(self) -> None:
         """Fused AdamW updates in place; foreach holds sqrt(v) for every tensor; the per-tensor loop only for its
-        largest two."""
+        largest two; AdamW8bit's loop the fp32 working set of its largest (ADAMW8BIT_SCRATCH_TENSORS)."""
         if self.spec.cpu_offload or self.spec.optimizer == "fused":
             return
+        largest = max(unit.largest_shard for unit in [self.train_root] + self.train_blocks)
         if self.spec.optimizer == "foreach":
             scratch = self.shard_total * self.master
+        elif self.spec.optimizer == "adamw8bit":
+            scratch = ADAMW8BIT_SCRATCH_TENSORS * largest * FP32_BYTES
         else:
-            largest = max(unit.largest_shard for unit in [self.train_root] + self.train_blocks)
             scratch = PER_TENSOR_SCRATCH_TENSORS * largest * self.master
         self.timeline.moment("temporaries", scratch, "optimizer step")
 

@@ -36,8 +36,11 @@ DEFAULT_FRAGMENTATION = 0.05
 KERNELS = ("fused", "reference", "eager")
 #: ``--optimizer``: AdamW's implementation. fused: one in-place kernel (``AdamW(fused=True)``; the recipe's choice on
 #: NPUs, where torch_npu implements ``_fused_adamw_``); foreach: torch's default on accelerators without it (holds
-#: sqrt(v) for every tensor while stepping); per-tensor: torch's loop on CPU tensors (a scratch of its largest two).
-OPTIMIZERS = ("fused", "foreach", "per-tensor")
+#: sqrt(v) for every tensor while stepping); per-tensor: torch's loop on CPU tensors (a scratch of its largest two);
+#: adamw8bit: ``lightning_npu.optim.AdamW8bit`` (8-bit moments at ``facts.optim8bit``'s bytes, a per-tensor loop).
+OPTIMIZERS = ("fused", "foreach", "per-tensor", "adamw8bit")
+#: The optimizer row's label with AdamW8bit (ITEMS has torch AdamW's).
+OPTIMIZER_8BIT_LABEL = "optimizer states (AdamW8bit: 8-bit codes + fp32 scales)"
 
 
 @dataclass(frozen=True)

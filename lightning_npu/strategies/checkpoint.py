@@ -46,6 +46,7 @@ from lightning_npu.compat import (
     move_state_into,
     validate_keys_for_strict_loading,
 )
+from lightning_npu.optim.adamw8bit import AdamW8bit, full_state
 from lightning_npu.strategies.staging import HostStaging
 
 #: DCP's index file inside a sharded checkpoint directory.
@@ -332,7 +333,8 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, options: Any) 
         state = optimizer.state_dict()
         return state if options.full_state_dict else keyed_by_name(state, module, optimizer)
     state = get_optimizer_state_dict(module, optimizer, options=options)
-    return keyed_by_index(state) if options.full_state_dict else state
+    # A full checkpoint holds AdamW8bit's moments dequantized, as torch's AdamW keeps and loads them.
+    return keyed_by_index(full_state(state)) if options.full_state_dict else state
 
 
 def split_fabric_state(
@@ -467,6 +469,8 @@ def _load_full(path: Path, module_key: str, module: nn.Module, optimizers: dict[
         checkpoint.update(zip(optimizers, checkpoint.pop("optimizer_states", [])))
     for key, optimizer in _with_saved_state(optimizers, checkpoint, path, required=strict or from_list).items():
         saved = keyed_by_name(checkpoint.pop(key), module, optimizer)
+        if isinstance(optimizer, AdamW8bit):  # fp32 moments -> the codes and scales its live state is sharded into
+            saved = optimizer.quantized_full_state(saved)
         # torch's full-state path shards the saved tensors onto the live ones and fails when there are none (an
         # optimizer without state, e.g. SGD without momentum): then only the param groups need restoring.
         full = any(isinstance(t, torch.Tensor) for values in saved.get("state", {}).values() for t in values.values())
@@ -543,6 +547,9 @@ def read_sharded(path: Union[str, Path]) -> dict[str, Any]:
         missing = "does not exist" if not path.exists() else f"holds no {DCP_METADATA_FILENAME}"
         raise FileNotFoundError(f"{path} is not a sharded checkpoint directory: it {missing}")
     checkpoint = compat.load_distributed_checkpoint(path)
+    for key, value in checkpoint.items():  # optimizer states: AdamW8bit's moments dequantized, as in a full save
+        if isinstance(value, dict) and {"state", "param_groups"} <= value.keys():
+            checkpoint[key] = full_state(value)
     if _TRAINER_VERSION_KEY in checkpoint and "state_dict" in checkpoint:
         numbered = sorted((int(k.split("_")[1]), k) for k in checkpoint if re.fullmatch(r"optimizer_\d+", k))
         if numbered:

@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
 from torch.nn import functional as F
 
+from lightning_npu.optim import AdamW8bit
 from recipes import families
 from recipes.decoder.lora import (
     LoRAConfig,
@@ -34,6 +35,10 @@ from recipes.decoder.lora import (
     initial_adapter_state,
     is_adapter_name,
 )
+
+
+#: The recipe's ``model.optimizer`` choices.
+OPTIMIZERS = ("adamw", "adamw8bit")
 
 
 class DecoderLM(LightningModule):
@@ -53,6 +58,8 @@ class DecoderLM(LightningModule):
         tokenizer_path: recorded in checkpoints so generation finds the tokenizer.
         lora: ``{rank, alpha, dropout, targets}`` (see ``lora.LoRAConfig``) to train LoRA adapters on a frozen base
             loaded from ``init_from``; None trains every weight.
+        optimizer: ``adamw`` (torch's, fp32 moments: 8 bytes of state per parameter) or ``adamw8bit``
+            (``lightning_npu.optim.AdamW8bit``: 8-bit moments, about 2.03 bytes).
     """
 
     def __init__(
@@ -69,8 +76,12 @@ class DecoderLM(LightningModule):
         init_from: Optional[str] = None,
         tokenizer_path: Optional[str] = None,
         lora: Optional[dict[str, Any]] = None,
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r} is not one of {', '.join(OPTIMIZERS)}: 'adamw' keeps fp32"
+                             " moments, 'adamw8bit' 8-bit ones (lightning_npu.optim.AdamW8bit)")
         self.family = families.get(family)
         self.config = self.family.config_class.from_preset(preset, **(config or {}))
         self.lora = LoRAConfig.from_value(lora)
@@ -200,11 +211,13 @@ class DecoderLM(LightningModule):
         fused = isinstance(accelerator, NPUAccelerator) and accelerator.runtime.fused_optimizer
         if getattr(self.trainer.precision_plugin, "scaler", None) is not None and self.trainer.gradient_clip_val:
             fused = False
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas), eps=self.hparams.eps,
-            fused=True if fused else None,
-        )
+        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        hyper = dict(lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas), eps=self.hparams.eps)
+        if self.hparams.get("optimizer", "adamw") == "adamw8bit":  # older checkpoints' hparams have no optimizer
+            optimizer = AdamW8bit(groups, **hyper)
+        else:
+            optimizer = torch.optim.AdamW(groups, **hyper, fused=True if fused else None)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         schedule = warmup_cosine(self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
