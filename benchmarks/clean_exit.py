@@ -64,7 +64,7 @@ class Run:
     finished_ranks: list[int]
     teardowns: list[dict] = field(default_factory=list)  # per rank: groups_left, gloo_worker_threads
     seconds: float = 0.0
-    output: str = ""  # kept only for a run that did not exit cleanly
+    output: str = ""  # kept only for a run that did not exit cleanly or left something at teardown
 
     @property
     def signalled(self) -> bool:
@@ -119,7 +119,8 @@ def run_once(way: str, script_args: list[str] = (), root: Path = REPO) -> Run:
                    for rank, _pid, left, threads in _TEARDOWN.findall(output)],
         seconds=round(time.monotonic() - start, 1),
     )
-    if not run.clean:
+    left = any(t["groups_left"] or t["gloo_worker_threads"] for t in run.teardowns)
+    if not run.clean or len(run.teardowns) < WORLD or left:  # kept to tell what happened
         run.output = output[-6000:]
     return run
 
