@@ -13,7 +13,18 @@ import pytest
 import torch
 
 import lightning_npu.kernels as kernels
-from lightning_npu.kernels import _dispatch, apply_rotary, causal_attention, rms_norm, rotary_tables, swiglu
+from lightning_npu.kernels import (
+    _dispatch,
+    apply_rotary,
+    causal_attention,
+    grouped_matmul,
+    permute_tokens,
+    reference_grouped_matmul,
+    rms_norm,
+    rotary_tables,
+    swiglu,
+    unpermute_tokens,
+)
 from tests.npu_fake import RELEASES, install_fake_torch_npu
 from tests.npu_fake.fake import DEFAULT_RELEASE
 
@@ -23,7 +34,10 @@ rms_norm_mod = importlib.import_module("lightning_npu.kernels.rms_norm")
 rotary_mod = importlib.import_module("lightning_npu.kernels.rotary")
 swiglu_mod = importlib.import_module("lightning_npu.kernels.swiglu")
 packed_attention_mod = importlib.import_module("lightning_npu.kernels.packed_attention")
-KERNEL_MODULES = (attention_mod, rms_norm_mod, rotary_mod, swiglu_mod, packed_attention_mod)
+grouped_matmul_mod = importlib.import_module("lightning_npu.kernels.grouped_matmul")
+token_permute_mod = importlib.import_module("lightning_npu.kernels.token_permute")
+KERNEL_MODULES = (attention_mod, rms_norm_mod, rotary_mod, swiglu_mod, packed_attention_mod, grouped_matmul_mod,
+                  token_permute_mod)
 
 # fp32 paths must agree with fp64 plain math to float32 round-off.
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -450,6 +464,205 @@ def test_an_unknown_name_in_the_disable_switch_is_an_error_naming_the_valid_ones
     with pytest.raises(ValueError, match=r"names 'rmsnorm', which is not a fused kernel; use comma-separated names"
                                          r" from attention, rms_norm, rotary, swiglu"):
         rms_norm(torch.randn(2, 4), torch.ones(4))
+
+
+# ---------------------------------------------------------------- MoE: grouped matmul, token permute / unpermute
+
+# torch_npu releases whose MoE ops train (npu_grouped_matmul's dW form, the permute pair's backward).
+MOE_RELEASES = [r for r in RELEASES if r != "2.6.0"]
+
+
+@pytest.fixture(params=MOE_RELEASES)
+def moe_npu(monkeypatch, request):
+    return _take_npu_branch(monkeypatch, release=request.param)
+
+
+def grouped_matmul_math(x, w, counts):
+    """Row block e of x (counts[e] rows, in order) times w[e]."""
+    blocks = x.split(list(counts))
+    return torch.cat([rows @ w[e] for e, rows in enumerate(blocks)])
+
+
+# (counts per expert, K, N): an expert with no tokens (first, middle, last), one expert (count mode refuses a
+# one-entry list), K and N whose rows are not 16-byte aligned (torch._grouped_mm's CPU limit: the per-expert loop),
+# no tokens at all.
+GMM_CASES = {
+    "empty-expert": ((3, 0, 4, 1), 8, 8),
+    "empty-first-and-last": ((0, 5, 2, 0), 8, 4),
+    "one-expert": ((6,), 8, 8),
+    "unaligned": ((2, 0, 3), 5, 3),
+    "no-tokens": ((0, 0, 0), 8, 8),  # a rank that receives none still runs its experts (expert parallelism)
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(GMM_CASES))
+def test_grouped_matmul_gives_every_expert_the_reference_gradient(path, case, dtype):
+    """Catches a fused path that calls npu_grouped_matmul without the autograd wrapper (it has no backward in any
+    release: the output carries no grad_fn and the experts get no gradient), wrong dX / dW calls, and an expert
+    without tokens getting anything but a zero gradient, on each path (reference, and the fakes of every release)."""
+    counts, k, n = GMM_CASES[case]
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(sum(counts), k, generator=g), torch.randn(len(counts), k, n, generator=g)
+    ids = torch.tensor(counts)
+    _check_forward_backward(lambda a, b: grouped_matmul(a, b, ids), lambda a, b: grouped_matmul_math(a, b, counts),
+                            (x, w), dtype)
+    low = _leaves(x.to(dtype), w.to(dtype))
+    out = grouped_matmul(*low, ids)
+    assert out.grad_fn is not None
+    out.sum().backward()  # an expanded gradient (torch._grouped_mm's own backward rejects one)
+    for e, count in enumerate(counts):
+        assert (low[1].grad[e].abs().sum() == 0) == (count == 0), e
+    if path is None or path.release == "2.6.0":
+        return
+    calls = path.calls_to("npu_grouped_matmul")
+    assert [(c["group_type"], c["split_item"]) for c in calls[:3]] == [(0, 2), (0, 2), (2, 3)]  # forward, dX, dW
+    for call in calls:
+        assert call["group_list"].dtype == torch.int64 and call["group_list"].tolist() == list(counts)
+        assert call["group_list_type"] == (1 if len(counts) > 1 else 0) and "output_dtype" not in call
+
+
+def test_grouped_matmul_takes_a_transposed_view_of_x(moe_npu):
+    """npu_grouped_matmul refuses a non-contiguous x with group_type=0 (only the weight may be a view)."""
+    x = torch.randn(8, 5).t()
+    w = torch.randn(2, 8, 3).transpose(1, 2).transpose(1, 2)
+    torch.testing.assert_close(grouped_matmul(x, w, torch.tensor([4, 1])), grouped_matmul_math(x, w, [4, 1]))
+    assert len(moe_npu.calls_to("npu_grouped_matmul")) == 1
+
+
+def test_grouped_matmul_falls_back_on_torch_npu_2_6_and_says_so_once(monkeypatch, caplog):
+    """2.6.0 rejects the dW call's group_type=2: the fused path would fail in backward, so it must not be taken."""
+    fake = _take_npu_branch(monkeypatch, release="2.6.0")
+    x, w, counts = torch.randn(5, 8), torch.randn(2, 8, 8), torch.tensor([2, 3])
+    with caplog.at_level(logging.WARNING, logger="lightning_npu.kernels"):
+        for _ in range(2):
+            torch.testing.assert_close(grouped_matmul(x, w, counts), grouped_matmul_math(x, w, [2, 3]))
+    assert fake.calls_to("npu_grouped_matmul") == []
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("grouped_matmul falls back")]
+    assert said == ["grouped_matmul falls back to the PyTorch reference path on NPU: npu_grouped_matmul needs"
+                    " torch_npu >= 2.13 (older releases reject the weight gradient's group_type=2); this is torch_npu 2.6.0"]
+
+
+def test_grouped_matmul_rejects_counts_that_do_not_cover_the_rows():
+    with pytest.raises(ValueError, match=r"counts \[2, 2\] must be >= 0 and sum to the 5 rows"):
+        reference_grouped_matmul(torch.randn(5, 4), torch.randn(2, 4, 3), torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match="one entry per expert"):
+        grouped_matmul(torch.randn(5, 4), torch.randn(2, 4, 3), torch.tensor([5]))
+
+
+def _routing(tokens=6, hidden=8, experts=4, top_k=2, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1).indices  # int64, as from a router
+    probs = torch.rand(tokens, top_k, generator=g).softmax(-1).to(dtype)
+    return x, ids, probs
+
+
+def _dispatch_combine(x, ids, probs, experts):
+    """permute -> a per-row expert function (row * (expert + 1), so a row sent to the wrong expert shows) -> unpermute."""
+    permuted, counts, permutation = permute_tokens(x, ids, probs, experts)
+    scale = torch.repeat_interleave(torch.arange(1, experts + 1, dtype=x.dtype), counts)[:, None]
+    return unpermute_tokens(permuted * scale, permutation), counts, permutation
+
+
+def dispatch_combine_math(x, ids, probs):
+    return (x[:, None, :] * probs[..., None] * (ids[..., None] + 1).to(x.dtype)).sum(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_permute_unpermute_round_trip_and_gradients_match_on_both_paths(path, dtype):
+    """Catches a wrong index convention (CANN's sorted_indices is the inverse of the reference argsort: mixing
+    them sends rows to the wrong tokens), rows not sorted by expert, wrong counts, and wrong gradients."""
+    x, ids, probs = _routing(dtype=dtype)
+    _check_forward_backward(lambda a, p: _dispatch_combine(a, ids, p, 4)[0], lambda a, p: dispatch_combine_math(a, ids, p),
+                            (x, probs), dtype)
+    _, counts, permutation = _dispatch_combine(x, ids, probs, 4)
+    assert counts.tolist() == torch.bincount(ids.flatten(), minlength=4).tolist()
+    fused = path is not None and path.release != "2.6.0"
+    assert permutation.fused == fused
+    assert len(path.calls_to("npu_moe_token_unpermute") if path else []) == (2 if fused else 0)
+
+
+def test_a_batch_without_tokens_routes_nothing_on_both_paths(path):
+    """A rank that receives no tokens (expert parallelism) still runs the pair, and must get empty results."""
+    x, ids, probs = _routing(tokens=0)
+    out, counts, _ = _dispatch_combine(x.requires_grad_(True), ids, probs, 4)
+    out.sum().backward()
+    assert out.shape == (0, 8) and counts.tolist() == [0, 0, 0, 0] and x.grad.shape == (0, 8)
+
+
+def test_fused_and_reference_permutations_agree_row_for_row(moe_npu):
+    x, ids, probs = _routing()
+    fused_rows, _, fused = permute_tokens(x, ids, probs, 4)
+    reference_rows, reference_index = token_permute_mod.reference_permute_tokens(x, ids)
+    assert fused.fused and torch.equal(fused_rows, reference_rows)
+    assert torch.equal(fused.sorted_indices.long(), reference_index)
+
+
+def test_an_unpermute_follows_its_permutes_path_whatever_the_switch_says_meanwhile(moe_npu, monkeypatch):
+    """The pair is decided once: turning the switch on (or off) between the two calls must not pair a fused half
+    with a reference half."""
+    x, ids, probs = _routing()
+    permuted, _, fused = permute_tokens(x, ids, probs, 4)
+    monkeypatch.setenv(_dispatch.DISABLE_FUSED_ENV, "token_permute")
+    torch.testing.assert_close(unpermute_tokens(permuted, fused), x)  # probs sum to 1 per token
+    assert len(moe_npu.calls_to("npu_moe_token_unpermute")) == 1
+    permuted, _, reference = permute_tokens(x, ids, probs, 4)
+    monkeypatch.delenv(_dispatch.DISABLE_FUSED_ENV)
+    torch.testing.assert_close(unpermute_tokens(permuted, reference), x)
+    assert not reference.fused and len(moe_npu.calls_to("npu_moe_token_unpermute")) == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"probs_dtype": torch.float32}, "probs are torch.float32 but tokens torch.bfloat16"),
+        ({"top_k": 513}, "top_k=513 exceeds npu_moe_token_permute's limit of 512"),
+        ({"release": "2.6.0"}, "npu_moe_token_permute needs torch_npu >= 2.13"),
+        ({"chip": "Ascend910A"}, "npu_moe_token_permute is documented for Atlas A2/A3 chips"),
+        ({"switch": "token_permute"}, "turned off by LIGHTNING_NPU_DISABLE_FUSED=token_permute"),
+    ],
+    ids=["fp32-probs-bf16-tokens", "top-k-513", "torch_npu-2.6", "910A", "switch"],
+)
+def test_the_permute_pair_falls_back_together_and_says_why_once(monkeypatch, caplog, change, reason):
+    chip = change.get("chip", "Ascend910B2")
+    fake = _take_npu_branch(monkeypatch, release=change.get("release", "2.13.0"), device_name=chip)
+    if "switch" in change:
+        monkeypatch.setenv(_dispatch.DISABLE_FUSED_ENV, change["switch"])
+    top_k = change.get("top_k", 2)
+    x, ids, probs = _routing(experts=max(4, top_k), top_k=top_k, dtype=torch.bfloat16)
+    probs = probs.to(change.get("probs_dtype", torch.bfloat16))
+    with caplog.at_level(logging.WARNING, logger="lightning_npu.kernels"):
+        for _ in range(2):
+            out, _, permutation = _dispatch_combine(x, ids, probs, max(4, top_k))
+    assert not permutation.fused
+    assert fake.calls_to("npu_moe_token_permute") == [] and fake.calls_to("npu_moe_token_unpermute") == []
+    torch.testing.assert_close(out.double(), dispatch_combine_math(x.double(), ids, probs.double()), **BF16_TOL)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("permute_tokens falls back")]
+    assert len(said) == 1 and reason in said[0], said
+
+
+def test_the_grouped_matmul_switch_forces_its_reference_path(moe_npu, monkeypatch, caplog):
+    monkeypatch.setenv(_dispatch.DISABLE_FUSED_ENV, "grouped_matmul")
+    x, w = _leaves(torch.randn(5, 8), torch.randn(2, 8, 8))
+    with caplog.at_level(logging.WARNING, logger="lightning_npu.kernels"):
+        for _ in range(2):
+            grouped_matmul(x, w, torch.tensor([2, 3])).sum().backward()
+    assert moe_npu.calls_to("npu_grouped_matmul") == []
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("grouped_matmul falls back")]
+    assert said == ["grouped_matmul falls back to the PyTorch reference path on NPU: turned off by"
+                    " LIGHTNING_NPU_DISABLE_FUSED=grouped_matmul"]
+
+
+def test_the_moe_routing_inputs_are_checked_with_the_fix():
+    x, ids, probs = _routing()
+    with pytest.raises(ValueError, match="id >= num_experts=3"):
+        permute_tokens(x, ids, probs, 3)
+    with pytest.raises(ValueError, match=r"expert_ids\[:, None\]"):
+        permute_tokens(x, ids[:, 0], probs[:, 0], 4)
+    permuted, _, permutation = permute_tokens(x, ids, probs, 4)
+    with pytest.raises(ValueError, match="one row per permuted token"):
+        unpermute_tokens(permuted[:-1], permutation)
 
 
 # ---------------------------------------------------------------- house rules

@@ -40,6 +40,20 @@ def test_recorded_api_matches_the_documented_facts():
     assert api["npu"]["config"]["gettable_attributes"] == []
 
 
+@pytest.mark.parametrize("release", RELEASES)
+def test_recorded_moe_ops_carry_the_wheels_autograd_and_output_dtype_facts(release):
+    """moe-facts.md section 1: no release registers a backward for npu_grouped_matmul; the permute pair has one
+    from 2.13; output_dtype is ScalarType? in 2.6.0 but int? later, so the kernels never pass it."""
+    ops = load_api(release)["ops"]
+    assert ops["npu_grouped_matmul"]["autograd_node"] is None
+    trains = release != "2.6.0"
+    assert (ops["npu_moe_token_permute"]["autograd_node"] == "NpuMoeTokenPermuteBackward0") == trains
+    assert (ops["npu_moe_token_unpermute"]["autograd_node"] == "NpuMoeTokenUnpermuteBackward0") == trains
+    types = {p["name"]: p["type"] for p in ops["npu_grouped_matmul"]["params"]}
+    assert types["output_dtype"] == ("ScalarType?" if release == "2.6.0" else "int?")
+    assert types["group_list"] == "Tensor?" and types["group_list_type"] == "int?"
+
+
 def test_every_modelled_runtime_function_has_the_recorded_signature():
     api = load_api()["npu"]
     modelled = [n for n in vars(_Runtime) if not n.startswith("_")]
@@ -468,11 +482,151 @@ def test_swiglu_splits_along_dim(fake):
         torch_npu.npu_swiglu(torch.randn(4, 5))
 
 
+# ---------------------------------------------------------------- MoE: npu_grouped_matmul, token permute / unpermute
+
+
+def _gmm_inputs(counts=(3, 0, 2), k=4, n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts), k, generator=g)
+    w = torch.randn(len(counts), k, n, generator=g)
+    return x, w, torch.tensor(counts, dtype=torch.int64)
+
+
+def _per_group(x, w, counts):
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    return torch.cat([x[start:end] @ w[e] for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends))])
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_grouped_matmul_multiplies_each_group_and_has_no_autograd(monkeypatch, release):
+    install_fake_torch_npu(monkeypatch, release=release)
+    import torch_npu
+
+    x, w, counts = _gmm_inputs()
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    by_counts = torch_npu.npu_grouped_matmul([x], [w], group_list=counts, split_item=2, group_type=0, group_list_type=1)
+    by_ends = torch_npu.npu_grouped_matmul([x], [w], group_list=counts.cumsum(0), split_item=2, group_type=0)
+    torch.testing.assert_close(by_counts[0], _per_group(x.detach(), w.detach(), [3, 0, 2]))
+    torch.testing.assert_close(by_ends[0], by_counts[0])
+    # The wheel registers no autograd node for it: a direct call trains nothing.
+    assert by_counts[0].grad_fn is None and not by_counts[0].requires_grad
+
+
+def test_grouped_matmul_weight_gradient_form_splits_the_k_axis(fake):
+    import torch_npu
+
+    x, _, counts = _gmm_inputs()
+    dy = torch.randn(5, 6)
+    (dw,) = torch_npu.npu_grouped_matmul([x.t()], [dy], group_list=counts, split_item=3, group_type=2, group_list_type=1)
+    assert dw.shape == (3, 4, 6)
+    torch.testing.assert_close(dw[0], x[:3].t() @ dy[:3])
+    assert torch.equal(dw[1], torch.zeros(4, 6))  # the empty group
+    torch.testing.assert_close(dw[2], x[3:].t() @ dy[3:])
+
+
+@pytest.mark.parametrize(
+    ("release", "change", "error", "match"),
+    [
+        ("2.13.0", {"group_list": torch.tensor([3, 0, 2], dtype=torch.int32)}, TypeError, "int64 group_list"),
+        ("2.13.0", {"group_list": [3, 0, 2]}, TypeError, "must be Tensor"),  # the .List overload is not the MoE form
+        ("2.13.0", {"group_list": torch.tensor([3, 0, 1])}, ValueError, "summing to the 5"),
+        ("2.13.0", {"group_list_type": 0}, ValueError, "non-decreasing cumulative ends"),
+        ("2.13.0", {"output_dtype": 1}, ValueError, "do not pass it"),
+        ("2.6.0", {"output_dtype": torch.float32}, ValueError, "do not pass it"),
+        ("2.13.0", {"x_t": True}, ValueError, "contiguous"),
+        ("2.13.0", {"bias": [torch.zeros(3, 5)]}, NotImplementedError, "bias"),
+    ],
+    ids=["int32-group-list", "list-group-list", "counts-not-summing", "ends-not-increasing", "output-dtype-2.13",
+         "output-dtype-2.6", "transposed-x", "bias"],
+)
+def test_grouped_matmul_refuses_wrong_uses(monkeypatch, release, change, error, match):
+    install_fake_torch_npu(monkeypatch, release=release)
+    import torch_npu
+
+    x, w, counts = _gmm_inputs()
+    if change.pop("x_t", False):
+        x = torch.randn(4, 5).t()
+    kwargs = {"group_list": counts, "split_item": 2, "group_type": 0, "group_list_type": 1, **change}
+    with pytest.raises(error, match=match):
+        torch_npu.npu_grouped_matmul([x], [w], **kwargs)
+
+
+def test_grouped_matmul_count_mode_rejects_a_single_group(fake):
+    import torch_npu
+
+    x, w, _ = _gmm_inputs(counts=(5,))
+    with pytest.raises(ValueError, match="length 1"):
+        torch_npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([5]), split_item=2, group_type=0, group_list_type=1)
+    (out,) = torch_npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([5]), split_item=2, group_type=0)
+    torch.testing.assert_close(out, x @ w[0])  # its cumulative end (type 0) is accepted
+
+
+def test_grouped_matmul_weight_gradient_form_needs_2_13(monkeypatch):
+    install_fake_torch_npu(monkeypatch, release="2.6.0")
+    import torch_npu
+
+    x, _, counts = _gmm_inputs()
+    with pytest.raises(ValueError, match="group_type=2.*needs torch_npu >= 2.13"):
+        torch_npu.npu_grouped_matmul([x.t()], [torch.randn(5, 6)], group_list=counts, split_item=3, group_type=2,
+                                     group_list_type=1)
+
+
+def test_token_permute_follows_the_documented_example_and_cann_index_convention(fake):
+    """The 2.13.0 docstring's example: ids [[0, 4], [4, 3], [4, 2], [1, 1]] sort stably by expert to token rows
+    1 0 0 3 2 1 2 3 (bf16); sorted_indices[i] is where (token i // 2, choice i % 2) went, not the argsort."""
+    import torch_npu
+
+    tokens = torch.tensor([[1, 1, 1], [2, 2, 2], [3, 3, 3], [0, 0, 0]], dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 4], [4, 3], [4, 2], [1, 1]])
+    permuted, sorted_indices = torch_npu.npu_moe_token_permute(tokens, ids, ids.numel())
+    assert permuted[:, 0].tolist() == [1, 0, 0, 3, 2, 1, 2, 3]
+    assert sorted_indices.dtype == torch.int32 and sorted_indices.tolist() == [0, 5, 6, 4, 7, 3, 1, 2]
+    assert sorted_indices.tolist() != torch.argsort(ids.flatten(), stable=True).tolist()
+    assert torch.equal(permuted[sorted_indices.long()], tokens.repeat_interleave(2, dim=0))
+    probs = torch.full((4, 2), 0.5, dtype=torch.bfloat16)
+    torch.testing.assert_close(torch_npu.npu_moe_token_unpermute(permuted, sorted_indices, probs), tokens)
+    assert torch_npu.npu_moe_token_permute(tokens, ids, 3)[0].shape == (3, 3)  # num_out_tokens keeps the first rows
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_token_permute_pair_is_differentiable_from_2_13(monkeypatch, release):
+    install_fake_torch_npu(monkeypatch, release=release)
+    import torch_npu
+
+    tokens = torch.randn(4, 3, requires_grad=True)
+    probs = torch.rand(4, 2, requires_grad=True)
+    permuted, sorted_indices = torch_npu.npu_moe_token_permute(tokens, torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1]]))
+    out = torch_npu.npu_moe_token_unpermute(permuted * 1.0, sorted_indices, probs)
+    differentiable = release != "2.6.0"  # 2.6.0's library has no NpuMoeToken*Backward0 node
+    assert (permuted.grad_fn is not None) == differentiable and (out.grad_fn is not None) == differentiable
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda t: t.npu_moe_token_permute(torch.randn(2, 3), torch.zeros(2, 513, dtype=torch.int64)), ValueError, "topK <= 512"),
+        (lambda t: t.npu_moe_token_permute(torch.randn(2, 3), torch.zeros(2, 2)), TypeError, "int32/int64"),
+        (lambda t: t.npu_moe_token_permute(torch.randn(2, 3), torch.zeros(2, 2, dtype=torch.int64), padded_mode=True),
+         ValueError, "padded_mode=False"),
+        (lambda t: t.npu_moe_token_unpermute(torch.randn(4, 3, dtype=torch.bfloat16), torch.arange(4, dtype=torch.int32),
+                                             torch.rand(2, 2)), TypeError, "NaN"),
+        (lambda t: t.npu_moe_token_unpermute(torch.randn(4, 3), torch.arange(4), torch.rand(2, 2)), TypeError, "int32"),
+    ],
+    ids=["topk-513", "float-ids", "padded-mode", "probs-dtype", "int64-sorted-indices"],
+)
+def test_token_permute_pair_refuses_wrong_uses(fake, call, error, match):
+    import torch_npu
+
+    with pytest.raises(error, match=match):
+        call(torch_npu)
+
+
 # ---------------------------------------------------------------- the extractor
 
 
 def test_extractor_follows_imports_and_parses_op_schemas(tmp_path):
-    from tools.extract_torch_npu_api import WheelSource, extract
+    from tools.extract_torch_npu_api import FUSED_OPS, WheelSource, extract
 
     files = {
         "torch_npu/version.py": "__version__ = '9.9.9'\n",
@@ -501,11 +655,17 @@ def test_extractor_follows_imports_and_parses_op_schemas(tmp_path):
             "class autocast:\n    def __init__(self, enabled=True, dtype=torch.float16):\n        pass\n"
         ),
         "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml": "\n".join(
-            f"- func: {op}(Tensor self, int[]? dims=None, *, float eps=1., str mode='half') -> (Tensor, Tensor)\n"
+            f"- func: {op}(Tensor self, int[]? dims=None, *, float eps=1., str mode='half', int[2] span=[],"
+            f" int[] pair=[0, -1], int reduction=Mean) -> (Tensor, Tensor)\n"
             f"- func: {op}_backward(Tensor grad) -> Tensor"
-            for op in ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu")
+            for op in FUSED_OPS
         ),
-        "torch_npu/_op_plugin_docs.py": "torch_npu.npu_rms_norm(Tensor self, float eps=1.) -> (Tensor, Tensor)\n",
+        "torch_npu/_op_plugin_docs.py": (
+            "torch_npu.npu_rms_norm(Tensor self, float eps=1.) -> (Tensor, Tensor)\n"
+            "npu_grouped_matmul(x, weight, *, bias=None) -> List[torch.Tensor]\n"
+        ),
+        # Autograd node names as the library's strings hold them: one for npu_rms_norm, none for npu_swiglu.
+        "torch_npu/lib/libtorch_npu.so": "\x00NpuRmsNormBackward0\x00NpuSwigluGroupQuantBackward0\x00",
         "torch_npu/utils/custom_ops.py": "torch_npu.npu_rms_norm = torch.ops.npu.npu_rms_norm\n",
         "torch_npu/profiler/__init__.py": (
             "from torch_npu._C._profiler import ProfilerActivity\n"
@@ -540,9 +700,13 @@ def test_extractor_follows_imports_and_parses_op_schemas(tmp_path):
     assert npu["FloatTensor"]["kind"] == "unresolved"
     assert str(signature_from_params(api["npu_amp"]["autocast"]["init_params"])) == "(enabled=True, dtype=torch.float16)"
     rms = api["ops"]["npu_rms_norm"]
-    assert str(signature_from_params(rms["params"])) == "(input, dims=None, *, eps=1.0, mode='half')"
-    assert [p["type"] for p in rms["params"]] == ["Tensor", "int[]?", "float", "str"]
+    assert str(signature_from_params(rms["params"])) == (
+        "(input, dims=None, *, eps=1.0, mode='half', span=[], pair=[0, -1], reduction=Mean)")
+    assert [p["type"] for p in rms["params"]] == ["Tensor", "int[]?", "float", "str", "int[2]", "int[]", "int"]
     assert rms["bound_to"] == "torch.ops.npu.npu_rms_norm" and rms["doc_signature"].startswith("torch_npu.npu_rms_norm(")
+    assert api["ops"]["npu_grouped_matmul"]["doc_signature"].startswith("npu_grouped_matmul(x, weight")
+    assert rms["autograd_node"] == "NpuRmsNormBackward0"
+    assert api["ops"]["npu_swiglu"]["autograd_node"] is None  # NpuSwigluGroupQuantBackward0 is another op's
     prof = api["profiler"]
     assert str(signature_from_params(prof["profile"]["init_params"])) == "(*, activities=None)"
     assert prof["profile"]["methods"] == ["start", "step"]  # inherited ones too, private ones not

@@ -39,7 +39,7 @@ def test_quick_selftest_on_two_simulated_npus_passes_and_reports_fused_kernels_n
     checks = _by_label(data)
     assert data["exit_code"] == 0 and data["failures"] == []
     kernel_checks = [c for label, c in checks.items() if label.startswith("kernels/")]
-    assert len(kernel_checks) == 12  # 4 kernels x fp32/bf16/fp16
+    assert len(kernel_checks) == 18  # 6 kernels x fp32/bf16/fp16
     for check in kernel_checks:
         assert check["verdict"] == "not available" and "cpu tensors run the PyTorch reference path" in check["detail"]
         assert check["figures"]["reference_s"] > 0
@@ -82,8 +82,24 @@ def _wrong_swiglu(original):
     return call
 
 
+def _wrong_grouped_matmul(original):
+    def call(x, weight, **kwargs):
+        out = original(x, weight, **kwargs)
+        return [out[0].flip(0)] if kwargs["group_type"] == 2 else out  # each expert gets another's weight gradient
+    return call
+
+
+def _wrong_token_permute(original):
+    def call(tokens, indices, *args, **kwargs):
+        permuted, sorted_indices = original(tokens, indices, *args, **kwargs)
+        return permuted, torch.argsort(sorted_indices).to(torch.int32)  # the argsort convention, not CANN's
+    return call
+
+
 WRONG = {"attention": ("npu_fusion_attention", _wrong_attention), "rms_norm": ("npu_rms_norm", _wrong_rms_norm),
-         "rotary": ("npu_rotary_mul", _wrong_rotary), "swiglu": ("npu_swiglu", _wrong_swiglu)}
+         "rotary": ("npu_rotary_mul", _wrong_rotary), "swiglu": ("npu_swiglu", _wrong_swiglu),
+         "grouped_matmul": ("npu_grouped_matmul", _wrong_grouped_matmul),
+         "token_permute": ("npu_moe_token_permute", _wrong_token_permute)}
 
 
 def _tiny_cases():
@@ -131,7 +147,7 @@ def test_a_wrong_fused_kernel_fails_its_check_and_names_its_fallback_switch(fake
     full = report.Report(versions={"torch": torch.__version__}, chip={"name": "Ascend910B2"}, checks=results)
     text = report.render(full)
     assert full.exit_code == 1
-    assert f"FAILED kernels/{op} fp32: {npu_op} differs from the PyTorch reference" in text
+    assert f"FAILED kernels/{op} fp32: {_dispatch.FUSED_OPS[op].npu_op} differs from the PyTorch reference" in text
     assert f"to train meanwhile, set LIGHTNING_NPU_DISABLE_FUSED={op}" in text
 
 

@@ -9,7 +9,10 @@ by parsing the wheel's Python sources with ``ast`` and its op schemas as text:
   (``from .memory import *`` and so on) to the function, class or object that defines it, with the exact
   parameter list of functions and class constructors;
 - the names of ``torch_npu.npu.amp``;
-- the fused ops lightning-npu calls, from ``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml``;
+- the fused ops lightning-npu calls, from ``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml``, each with
+  the autograd node ``torch_npu/lib/libtorch_npu.so`` registers for it (``NpuRmsNormBackward0``), or None: an op
+  without one returns outputs that carry no gradient (npu_grouped_matmul in every release; the MoE token
+  permute / unpermute before 2.13);
 - every name in ``torch_npu/profiler/__init__.py``'s ``__all__``, classes with their public methods, and the
   members of the C enum ``ProfilerActivity`` as the wheel's Python code uses them (``ProfilerActivity.NPU``);
 - torch_npu's own FSDP loss scaler (``_ShardedGradScaler``, its constructor) and the torch name it is assigned to
@@ -36,7 +39,15 @@ import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
-FUSED_OPS = ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu")
+FUSED_OPS = (
+    "npu_fusion_attention",
+    "npu_rms_norm",
+    "npu_rotary_mul",
+    "npu_swiglu",
+    "npu_grouped_matmul",
+    "npu_moe_token_permute",
+    "npu_moe_token_unpermute",
+)
 SHARDED_SCALER_MODULE = "torch_npu.npu.amp.sharded_grad_scaler"
 SHARDED_SCALER = "_ShardedGradScaler"
 #: The assignment by which torch_npu swaps its scaler into FSDP (torch_npu/__init__.py in 2.6,
@@ -45,6 +56,8 @@ SHARDED_SCALER_PATCH = re.compile(r"^\s*(?:torch\.distributed\.fsdp\.)?sharded_g
 SCHEMA_YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 OP_DOCS = "torch_npu/_op_plugin_docs.py"
 CUSTOM_OPS = "torch_npu/utils/custom_ops.py"
+#: The library holding torch_npu's autograd functions (their node names, ``Npu<Op>Backward0``, are in its strings).
+AUTOGRAD_LIB = "torch_npu/lib/libtorch_npu.so"
 PROFILER = "torch_npu.profiler"
 FAKE_DIR = Path(__file__).resolve().parent.parent / "tests" / "npu_fake"
 
@@ -79,9 +92,12 @@ class WheelSource:
         return sorted(str(p.relative_to(self.path)) for p in self.path.rglob("*") if p.is_file())
 
     def read(self, rel: str) -> str:
+        return self.read_bytes(rel).decode("utf-8")
+
+    def read_bytes(self, rel: str) -> bytes:
         if self._zip is not None:
-            return self._zip.read(rel).decode("utf-8")
-        return (self.path / rel).read_text(encoding="utf-8")
+            return self._zip.read(rel)
+        return (self.path / rel).read_bytes()
 
 
 class ModuleResolver:
@@ -327,8 +343,12 @@ def parse_schema(schema: str) -> dict[str, Any]:
             "kind": "KEYWORD_ONLY" if keyword_only else "POSITIONAL_OR_KEYWORD",
             "type": type_,
         }
-        if default:
-            entry["default"] = _schema_default(default.strip())
+        default = default.strip()
+        if re.fullmatch(r"[A-Za-z_]\w*", default) and default not in ("None", "True", "False"):
+            # An enum member (`int reduction=Mean`, `MemoryFormat? memory_format=contiguous_format`): no literal.
+            entry["default_expr"] = default
+        elif default:
+            entry["default"] = _schema_default(default)
         params.append(entry)
     return {"name": m.group("name"), "params": params, "returns": m.group("returns").strip()}
 
@@ -351,20 +371,37 @@ def _split_top_level(text: str) -> list[str]:
 
 
 def _schema_default(text: str) -> Any:
+    """A schema default as a Python value: None, bools, strings, ints, floats (``1.``, ``-inf``) and lists of
+    them (``int[2] active_expert_range=[]``, ``int[] dims=[0, 1]``)."""
+    text = text.strip()
     if text == "None":
         return None
     if text in ("True", "False"):
         return text == "True"
     if text[0] in "\"'":
         return text[1:-1]
+    if text.startswith("[") and text.endswith("]"):
+        return [_schema_default(item) for item in _split_top_level(text[1:-1])]
     if re.fullmatch(r"-?\d+", text):
         return int(text)
-    return float(text)
+    try:
+        return float(text)
+    except ValueError:
+        raise SystemExit(f"cannot parse the op schema default {text!r}; teach _schema_default its syntax") from None
+
+
+def autograd_node(library: bytes, op: str) -> Optional[str]:
+    """The autograd node torch_npu registers for ``op`` (``npu_rms_norm`` -> ``NpuRmsNormBackward0``), found as a
+    whole string in its library; None when it has none, so that a call returns outputs without a grad_fn."""
+    name = "".join(part.capitalize() for part in op.split("_")) + "Backward0"
+    found = re.search(rb"(?<![A-Za-z0-9_])" + name.encode() + rb"(?![A-Za-z0-9_])", library)
+    return name if found else None
 
 
 def doc_signature(docs_text: str, op: str) -> Optional[str]:
-    """The signature line ``torch_npu.<op>(...) -> ...`` from _op_plugin_docs.py, for comparison."""
-    m = re.search(rf"^torch_npu\.{op}\((.*)\)\s*->\s*(.+)$", docs_text, flags=re.M)
+    """The signature line ``torch_npu.<op>(...) -> ...`` from _op_plugin_docs.py, for comparison (some, such as
+    npu_grouped_matmul's, are written without the ``torch_npu.`` prefix)."""
+    m = re.search(rf"^(?:torch_npu\.)?{op}\((.*)\)\s*->\s*(.+)$", docs_text, flags=re.M)
     return m.group(0).strip() if m else None
 
 
@@ -461,6 +498,9 @@ def extract(source: WheelSource) -> dict[str, Any]:
     yaml_text = source.read(SCHEMA_YAML)
     docs_text = source.read(OP_DOCS)
     custom_ops = source.read(CUSTOM_OPS)
+    if not source.exists(AUTOGRAD_LIB):
+        raise SystemExit(f"{source.path} has no {AUTOGRAD_LIB}; unzip the whole wheel (or pass the .whl itself)")
+    library = source.read_bytes(AUTOGRAD_LIB)
     ops = {}
     for op in FUSED_OPS:
         schema = op_schema(yaml_text, op)
@@ -469,6 +509,7 @@ def extract(source: WheelSource) -> dict[str, Any]:
         entry["doc_signature"] = doc_signature(docs_text, op)
         bound = re.search(rf"^torch_npu\.{op} = (.+)$", custom_ops, flags=re.M)
         entry["bound_to"] = bound.group(1).strip() if bound else None
+        entry["autograd_node"] = autograd_node(library, op)
         ops[op] = entry
 
     scaler = resolver.resolve(SHARDED_SCALER_MODULE, SHARDED_SCALER)

@@ -10,8 +10,8 @@ from __future__ import annotations
 # ----------------------------------------------------------------------------------------- lightning-npu's own
 #: ``<n>``: run accelerator="npu" on the CPU as n simulated NPUs (gloo); unset, "" or "0": real NPUs.
 SIMULATE_ENV = "LIGHTNING_NPU_SIMULATE"
-#: Comma-separated fused kernels (attention, rms_norm, rotary, swiglu, or all) run on their PyTorch reference path
-#: instead (``kernels/_dispatch.py``; the switch ``lightning-npu selftest`` names for a failing kernel).
+#: Comma-separated fused kernels (the names in ``kernels/_dispatch.py``'s FUSED_OPS, or all) run on their PyTorch
+#: reference path instead (the switch ``lightning-npu selftest`` names for a failing kernel).
 DISABLE_FUSED_ENV = "LIGHTNING_NPU_DISABLE_FUSED"
 
 # ------------------------------------------------------------------------------------------ torch / torch_npu

@@ -1,9 +1,9 @@
 """Which path each kernel takes: its torch_npu fused op, or its PyTorch reference, and saying (once) why not fused.
 
 A fused op runs when the input is an NPU tensor, the user has not turned the op off, its dtype is one torch_npu
-takes, and the op's own limits and chip allow it. ``LIGHTNING_NPU_DISABLE_FUSED`` turns ops off by name
-(``LIGHTNING_NPU_DISABLE_FUSED=rms_norm,rotary``; names in ``FUSED_OPS``, or ``all``): the escape hatch for a
-user whose ``lightning-npu selftest`` fails on one kernel, who can still train on the reference path.
+takes, and the op's own limits, torch_npu release and chip allow it. ``LIGHTNING_NPU_DISABLE_FUSED`` turns ops off
+by name (``LIGHTNING_NPU_DISABLE_FUSED=rms_norm,rotary``; names in ``FUSED_OPS``, or ``all``): the escape hatch for
+a user whose ``lightning-npu selftest`` fails on one kernel, who can still train on the reference path.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_npu.facts.chips import runs_a2_a3_kernels
 from lightning_npu.facts.env import DISABLE_FUSED_ENV
+from lightning_npu.runtime.probe import release
 
 log = logging.getLogger("lightning_npu.kernels")
 
@@ -29,7 +30,7 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclass(frozen=True)
 class FusedOp:
-    """One kernel: its switch name (in DISABLE_FUSED_ENV), its lightning_npu.kernels function, its torch_npu op."""
+    """One kernel: its switch name (in DISABLE_FUSED_ENV), its lightning_npu.kernels function, its torch_npu op(s)."""
 
     name: str
     function: str
@@ -48,6 +49,9 @@ FUSED_OPS = {
         FusedOp("rms_norm", "rms_norm", "npu_rms_norm"),
         FusedOp("rotary", "apply_rotary", "npu_rotary_mul"),
         FusedOp("swiglu", "swiglu", "npu_swiglu"),
+        FusedOp("grouped_matmul", "grouped_matmul", "npu_grouped_matmul"),
+        # One switch for the pair: permute_tokens decides the path, unpermute_tokens follows it.
+        FusedOp("token_permute", "permute_tokens", "npu_moe_token_permute/npu_moe_token_unpermute"),
     )
 }
 
@@ -111,13 +115,24 @@ def log_fallback_once(function: str, reason: str) -> None:
     log.warning("%s falls back to the PyTorch reference path on NPU: %s", function, reason)
 
 
+def release_unsupported_reason(npu_op: str, minimum: tuple[int, int], why: str) -> Optional[str]:
+    """Why the installed torch_npu is too old for fused op ``npu_op`` (``why``: what older releases lack), or None."""
+    import torch_npu
+
+    if release(torch_npu.__version__) >= minimum:
+        return None
+    wanted = ".".join(map(str, minimum))
+    return f"{npu_op} needs torch_npu >= {wanted} ({why}); this is torch_npu {torch_npu.__version__}"
+
+
 def chip_unsupported_reason(npu_op: str) -> Optional[str]:
     """Why the current NPU cannot run fused op ``npu_op`` (an A2/A3-only kernel), or None if it can.
 
-    npu_fusion_attention, npu_rotary_mul and npu_swiglu are documented for the Atlas A2 and A3 training series
-    only. The chip is matched by its exact name (facts/chips.py): "Ascend910B" itself is a first-generation
-    part, and a chip torch_npu added later (Ascend950, Ascend310P*) is not assumed to run them. The device name
-    is read once per process; all NPUs of a node are the same chip.
+    npu_fusion_attention, npu_rotary_mul, npu_swiglu and the MoE ops (npu_grouped_matmul, npu_moe_token_permute /
+    unpermute) are documented for the Atlas A2 and A3 series only. The chip is matched by its exact name
+    (facts/chips.py): "Ascend910B" itself is a first-generation part, and a chip torch_npu added later (Ascend950,
+    Ascend310P*) is not assumed to run them. The device name is read once per process; all NPUs of a node are the
+    same chip.
     """
     if "name" not in _device_name:
         import torch_npu

@@ -125,12 +125,68 @@ def _swiglu_case(name: str, b: int, s: int, ffn: int) -> KernelCase:
     return KernelCase("swiglu", f"{name} b{b} s{s} ffn{ffn}", make, kernels.swiglu, kernels.reference_swiglu)
 
 
+def _expert_counts(generator: torch.Generator, tokens: int, experts: int) -> list[int]:
+    """Tokens per expert for ``tokens`` routed rows: random, with expert 1 receiving none (its weight gradient must
+    be zero, which some grouped-matmul backends have got wrong)."""
+    ids = torch.randint(0, experts, (tokens,), generator=generator)
+    ids[ids == 1] = 0
+    return torch.bincount(ids, minlength=experts).tolist()
+
+
+def _grouped_matmul_case(name: str, tokens: int, experts: int, k: int, n: int) -> KernelCase:
+    def make(dtype: torch.dtype, device: torch.device) -> tuple[Any, ...]:
+        g = torch.Generator().manual_seed(6)
+        counts = torch.tensor(_expert_counts(g, tokens, experts), device=device)
+        x = _randn(g, tokens, k).to(device=device, dtype=dtype).requires_grad_(True)
+        weight = (_randn(g, experts, k, n) / k**0.5).to(device=device, dtype=dtype).requires_grad_(True)
+        return x, weight, counts
+
+    return KernelCase("grouped_matmul", f"{name} T{tokens} E{experts} K{k} N{n}", make, kernels.grouped_matmul,
+                      kernels.reference_grouped_matmul)
+
+
+def _token_permute_case(name: str, tokens: int, hidden: int, experts: int, top_k: int) -> KernelCase:
+    """permute -> each expert scales its rows by (expert + 1) -> unpermute: a row sent to the wrong expert, or
+    brought back to the wrong token, differs from the reference."""
+
+    def make(dtype: torch.dtype, device: torch.device) -> tuple[Any, ...]:
+        g = torch.Generator().manual_seed(7)
+        x = _randn(g, tokens, hidden).to(device=device, dtype=dtype).requires_grad_(True)
+        ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1).indices.to(device)
+        probs = torch.rand(tokens, top_k, generator=g).softmax(-1).to(device=device, dtype=dtype).requires_grad_(True)
+        return x, ids, probs, experts
+
+    def why_not_fused(x: Tensor, ids: Tensor, probs: Tensor, experts: int) -> Optional[str]:
+        return kernels.why_not_fused("token_permute", x, ids, probs)
+
+    return KernelCase("token_permute", f"{name} T{tokens} H{hidden} E{experts} top{top_k}", make, _fused_routing,
+                      _reference_routing, why_not_fused)
+
+
+def _fused_routing(x: Tensor, ids: Tensor, probs: Tensor, experts: int) -> Tensor:
+    permuted, counts, permutation = kernels.permute_tokens(x, ids, probs, experts)
+    return kernels.unpermute_tokens(permuted * _expert_scale(counts, permuted), permutation)
+
+
+def _reference_routing(x: Tensor, ids: Tensor, probs: Tensor, experts: int) -> Tensor:
+    permuted, sorted_indices = kernels.reference_permute_tokens(x, ids)
+    counts = torch.bincount(ids.flatten(), minlength=experts)
+    return kernels.reference_unpermute_tokens(permuted * _expert_scale(counts, permuted), sorted_indices, probs)
+
+
+def _expert_scale(counts: Tensor, permuted: Tensor) -> Tensor:
+    experts = torch.arange(1, counts.numel() + 1, device=permuted.device, dtype=permuted.dtype)
+    return torch.repeat_interleave(experts, counts)[:, None]
+
+
 def kernel_cases(quick: bool) -> list[KernelCase]:
     """The shapes checked: the tiny recipe's (GQA 4/2 heads of 32, dim 128, ffn 352), LLaMA-2-7B's per-head and
     per-token shapes (32 heads of 128, dim 4096, ffn 11008) at a small batch, and edge shapes (GQA, head_dim 64,
-    decoding against a KV cache, rotary far into the sequence, SFT rows of packed samples); long sequences in the full
-    run only."""
+    decoding against a KV cache, rotary far into the sequence, SFT rows of packed samples), MoE experts and routing
+    at a tiny and at Qwen3-30B-A3B's shapes (experts of 2048 -> 768, 16 of its 128 with ``quick``; routing over
+    128, top-8), each with an expert that gets no tokens; long sequences in the full run only."""
     seq = 512 if quick else 4096
+    experts = 16 if quick else 128  # Qwen3-30B-A3B's 128 experts hold 200M weights per projection
     cases = [
         _attention_case("tiny", 2, 128, 128, 4, 2, 32),
         _packed_attention_case("tiny", (50, 7, 71), 4, 2, 32),
@@ -145,6 +201,10 @@ def kernel_cases(quick: bool) -> list[KernelCase]:
         _rotary_case("decode", 2, 4, 8, 64, start=seq),
         _swiglu_case("tiny", 2, 128, 352),
         _swiglu_case("7b", 1, seq, 11008),
+        _grouped_matmul_case("tiny", 2 * 128, 8, 128, 352),
+        _grouped_matmul_case("qwen3-30b-a3b", seq * 2, experts, 2048, 768),
+        _token_permute_case("tiny", 128, 128, 8, 2),
+        _token_permute_case("qwen3-30b-a3b", seq, 2048, 128, 8),
     ]
     if not quick:
         cases.append(_attention_case("long", 1, 2 * seq, 2 * seq, 32, 8, 128))
@@ -212,8 +272,8 @@ def _names(args: tuple[Any, ...]) -> list[str]:
 
 
 def _fp32_leaf(value: Any) -> Any:
-    if not isinstance(value, Tensor):
-        return value
+    if not isinstance(value, Tensor) or not value.is_floating_point():
+        return value  # expert counts and ids stay integers
     return value.detach().float().requires_grad_(value.requires_grad)
 
 

@@ -7,6 +7,8 @@ undoes both. Strictness is the point: code under test may only touch names recor
 ``AttributeError``; every call is bound against the recorded signature, else ``TypeError``; every call is
 recorded in ``FakeTorchNPU.calls`` as ``(name, explicitly_passed_arguments)``. Recorded names whose behaviour
 the fake does not model raise ``NotImplementedError`` when called, so a test can never pass on an invented result.
+A fused op the wheel registers no autograd node for (the record's ``autograd_node`` is None) returns outputs
+without a grad_fn, as the real one trains nothing when called directly.
 
 The runtime functions follow the Python sources (``torch_npu/npu/{__init__,utils,memory,random}.py``, the same
 in 2.6.0 .. 2.14.0 for what is modelled): ``device_count`` honours ``ASCEND_RT_VISIBLE_DEVICES``, ``memory_stats``
@@ -23,6 +25,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import sys
 import types
 from pathlib import Path
@@ -271,6 +274,8 @@ class FakeTorchNPU:
             if "release" in inspect.signature(impl).parameters:
                 # Rules that differ between releases (npu_fusion_attention's varlen limits) are told the release.
                 impl = functools.partial(impl, release=self.release)
+            if entry["autograd_node"] is None:
+                impl = _without_autograd(impl)
             setattr(mod, name, self._callable(name, sig, impl, types_))
         return mod
 
@@ -644,6 +649,18 @@ _SCALAR_CHECKS: dict[str, Callable[[Any], bool]] = {
 }
 
 
+def _without_autograd(impl: Callable[..., Any]) -> Callable[..., Any]:
+    """An op the wheel registers no autograd node for (npu_grouped_matmul; the MoE permute pair before 2.13): its
+    outputs carry no grad_fn, so a loss built on them never reaches the inputs, and nothing says so."""
+
+    @functools.wraps(impl)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return impl(*args, **kwargs)
+
+    return call
+
+
 def _check_schema_type(qualname: str, arg: str, schema_type: str, value: Any) -> None:
     """Reject values torch.ops would reject for the op schema's type (``Tensor?``, ``int[]?``, ...)."""
     optional = schema_type.endswith("?")
@@ -652,8 +669,9 @@ def _check_schema_type(qualname: str, arg: str, schema_type: str, value: Any) ->
         if optional:
             return
         raise TypeError(f"{qualname}(): argument {arg!r} ({schema_type}) must not be None")
-    if base.endswith("[]"):
-        elem = _SCALAR_CHECKS.get(base[:-2].replace("SymInt", "int"))
+    list_of = re.fullmatch(r"(.+)\[\d*\]", base)  # Tensor[], int[], int[2]
+    if list_of:
+        elem = _SCALAR_CHECKS.get(list_of.group(1).replace("SymInt", "int"))
         ok = isinstance(value, (list, tuple)) and (elem is None or all(elem(v) for v in value))
     else:
         check = _SCALAR_CHECKS.get(base)

@@ -475,3 +475,167 @@ def npu_swiglu(input: Tensor, dim: int = -1) -> Tensor:
         raise ValueError("npu_swiglu needs a contiguous input")
     a, b = input.float().chunk(2, dim=dim)
     return (F.silu(a) * b).to(input.dtype)
+
+
+# ---------------------------------------------------------------- npu_grouped_matmul (the MoE form)
+# Sources: _op_plugin_docs.py and the op schemas of the 2.6.0, 2.13.0 and 2.14.0 wheels, summarised in
+# shared/docs/moe-facts.md section 1. The wheel registers no autograd node for this op (the fake returns its output
+# without a grad_fn, see fake.py), so training code must wrap its forward, dX and dW calls in an autograd Function.
+
+#: The group_type values each release takes: -1 (no grouping), 0 (split the M axis of x), 2 (split the K axis, which
+#: gives the weight gradient (E, K, N)); torch_npu 2.6.0's library rejects 2.
+_GMM_GROUP_TYPES = {"2.6.0": (-1, 0), "2.13.0": (-1, 0, 2), "2.14.0": (-1, 0, 2)}
+_GMM_MAX_GROUPS = 1024  # with a 3-D weight
+_GMM_MAX_INNER = 65535  # "inner dims < 65536"
+
+
+def npu_grouped_matmul(x, weight, *, group_list=None, split_item=0, group_type=None, group_list_type=0, act_type=0,
+                       output_dtype=None, release: Optional[str] = None, **unmodelled):
+    """One matmul per group of rows: ``x=[X (M, K)]``, ``weight=[W (E, K, N)]``, ``group_type=0`` gives (M, N) with
+    rows of group e times W[e]; ``x=[X.t() (K, M)]``, ``weight=[dY (M, N)]``, ``group_type=2``, ``split_item=3`` gives
+    (E, K, N) with ``X_e^T dY_e`` (zeros for an empty group). ``group_list`` is an int64 tensor of cumulative ends
+    (``group_list_type=0``, the last == M) or of counts (``group_list_type=1``, summing to M, never of length 1).
+    Returns a one-element list (split_item 2 and 3)."""
+    if output_dtype is not None:
+        raise ValueError(
+            "output_dtype is ScalarType? in torch_npu 2.6.0 and int? from 2.13.0, so no value means the same in every"
+            " release: do not pass it (the output takes x's dtype)"
+        )
+    for name, value in unmodelled.items():
+        if value is not None:
+            raise NotImplementedError(f"the fake models npu_grouped_matmul's MoE form only, not its {name} argument")
+    if act_type != 0:
+        raise NotImplementedError(f"the fake does not model npu_grouped_matmul's act_type={act_type}")
+    if release not in _GMM_GROUP_TYPES:
+        raise NotImplementedError(f"the fake has not read torch_npu {release}'s npu_grouped_matmul rules")
+    if len(x) != 1 or len(weight) != 1:
+        raise NotImplementedError(
+            f"the fake models the MoE form x=[X], weight=[W] only, not {len(x)} x and {len(weight)} weight tensors")
+    if group_list is None:
+        raise NotImplementedError("the fake does not model npu_grouped_matmul without a group_list")
+    if group_list.dtype != torch.int64:
+        raise TypeError(
+            f"npu_grouped_matmul needs an int64 group_list, got {group_list.dtype}; pass counts.to(torch.int64)"
+            " (torch._grouped_mm's int32 offsets are not accepted)")
+    if group_list.dim() != 1:
+        raise ValueError(f"group_list must be 1-D, got shape {tuple(group_list.shape)}")
+    if group_list_type not in (0, 1):
+        raise ValueError(f"group_list_type must be 0 (cumulative ends) or 1 (counts), got {group_list_type}")
+    if group_list_type == 1 and group_list.numel() == 1:
+        raise ValueError(
+            "group_list_type=1 (counts) rejects a group_list of length 1 ('length cannot be 1'); for one group pass"
+            " its cumulative end with group_list_type=0")
+    if split_item not in (2, 3):
+        raise NotImplementedError(f"the fake models split_item 2 and 3 (one output tensor), not {split_item}")
+    if group_type not in _GMM_GROUP_TYPES[release]:
+        raise ValueError(
+            f"torch_npu {release}'s npu_grouped_matmul takes group_type in {_GMM_GROUP_TYPES[release]}, got"
+            f" {group_type}" + ("; the weight-gradient form (group_type=2) needs torch_npu >= 2.13" if group_type == 2 else ""))
+    if group_type == -1:
+        raise NotImplementedError("the fake does not model group_type=-1 (no grouping)")
+    a, b = x[0], weight[0]
+    if a.dtype not in _FLOAT_DTYPES or b.dtype != a.dtype:
+        raise TypeError(f"x and weight must share one of float16/bfloat16/float32; got {a.dtype} and {b.dtype}")
+    if group_list.numel() > _GMM_MAX_GROUPS:
+        raise ValueError(f"npu_grouped_matmul takes at most {_GMM_MAX_GROUPS} groups, got {group_list.numel()}")
+    if group_type == 0:
+        if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[1] or b.shape[0] != group_list.numel():
+            raise ValueError(
+                f"group_type=0 needs x (M, K), weight (E, K, N) and E = len(group_list); got x {tuple(a.shape)},"
+                f" weight {tuple(b.shape)}, {group_list.numel()} groups")
+        if not a.is_contiguous():
+            raise ValueError("x must be contiguous with group_type=0 (only the weight may be a transposed view)")
+        rows, inner = a.shape[0], (a.shape[1], b.shape[2])
+    else:
+        if split_item != 3 or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+            raise ValueError(
+                f"group_type=2 (the weight gradient) needs split_item=3, x [X.t() (K, M)] and weight [dY (M, N)];"
+                f" got split_item={split_item}, x {tuple(a.shape)}, weight {tuple(b.shape)}")
+        rows, inner = a.shape[1], (a.shape[0], b.shape[1])
+    if max(inner) > _GMM_MAX_INNER:
+        raise ValueError(f"npu_grouped_matmul needs K and N < 65536, got {inner}")
+    sizes = _group_sizes(group_list, group_list_type, rows)
+    starts = [sum(sizes[:e]) for e in range(len(sizes))]
+    if group_type == 0:
+        out = torch.cat([a[s:s + n].float() @ b[e].float() for e, (s, n) in enumerate(zip(starts, sizes))])
+    else:
+        out = torch.stack([a[:, s:s + n].float() @ b[s:s + n].float() for s, n in zip(starts, sizes)])
+    return [out.to(a.dtype)]
+
+
+def _group_sizes(group_list: Tensor, group_list_type: int, rows: int) -> list[int]:
+    values = group_list.tolist()
+    if group_list_type == 0:
+        if any(v < 0 for v in values) or any(b < a for a, b in zip(values, values[1:])) or values[-1] != rows:
+            raise ValueError(
+                f"group_list={values} (group_list_type=0) must be non-decreasing cumulative ends whose last is the"
+                f" {rows} grouped rows")
+        return [end - start for start, end in zip([0, *values[:-1]], values)]
+    if any(v < 0 for v in values) or sum(values) != rows:
+        raise ValueError(f"group_list={values} (group_list_type=1) must be counts >= 0 summing to the {rows} grouped rows")
+    return values
+
+
+# ---------------------------------------------------------------- npu_moe_token_permute / npu_moe_token_unpermute
+# The later (effective) docstrings of _op_plugin_docs.py in 2.13.0 / 2.14.0: fp16/bf16/fp32 tokens, int32/int64 ids,
+# topK <= 512, and sorted_indices[i] = the row of permuted_tokens that holds tokens[i // topK], stable by expert
+# (CANN's aclnnMoeTokenPermute): the inverse of the argsort that torchtitan's and Megatron's reference permute keep.
+# Autograd nodes exist from 2.13 only (fake.py strips gradients where the wheel registers none).
+
+_PERMUTE_MAX_TOPK = 512
+_PERMUTE_MAX_INDEX = 16777215  # numel and values below this: ids are sorted as floats
+
+
+def npu_moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: Optional[int] = None,
+                          padded_mode: bool = False):
+    """(permuted_tokens, sorted_indices): every (token, k) pair's row, sorted stably by expert id; int32
+    ``sorted_indices`` with ``permuted[sorted_indices[i]] = tokens[i // topK]``."""
+    if padded_mode:
+        raise ValueError("npu_moe_token_permute supports padded_mode=False only ('当前仅支持False')")
+    if tokens.dim() != 2 or tokens.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"tokens must be a 2-D float16/bfloat16/float32 tensor, got {tokens.dtype} {tuple(tokens.shape)}")
+    if indices.dtype not in (torch.int32, torch.int64) or indices.dim() not in (1, 2):
+        raise TypeError(f"indices must be a 1-D or 2-D int32/int64 tensor, got {indices.dtype} {tuple(indices.shape)}")
+    if indices.shape[0] != tokens.shape[0]:
+        raise ValueError(f"indices {tuple(indices.shape)} must have one row per token ({tokens.shape[0]})")
+    top_k = indices.shape[1] if indices.dim() == 2 else 1
+    if top_k > _PERMUTE_MAX_TOPK:
+        raise ValueError(f"npu_moe_token_permute takes topK <= {_PERMUTE_MAX_TOPK}, got {top_k}")
+    flat = indices.reshape(-1)
+    if flat.numel() >= _PERMUTE_MAX_INDEX or bool((flat < 0).any()) or bool((flat >= _PERMUTE_MAX_INDEX).any()):
+        raise ValueError(f"indices must have fewer than {_PERMUTE_MAX_INDEX} elements, each in [0, {_PERMUTE_MAX_INDEX})")
+    order = torch.argsort(flat, stable=True)
+    sorted_indices = torch.argsort(order).to(torch.int32)
+    permuted = tokens[order // top_k]
+    if num_out_tokens:
+        permuted = permuted[:num_out_tokens]  # > 0: the first n rows; < 0: a negative slice end, as documented
+    return permuted, sorted_indices
+
+
+def npu_moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Optional[Tensor] = None,
+                            padded_mode: bool = False, restore_shape=None) -> Tensor:
+    """``out[i] = sum_k probs[i, k] * permuted_tokens[sorted_indices[i * topK + k]]`` (topK = probs.size(1), or 1),
+    in permuted_tokens' dtype."""
+    if padded_mode or restore_shape is not None:
+        raise ValueError("npu_moe_token_unpermute supports padded_mode=False and restore_shape=None only")
+    if permuted_tokens.dim() != 2 or permuted_tokens.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"permuted_tokens must be a 2-D float16/bfloat16/float32 tensor, got {permuted_tokens.dtype}")
+    if sorted_indices.dtype != torch.int32 or sorted_indices.dim() != 1:
+        raise TypeError(f"sorted_indices must be the 1-D int32 tensor npu_moe_token_permute returns, got {sorted_indices.dtype}")
+    top_k = 1 if probs is None else probs.shape[-1]
+    if probs is not None:
+        if probs.dim() != 2 or probs.numel() != sorted_indices.numel():
+            raise ValueError(f"probs {tuple(probs.shape)} must be (tokens, topK) with tokens * topK = {sorted_indices.numel()}")
+        if probs.dtype != permuted_tokens.dtype:
+            raise TypeError(
+                f"probs ({probs.dtype}) must be in permuted_tokens' dtype ({permuted_tokens.dtype}): mixed dtypes make"
+                " MoeTokenUnpermuteGrad return NaN (torchtitan-npu); cast probs with .to(tokens.dtype)")
+    if top_k > _PERMUTE_MAX_TOPK:
+        raise ValueError(f"npu_moe_token_unpermute takes topK <= {_PERMUTE_MAX_TOPK}, got {top_k}")
+    n = sorted_indices.numel()
+    index = sorted_indices.long()
+    if bool((index < 0).any()) or bool((index >= permuted_tokens.shape[0]).any()) or index.unique().numel() != n:
+        raise ValueError(f"sorted_indices must be distinct rows of permuted_tokens (0 .. {permuted_tokens.shape[0] - 1})")
+    rows = permuted_tokens[index].float().reshape(n // top_k, top_k, permuted_tokens.shape[-1])
+    weights = torch.ones(n // top_k, top_k) if probs is None else probs.float()
+    return (rows * weights[..., None]).sum(dim=1).to(permuted_tokens.dtype)
