@@ -12,7 +12,7 @@ shard and checkpoint by, and where LoRA adds its adapters).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 from torch import nn
 
@@ -26,7 +26,9 @@ class HFFormat:
     cannot hold exactly. ``config_dict(config, dtype=..., extra=...)``: the ``config.json`` of an equal HF model.
     ``name_map(config)``: recipe parameter name -> the HF names it is made of, more than one for a fused weight
     (the HF tensors concatenated along dim 0 in that order). ``peft_targets``: LoRA target -> the HF submodule of a
-    decoder layer that PEFT adapts for it (``lora_export.py``).
+    decoder layer that PEFT adapts for it (``lora_export.py``). ``upgrade_state_dict(hf_state_dict, config)``, when
+    set: an HF state dict in any layout the family reads (older transformers releases name or split tensors
+    differently) -> the one ``name_map`` names, applied before renaming.
     """
 
     model_types: tuple[str, ...]
@@ -34,6 +36,7 @@ class HFFormat:
     config_dict: Callable[..., dict[str, Any]]
     name_map: Callable[[Any], dict[str, tuple[str, ...]]]
     peft_targets: Mapping[str, str]
+    upgrade_state_dict: Optional[Callable[[dict[str, Any], Any], dict[str, Any]]] = None
 
 
 #: Where a LoRA target sits in a block: (the ``Linear``'s module path inside the block, the index of the row block

@@ -67,7 +67,7 @@ def hf_config_dict(config: Any, *, dtype: torch.dtype, extra: Optional[Mapping[s
 
 def hf_to_recipe_state_dict(hf_state_dict: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
     """Rename (and fuse, where the name map joins several HF tensors into one) an HF state dict into the recipe's
-    layout, by the name map of ``config``'s family.
+    layout, by the name map of ``config``'s family (after its ``upgrade_state_dict``, if it has one).
 
     Rotary buffers (``rotary_emb.inv_freq``) are dropped; any other unknown name, a missing tensor or
     a shape that disagrees with ``config`` raises ``CheckpointError`` naming the Hugging Face tensor. With
@@ -77,6 +77,9 @@ def hf_to_recipe_state_dict(hf_state_dict: Mapping[str, Tensor], config: Any) ->
     name_map = hf_name_map(config)
     shapes = expected_shapes(config)
     hf_state_dict = dict(hf_state_dict)
+    upgrade = families.of_config(config).hf.upgrade_state_dict
+    if upgrade is not None:
+        hf_state_dict = upgrade(hf_state_dict, config)
     embedding, head = hf_state_dict.get(HF_EMBEDDING), hf_state_dict.get(HF_HEAD)
     if config.tie_embeddings and embedding is not None:
         if head is None:
