@@ -38,6 +38,20 @@ class HFFormat:
     peft_targets: Mapping[str, str]
     upgrade_state_dict: Optional[Callable[[dict[str, Any], Any], dict[str, Any]]] = None
 
+    @classmethod
+    def of_module(cls, hf: Any) -> "HFFormat":
+        """The format a family's ``hf.py`` module defines under the conventional names: ``MODEL_TYPES``,
+        ``config_from_hf``, ``hf_config_dict``, ``hf_name_map``, ``PEFT_TARGETS`` and optionally
+        ``upgrade_state_dict``."""
+        return cls(
+            model_types=hf.MODEL_TYPES,
+            config_from_hf=hf.config_from_hf,
+            config_dict=hf.hf_config_dict,
+            name_map=hf.hf_name_map,
+            peft_targets=hf.PEFT_TARGETS,
+            upgrade_state_dict=getattr(hf, "upgrade_state_dict", None),
+        )
+
 
 #: Where a LoRA target sits in a block: (the ``Linear``'s module path inside the block, the index of the row block
 #: of its weight the target is, how many equal row blocks the weight has: 2 for a fused gate/up, else 1).

@@ -65,6 +65,27 @@ def hf_config_dict(config: Any, *, dtype: torch.dtype, extra: Optional[Mapping[s
     return families.of_config(config).hf.config_dict(config, dtype=dtype, extra=extra)
 
 
+def hf_decoder_entries(config: Any, *, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` entries every family's decoder writes alike: its shape (``vocab_size``, ``dim``,
+    ``n_layers``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``max_seq_len``, ``norm_eps``), the SwiGLU (silu)
+    activation, the embedding tie, and the dtype under both the transformers 4 and 5 names."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": config.tie_embeddings,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+    }
+
+
 def hf_to_recipe_state_dict(hf_state_dict: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
     """Rename (and fuse, where the name map joins several HF tensors into one) an HF state dict into the recipe's
     layout, by the name map of ``config``'s family (after its ``upgrade_state_dict``, if it has one).

@@ -17,6 +17,14 @@ from torch import Tensor, nn
 from lightning_npu.kernels import apply_rotary, causal_attention, packed_causal_attention, rms_norm, swiglu
 from recipes.decoder.layers import Embedding, Linear
 
+#: Where the LoRA targets of attention sit in a ``DecoderBlock`` (``DecoderFamily.lora_sites`` entries).
+ATTENTION_LORA_SITES = {
+    "q": ("attention.wq", 0, 1),
+    "k": ("attention.wk", 0, 1),
+    "v": ("attention.wv", 0, 1),
+    "o": ("attention.wo", 0, 1),
+}
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned per-channel gain (computed in fp32, returned in x's dtype)."""
