@@ -1,0 +1,211 @@
+"""The MoE family against Hugging Face transformers: tiny random Mixtral, Qwen2-MoE (a shared expert, a dense layer
+through mlp_only_layers, qkv biases) and Qwen3-MoE (q/k norms, head_dim != hidden / heads, decoder_sparse_step)
+models imported into the recipe's model give transformers' fp32 logits, router logits, weight gradients, load-balancing
+loss and greedy tokens; the transformers 4 per-expert layout imports to the same weights; exports load back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from recipes import families
+from recipes.decoder import hf_checkpoint
+from recipes.decoder.checkpoint_layout import CheckpointError
+from recipes.generate import generate, load_model
+from recipes.models.moe import hf as moe_hf
+from recipes.models.moe.config import MoEConfig
+from recipes.models.moe.model import MoE
+from recipes.models.moe.router import load_balancing_loss
+
+_COMMON = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+               rms_norm_eps=1e-6, num_experts_per_tok=2)
+HF_MODELS = {
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_hidden_layers=2, intermediate_size=24, num_local_experts=4)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                  dict(num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+                       shared_expert_intermediate_size=40, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(num_hidden_layers=4, head_dim=16, intermediate_size=48, moe_intermediate_size=24, num_experts=5,
+                       decoder_sparse_step=2, norm_topk_prob=True)),
+}
+# A layer index past the dense ones of each model, and the layers whose MLP is an MoE.
+MOE_LAYERS = {"mixtral": [0, 1], "qwen2_moe": [0, 2], "qwen3_moe": [1, 3]}
+
+
+def hf_model(arch: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """A tiny random transformers model of ``arch`` in eval mode; every weight random (norm gains around 1,
+    biases included) so each feature of the architecture moves the logits."""
+    config_class, model_class, fields = HF_MODELS[arch]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**_COMMON, **fields)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.2)
+            if "norm" in name:
+                param.add_(1.0)
+    return model
+
+
+def saved(model: transformers.PreTrainedModel, path) -> object:
+    model.save_pretrained(path)
+    return path
+
+
+def tokens(seed: int = 1, batch: int = 2, seq: int = 12) -> torch.Tensor:
+    return torch.randint(0, _COMMON["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def recipe_model(path) -> MoE:
+    config, state_dict = hf_checkpoint.load_hf_checkpoint(path)
+    model = MoE(config)
+    model.load_state_dict(state_dict)
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", sorted(HF_MODELS))
+def test_imported_model_gives_transformers_logits_router_logits_and_gradients(tmp_path, arch):
+    hf = hf_model(arch)
+    ours = recipe_model(saved(hf, tmp_path / "hf"))
+    assert ours.config.architecture == arch and ours.config.moe_layers == MOE_LAYERS[arch]
+    ids = tokens()
+    theirs = hf(ids, output_router_logits=True)
+    logits, router_logits = ours(ids, output_router_logits=True)
+    torch.testing.assert_close(logits, theirs.logits, rtol=0, atol=1e-5)
+    assert len(router_logits) == len(theirs.router_logits) == len(MOE_LAYERS[arch])
+    for mine, hf_logits in zip(router_logits, theirs.router_logits):
+        torch.testing.assert_close(mine, hf_logits, rtol=0, atol=1e-5)
+    # Training parity: the stacked experts' and router's gradients are transformers' (its per-expert loop).
+    theirs.logits.square().mean().backward()
+    logits.square().mean().backward()
+    for layer in MOE_LAYERS[arch]:
+        hf_mlp, mlp = hf.model.layers[layer].mlp, ours.layers[layer].feed_forward
+        torch.testing.assert_close(mlp.experts.w_gate_up.grad, hf_mlp.experts.gate_up_proj.grad, rtol=0, atol=1e-6)
+        torch.testing.assert_close(mlp.experts.w_down.grad, hf_mlp.experts.down_proj.grad, rtol=0, atol=1e-6)
+        torch.testing.assert_close(mlp.router.weight.grad, hf_mlp.gate.weight.grad, rtol=0, atol=1e-6)
+
+
+def transformers4_state_dict(hf: transformers.PreTrainedModel, arch: str) -> dict[str, torch.Tensor]:
+    """``hf``'s weights as transformers 4 stored them: one module per expert (Mixtral: block_sparse_moe, w1/w3/w2)."""
+    names = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    out = {}
+    for key, tensor in hf.state_dict().items():
+        if key.endswith("experts.gate_up_proj"):
+            prefix = key.removesuffix(".gate_up_proj")
+            for j, expert in enumerate(tensor):
+                gate, up = expert.chunk(2)
+                out[f"{prefix}.{j}.{names[0]}.weight"], out[f"{prefix}.{j}.{names[1]}.weight"] = gate.clone(), up.clone()
+        elif key.endswith("experts.down_proj"):
+            prefix = key.removesuffix(".down_proj")
+            for j, expert in enumerate(tensor):
+                out[f"{prefix}.{j}.{names[2]}.weight"] = expert.clone()
+        else:
+            out[key] = tensor.clone()
+    if arch == "mixtral":
+        out = {key.replace(".mlp.", ".block_sparse_moe."): tensor for key, tensor in out.items()}
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(HF_MODELS))
+def test_transformers4_per_expert_checkpoints_import_to_the_same_weights(tmp_path, arch):
+    hf = hf_model(arch)
+    _, stacked = hf_checkpoint.load_hf_checkpoint(saved(hf, tmp_path / "v5"))
+    legacy = tmp_path / "v4"
+    legacy.mkdir()
+    hf.config.to_json_file(legacy / "config.json")
+    old = transformers4_state_dict(hf, arch)
+    assert not any("gate_up_proj" in key for key in old)
+    save_file(old, legacy / "model.safetensors")
+    config, per_expert = hf_checkpoint.load_hf_checkpoint(legacy)
+    assert config == MoEConfig(**config.to_dict()) and per_expert.keys() == stacked.keys()
+    for name in stacked:
+        assert torch.equal(per_expert[name], stacked[name]), name
+    # An expert missing from a shard is named, not read as a smaller layer.
+    del old[next(key for key in old if ".experts.3." in key)]
+    save_file(old, legacy / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"of experts \[0, 1, 2(, 4)?\] in model\.layers\.\d\.mlp\.experts, but"):
+        hf_checkpoint.load_hf_checkpoint(legacy)
+
+
+@pytest.mark.parametrize("arch", sorted(HF_MODELS))
+def test_export_loads_back_into_transformers_with_the_same_logits(tmp_path, arch):
+    hf = hf_model(arch)
+    config, state_dict = hf_checkpoint.load_hf_checkpoint(saved(hf, tmp_path / "hf"))
+    hf_checkpoint.save_hf_checkpoint(config, state_dict, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["model_type"] == arch
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(again) is type(hf)
+    ids = tokens(seed=2)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=1e-5)
+    # The recipe's config survives the round trip exactly.
+    assert hf_checkpoint.load_hf_checkpoint(tmp_path / "out")[0] == config
+
+
+@pytest.mark.parametrize("arch", sorted(HF_MODELS))
+def test_load_balancing_loss_is_transformers_aux_loss(tmp_path, arch):
+    hf = hf_model(arch)
+    ours = recipe_model(saved(hf, tmp_path / "hf"))
+    ids = tokens(seed=3, batch=3, seq=10)
+    with torch.no_grad():
+        theirs = hf(ids, labels=ids, output_router_logits=True)
+        _, router_logits = ours(ids, output_router_logits=True)
+    aux = load_balancing_loss(router_logits, ours.config.top_k)
+    torch.testing.assert_close(aux, theirs.aux_loss, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", sorted(HF_MODELS))
+def test_greedy_generation_from_an_hf_directory_is_transformers(tmp_path, arch):
+    hf = hf_model(arch)
+    model, _ = load_model(saved(hf, tmp_path / "hf"))
+    prompt = tokens(seed=4, batch=2, seq=5)
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(model, prompt, 8), expected)
+
+
+def test_hf_configs_the_model_cannot_hold_are_refused():
+    base = json.loads(hf_model("mixtral").config.to_json_string())
+    for change, message in [
+        ({"sliding_window": 16}, r"sliding_window=16; the recipe's attention is full causal"),
+        ({"router_jitter_noise": 0.1}, r"router_jitter_noise=0.1"),
+        ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, r"rope_type='yarn'"),
+    ]:
+        with pytest.raises(CheckpointError, match=message):
+            moe_hf.config_from_hf({**base, **change})
+    qwen3 = json.loads(hf_model("qwen3_moe").config.to_json_string())
+    with pytest.raises(CheckpointError, match=r"attention_bias=true"):
+        moe_hf.config_from_hf({**qwen3, "attention_bias": True})
+
+
+def test_config_rules_name_the_field_and_the_fix():
+    with pytest.raises(ValueError, match=r"norm_topk_prob=False, but mixtral models have norm_topk_prob=True"):
+        MoEConfig.from_preset("tiny", architecture="mixtral", norm_topk_prob=False)
+    with pytest.raises(ValueError, match=r"shared_expert_hidden_dim=64, but qwen3_moe models"):
+        MoEConfig.from_preset("tiny", shared_expert_hidden_dim=64)
+    with pytest.raises(ValueError, match=r"top_k=9 exceeds n_experts=8"):
+        MoEConfig.from_preset("tiny", top_k=9)
+    with pytest.raises(ValueError, match=r"layers \[1\] are dense .* give their MLP width"):
+        MoEConfig.from_preset("tiny", dense_layers=[1])
+    with pytest.raises(ValueError, match=r"leave no MoE layer"):
+        MoEConfig.from_preset("tiny", dense_layers=[0, 1, 2, 3], dense_hidden_dim=64)
+    with pytest.raises(ValueError, match=r"'moe' is not a model family|architecture='moe' is unknown"):
+        MoEConfig.from_preset("tiny", architecture="moe")
+
+
+def test_stacked_experts_are_one_parameter_per_projection_and_the_counts_agree():
+    config = MoEConfig.from_preset("tiny")
+    model = MoE(config)
+    expert_params = [name for name, _ in model.named_parameters() if ".experts." in name]
+    assert len(expert_params) == 2 * len(config.moe_layers)
+    assert sum(p.numel() for p in model.parameters()) == config.num_params()
+    per_layer_experts = 3 * config.dim * config.expert_hidden_dim * len(config.moe_layers)
+    assert config.num_params() - config.active_params() == (config.n_experts - config.top_k) * per_layer_experts
+    assert families.of_config(config) is families.get("moe")
+    assert families.of_hf_model_type("qwen2_moe") is families.get("moe")
