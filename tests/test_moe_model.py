@@ -1,7 +1,8 @@
 """The MoE family against Hugging Face transformers: tiny random Mixtral, Qwen2-MoE (a shared expert, a dense layer
 through mlp_only_layers, qkv biases) and Qwen3-MoE (q/k norms, head_dim != hidden / heads, decoder_sparse_step)
 models imported into the recipe's model give transformers' fp32 logits, router logits, weight gradients, load-balancing
-loss and greedy tokens; the transformers 4 per-expert layout imports to the same weights; exports load back."""
+loss and greedy tokens; the per-expert (saved) and stacked (in-memory) layouts import to the same weights; exports
+are what save_pretrained writes and load back."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from recipes import families
 from recipes.decoder import hf_checkpoint
@@ -89,46 +90,28 @@ def test_imported_model_gives_transformers_logits_router_logits_and_gradients(tm
         torch.testing.assert_close(mlp.router.weight.grad, hf_mlp.gate.weight.grad, rtol=0, atol=1e-6)
 
 
-def transformers4_state_dict(hf: transformers.PreTrainedModel, arch: str) -> dict[str, torch.Tensor]:
-    """``hf``'s weights as transformers 4 stored them: one module per expert (Mixtral: block_sparse_moe, w1/w3/w2)."""
-    names = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    out = {}
-    for key, tensor in hf.state_dict().items():
-        if key.endswith("experts.gate_up_proj"):
-            prefix = key.removesuffix(".gate_up_proj")
-            for j, expert in enumerate(tensor):
-                gate, up = expert.chunk(2)
-                out[f"{prefix}.{j}.{names[0]}.weight"], out[f"{prefix}.{j}.{names[1]}.weight"] = gate.clone(), up.clone()
-        elif key.endswith("experts.down_proj"):
-            prefix = key.removesuffix(".down_proj")
-            for j, expert in enumerate(tensor):
-                out[f"{prefix}.{j}.{names[2]}.weight"] = expert.clone()
-        else:
-            out[key] = tensor.clone()
-    if arch == "mixtral":
-        out = {key.replace(".mlp.", ".block_sparse_moe."): tensor for key, tensor in out.items()}
-    return out
-
-
 @pytest.mark.parametrize("arch", sorted(HF_MODELS))
-def test_transformers4_per_expert_checkpoints_import_to_the_same_weights(tmp_path, arch):
+def test_stacked_and_per_expert_checkpoints_import_to_the_same_weights(tmp_path, arch):
+    """save_pretrained (transformers 5.24, like 4.x) writes one tensor per expert; the in-memory modules (and
+    checkpoints written from them) hold them stacked. Both read to the same weights."""
     hf = hf_model(arch)
-    _, stacked = hf_checkpoint.load_hf_checkpoint(saved(hf, tmp_path / "v5"))
-    legacy = tmp_path / "v4"
-    legacy.mkdir()
-    hf.config.to_json_file(legacy / "config.json")
-    old = transformers4_state_dict(hf, arch)
-    assert not any("gate_up_proj" in key for key in old)
-    save_file(old, legacy / "model.safetensors")
-    config, per_expert = hf_checkpoint.load_hf_checkpoint(legacy)
-    assert config == MoEConfig(**config.to_dict()) and per_expert.keys() == stacked.keys()
-    for name in stacked:
-        assert torch.equal(per_expert[name], stacked[name]), name
+    per_expert_dir = saved(hf, tmp_path / "per_expert")
+    stored = load_file(per_expert_dir / "model.safetensors")
+    assert any(".experts.0." in key for key in stored) and not any("gate_up_proj" in key for key in stored)
+    _, from_per_expert = hf_checkpoint.load_hf_checkpoint(per_expert_dir)
+    stacked_dir = tmp_path / "stacked"
+    stacked_dir.mkdir()
+    hf.config.to_json_file(stacked_dir / "config.json")
+    save_file({key: t.contiguous() for key, t in hf.state_dict().items()}, stacked_dir / "model.safetensors")
+    _, from_stacked = hf_checkpoint.load_hf_checkpoint(stacked_dir)
+    assert from_stacked.keys() == from_per_expert.keys()
+    for name in from_stacked:
+        assert torch.equal(from_stacked[name], from_per_expert[name]), name
     # An expert missing from a shard is named, not read as a smaller layer.
-    del old[next(key for key in old if ".experts.3." in key)]
-    save_file(old, legacy / "model.safetensors")
+    del stored[next(key for key in stored if ".experts.3." in key)]
+    save_file(stored, per_expert_dir / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"of experts \[0, 1, 2(, 4)?\] in model\.layers\.\d\.mlp\.experts, but"):
-        hf_checkpoint.load_hf_checkpoint(legacy)
+        hf_checkpoint.load_hf_checkpoint(per_expert_dir)
 
 
 @pytest.mark.parametrize("arch", sorted(HF_MODELS))
@@ -138,6 +121,9 @@ def test_export_loads_back_into_transformers_with_the_same_logits(tmp_path, arch
     hf_checkpoint.save_hf_checkpoint(config, state_dict, tmp_path / "out")
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["model_type"] == arch
+    # The tensors save_pretrained writes, by the same names (one per expert: what transformers 4 and 5 load).
+    ours, theirs = (load_file(tmp_path / d / "model.safetensors") for d in ("out", "hf"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(again) is type(hf)
     ids = tokens(seed=2)

@@ -2,11 +2,12 @@
 ``Qwen3MoeForCausalLM``): the parameter name map, the older per-expert tensor layout, ``config.json`` in and out,
 and the layer submodules PEFT adapts.
 
-transformers 5 stores a layer's experts stacked, as the recipe does (``mlp.experts.gate_up_proj`` [E, 2F, dim],
-gate rows first, and ``mlp.experts.down_proj`` [E, dim, F]); transformers 4 checkpoints (most downloads) hold one
-module per expert, ``mlp.experts.{j}.gate_proj / up_proj / down_proj`` (Qwen) or
-``block_sparse_moe.experts.{j}.w1 / w3 / w2`` (Mixtral, whose MoE module was ``block_sparse_moe``).
-``upgrade_state_dict`` reads both; exports are written in the transformers 5 layout.
+transformers 5 holds a layer's experts stacked in memory, as the recipe does (``mlp.experts.gate_up_proj``
+[E, 2F, dim], gate rows first, and ``mlp.experts.down_proj`` [E, dim, F]): the name map names those. Its
+``save_pretrained`` (5.24) still writes one tensor per expert, as transformers 4 did and most downloads are:
+``mlp.experts.{j}.gate_proj / up_proj / down_proj`` (Qwen) or ``block_sparse_moe.experts.{j}.w1 / w3 / w2``
+(Mixtral, whose MoE module was ``block_sparse_moe``). ``from_saved_layout`` reads either; exports are written as
+``save_pretrained`` writes them (``to_saved_layout``), which transformers 4 and 5 both load.
 """
 
 from __future__ import annotations
@@ -73,11 +74,11 @@ def _swiglu_names(ours: str, theirs: str) -> dict[str, tuple[str, ...]]:
     }
 
 
-def upgrade_state_dict(hf_state_dict: dict[str, Tensor], config: MoEConfig) -> dict[str, Tensor]:
-    """A transformers 4 state dict in the transformers 5 layout: Mixtral's ``block_sparse_moe`` renamed ``mlp``,
-    and each layer's per-expert projections stacked (gate and up concatenated, gate first). A layer whose experts
-    are incomplete (an index missing, or a projection of some expert) raises ``CheckpointError`` naming it; a
-    state dict already stacked passes through unchanged."""
+def from_saved_layout(hf_state_dict: dict[str, Tensor], config: MoEConfig) -> dict[str, Tensor]:
+    """A per-expert state dict in the stacked layout: Mixtral's ``block_sparse_moe`` renamed ``mlp``, and each
+    layer's per-expert projections stacked (gate and up concatenated, gate first). A layer whose experts are
+    incomplete (an index missing, or a projection of some expert) raises ``CheckpointError`` naming it; a state
+    dict already stacked passes through unchanged."""
     renamed = {name.replace(".block_sparse_moe.", ".mlp."): tensor for name, tensor in hf_state_dict.items()}
     out: dict[str, Tensor] = {}
     per_layer: dict[str, dict[str, dict[int, Tensor]]] = {}
@@ -224,4 +225,26 @@ def hf_config_dict(
         else:
             out["attention_bias"] = False
     out.update(extra or {})
+    return out
+
+
+def to_saved_layout(hf_state_dict: dict[str, Tensor], config: MoEConfig) -> dict[str, Tensor]:
+    """Inverse of ``from_saved_layout``: each stacked expert tensor split into one tensor per expert (copies:
+    safetensors refuses tensors sharing a buffer), Mixtral's under ``block_sparse_moe`` with w1 / w3 / w2."""
+    gate, up, down = (names[0] if config.architecture == "mixtral" else names[1] for names in (_GATE, _UP, _DOWN))
+    out: dict[str, Tensor] = {}
+    for name, tensor in hf_state_dict.items():
+        if name.endswith(".experts.gate_up_proj"):
+            prefix = name.removesuffix(".gate_up_proj")
+            for j, expert in enumerate(tensor):
+                gate_rows, up_rows = expert.chunk(2)
+                out[f"{prefix}.{j}.{gate}.weight"], out[f"{prefix}.{j}.{up}.weight"] = gate_rows.clone(), up_rows.clone()
+        elif name.endswith(".experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            for j, expert in enumerate(tensor):
+                out[f"{prefix}.{j}.{down}.weight"] = expert.clone()
+        else:
+            out[name] = tensor
+    if config.architecture == "mixtral":
+        out = {name.replace(".mlp.", ".block_sparse_moe."): tensor for name, tensor in out.items()}
     return out
