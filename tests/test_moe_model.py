@@ -11,11 +11,13 @@ import json
 import pytest
 import torch
 import transformers
+from torch.nn import functional as F
 from safetensors.torch import load_file, save_file
 
 from recipes import families
 from recipes.decoder import hf_checkpoint
 from recipes.decoder.checkpoint_layout import CheckpointError
+from recipes.decoder.module import DecoderLM
 from recipes.generate import generate, load_model
 from recipes.models.moe import hf as moe_hf
 from recipes.models.moe.config import MoEConfig
@@ -136,13 +138,35 @@ def test_export_loads_back_into_transformers_with_the_same_logits(tmp_path, arch
 @pytest.mark.parametrize("arch", sorted(HF_MODELS))
 def test_load_balancing_loss_is_transformers_aux_loss(tmp_path, arch):
     hf = hf_model(arch)
+    # Training with the aux loss (the model copies the coefficient from its config when built).
+    hf.config.output_router_logits = True
+    hf.config.router_aux_loss_coef = hf.router_aux_loss_coef = 0.25
     ours = recipe_model(saved(hf, tmp_path / "hf"))
+    assert ours.config.router_aux_loss_coef == 0.25
     ids = tokens(seed=3, batch=3, seq=10)
     with torch.no_grad():
-        theirs = hf(ids, labels=ids, output_router_logits=True)
+        theirs = hf(ids, labels=ids)
         _, router_logits = ours(ids, output_router_logits=True)
     aux = load_balancing_loss(router_logits, ours.config.top_k)
     torch.testing.assert_close(aux, theirs.aux_loss, rtol=0, atol=1e-6)
+    # What training adds to the cross-entropy is what transformers adds to its loss.
+    cross_entropy = F.cross_entropy(theirs.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    torch.testing.assert_close(ours.auxiliary_loss(), theirs.loss - cross_entropy, rtol=0, atol=1e-6)
+
+
+def test_the_training_loss_adds_the_weighted_load_balancing_loss():
+    module = DecoderLM(family="moe", preset="tiny", config={"n_layers": 2, "router_aux_loss_coef": 0.5})
+    module.configure_model()
+    ids = tokens(seed=5, batch=2, seq=16) % module.config.vocab_size
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    loss = module._loss(batch)
+    logits, router_logits = module.model(batch["input_ids"], output_router_logits=True)
+    cross_entropy = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+    aux = load_balancing_loss(router_logits, module.config.top_k)
+    assert aux > 0.9  # n_experts * sum f * P is 1 when balanced, more when not
+    torch.testing.assert_close(loss, cross_entropy + 0.5 * aux, rtol=0, atol=1e-6)
+    loss.backward()
+    assert module.model.layers[0].feed_forward.router.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("arch", sorted(HF_MODELS))

@@ -40,7 +40,7 @@ from lightning_npu.kernels import grouped_matmul, permute_tokens, rotary_tables,
 from recipes.decoder.layers import INIT_STD, Linear
 from recipes.decoder.transformer import Attention, CausalDecoder, DecoderBlock, FeedForward
 from recipes.models.moe.config import MoEConfig
-from recipes.models.moe.router import Router, route
+from recipes.models.moe.router import Router, load_balancing_loss, route
 
 
 class Experts(nn.Module):
@@ -123,3 +123,12 @@ class MoE(CausalDecoder):
         if not output_router_logits:
             return logits
         return logits, tuple(self.layers[i].feed_forward.router_logits for i in self.config.moe_layers)
+
+    def auxiliary_loss(self) -> Tensor:
+        """``router_aux_loss_coef`` x the load-balancing loss of the last forward's routing (what ``DecoderLM``
+        adds to the cross-entropy, as transformers does with ``output_router_logits``); 0 when the coefficient is."""
+        coef = self.config.router_aux_loss_coef
+        if not coef:
+            return self.tok_embeddings.weight.new_zeros(())
+        logits = [self.layers[i].feed_forward.router_logits for i in self.config.moe_layers]
+        return coef * load_balancing_loss(logits, self.config.top_k)
