@@ -219,3 +219,19 @@ def test_stacked_experts_are_one_parameter_per_projection_and_the_counts_agree()
     assert config.num_params() - config.active_params() == (config.n_experts - config.top_k) * per_layer_experts
     assert families.of_config(config) is families.get("moe")
     assert families.of_hf_model_type("qwen2_moe") is families.get("moe")
+
+
+def test_lora_on_attention_keeps_the_qkv_biases_and_refuses_the_experts(tmp_path):
+    from recipes.decoder.lora import add_lora
+    from recipes.decoder.lora_config import LoRAConfig
+
+    ours = recipe_model(saved(hf_model("qwen2_moe"), tmp_path / "hf"))
+    ids = tokens(seed=6)
+    with torch.no_grad():
+        before = ours(ids)
+        add_lora(ours, LoRAConfig(targets=("q", "k", "v", "o")))
+        after = ours(ids)  # fresh adapters (B = 0) change nothing: the base, biases included, is intact
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert not ours.layers[0].attention.wq.bias.requires_grad
+    with pytest.raises(ValueError, match=r"gate"):
+        add_lora(recipe_model(tmp_path / "hf"), LoRAConfig(targets=("q", "gate")))
