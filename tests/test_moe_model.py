@@ -235,3 +235,15 @@ def test_lora_on_attention_keeps_the_qkv_biases_and_refuses_the_experts(tmp_path
     assert not ours.layers[0].attention.wq.bias.requires_grad
     with pytest.raises(ValueError, match=r"gate"):
         add_lora(recipe_model(tmp_path / "hf"), LoRAConfig(targets=("q", "gate")))
+
+
+@pytest.mark.parametrize(("preset", "total", "active"), [("mixtral-8x7b", 46.7e9, 12.9e9),
+                                                         ("qwen3-30b-a3b", 30.5e9, 3.3e9)])
+def test_real_size_presets_have_transformers_parameter_count_and_the_published_sizes(preset, total, active):
+    config = MoEConfig.from_preset(preset)
+    hf_config = transformers.AutoConfig.for_model(**moe_hf.hf_config_dict(config, dtype=torch.bfloat16))
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert sum(p.numel() for p in hf.parameters()) == config.num_params()
+    # The published figures, given to one decimal of a billion (3.35B active is Qwen's "3.3B").
+    assert abs(config.num_params() - total) < 0.06e9 and abs(config.active_params() - active) < 0.06e9

@@ -189,4 +189,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         architecture="qwen3_moe", vocab_size=2048, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, n_experts=8,
         top_k=2, expert_hidden_dim=96, max_seq_len=256, router_aux_loss_coef=0.001,
     ),
+    # Real sizes. The shapes are those of the models' published config.json files as remembered here (nothing is
+    # downloaded), unverified field by field; what is checked (tests/test_moe_model.py): transformers' model of
+    # each shape has exactly num_params() parameters, and the totals and active counts are the published ones
+    # (Mixtral-8x7B: 46.7B total, 12.9B active; Qwen3-30B-A3B: 30.5B total, 3.3B active). convert.py from-hf
+    # reads the downloaded config.json, and init_from refuses a preset that differs from it, naming both.
+    "mixtral-8x7b": dict(
+        architecture="mixtral", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, n_experts=8,
+        top_k=2, expert_hidden_dim=14336, max_seq_len=32768, norm_eps=1e-5, rope_theta=1000000.0,
+    ),
+    "qwen3-30b-a3b": dict(
+        architecture="qwen3_moe", vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+        n_experts=128, top_k=8, expert_hidden_dim=768, max_seq_len=40960, norm_eps=1e-6, rope_theta=1000000.0,
+    ),
 }
