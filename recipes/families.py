@@ -14,6 +14,7 @@ from typing import Any, Optional
 #: Family name -> the module defining its ``FAMILY``, imported when first asked for.
 FAMILIES: dict[str, str] = {
     "llama": "recipes.models.llama.family",  # LLaMA-2, LLaMA-3 / 3.1 / 3.2
+    "moe": "recipes.models.moe.family",  # Mixtral, Qwen2-MoE, Qwen3-MoE
 }
 #: The family of configs and checkpoints that name none: all of those written before families existed.
 DEFAULT_FAMILY = "llama"

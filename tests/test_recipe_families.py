@@ -46,10 +46,10 @@ def legacy_checkpoint(path: Path, checkout: Path) -> Path:
 
 
 def test_an_unknown_family_is_refused_naming_the_known_ones():
-    with pytest.raises(ValueError, match=r"model.family='mixtral' is not a model family.*\['llama'\]"):
+    with pytest.raises(ValueError, match=r"model.family='mixtral' is not a model family.*\['llama', 'moe'\]"):
         DecoderLM(family="mixtral")
     hparams = {"family": "mixtral", "config": LLaMAConfig.from_preset("tiny").to_dict()}
-    with pytest.raises(checkpoint_layout.CheckpointError, match=r"family.*'mixtral'.*\['llama'\]"):
+    with pytest.raises(checkpoint_layout.CheckpointError, match=r"family.*'mixtral'.*\['llama', 'moe'\]"):
         checkpoint_layout.config_from_hparams(hparams, source="ckpt")
 
 

@@ -12,7 +12,7 @@ shard and checkpoint by, and where LoRA adds its adapters).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 from torch import nn
 
@@ -26,7 +26,11 @@ class HFFormat:
     cannot hold exactly. ``config_dict(config, dtype=..., extra=...)``: the ``config.json`` of an equal HF model.
     ``name_map(config)``: recipe parameter name -> the HF names it is made of, more than one for a fused weight
     (the HF tensors concatenated along dim 0 in that order). ``peft_targets``: LoRA target -> the HF submodule of a
-    decoder layer that PEFT adapts for it (``lora_export.py``).
+    decoder layer that PEFT adapts for it (``lora_export.py``). ``from_saved_layout(hf_state_dict, config)`` and
+    ``to_saved_layout(hf_state_dict, config)``, when set: where the tensors a checkpoint stores differ from those
+    ``name_map`` names (transformers 5 keeps MoE experts stacked in memory but saves one tensor per expert, as
+    transformers 4 did), any stored layout the family reads -> the named one, and back to what ``save_pretrained``
+    writes.
     """
 
     model_types: tuple[str, ...]
@@ -34,6 +38,23 @@ class HFFormat:
     config_dict: Callable[..., dict[str, Any]]
     name_map: Callable[[Any], dict[str, tuple[str, ...]]]
     peft_targets: Mapping[str, str]
+    from_saved_layout: Optional[Callable[[dict[str, Any], Any], dict[str, Any]]] = None
+    to_saved_layout: Optional[Callable[[dict[str, Any], Any], dict[str, Any]]] = None
+
+    @classmethod
+    def of_module(cls, hf: Any) -> "HFFormat":
+        """The format a family's ``hf.py`` module defines under the conventional names: ``MODEL_TYPES``,
+        ``config_from_hf``, ``hf_config_dict``, ``hf_name_map``, ``PEFT_TARGETS`` and optionally
+        ``from_saved_layout`` and ``to_saved_layout``."""
+        return cls(
+            model_types=hf.MODEL_TYPES,
+            config_from_hf=hf.config_from_hf,
+            config_dict=hf.hf_config_dict,
+            name_map=hf.hf_name_map,
+            peft_targets=hf.PEFT_TARGETS,
+            from_saved_layout=getattr(hf, "from_saved_layout", None),
+            to_saved_layout=getattr(hf, "to_saved_layout", None),
+        )
 
 
 #: Where a LoRA target sits in a block: (the ``Linear``'s module path inside the block, the index of the row block

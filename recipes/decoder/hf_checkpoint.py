@@ -65,9 +65,30 @@ def hf_config_dict(config: Any, *, dtype: torch.dtype, extra: Optional[Mapping[s
     return families.of_config(config).hf.config_dict(config, dtype=dtype, extra=extra)
 
 
+def hf_decoder_entries(config: Any, *, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` entries every family's decoder writes alike: its shape (``vocab_size``, ``dim``,
+    ``n_layers``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``max_seq_len``, ``norm_eps``), the SwiGLU (silu)
+    activation, the embedding tie, and the dtype under both the transformers 4 and 5 names."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": config.tie_embeddings,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+    }
+
+
 def hf_to_recipe_state_dict(hf_state_dict: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
     """Rename (and fuse, where the name map joins several HF tensors into one) an HF state dict into the recipe's
-    layout, by the name map of ``config``'s family.
+    layout, by the name map of ``config``'s family (after its ``from_saved_layout``, if it has one).
 
     Rotary buffers (``rotary_emb.inv_freq``) are dropped; any other unknown name, a missing tensor or
     a shape that disagrees with ``config`` raises ``CheckpointError`` naming the Hugging Face tensor. With
@@ -77,6 +98,9 @@ def hf_to_recipe_state_dict(hf_state_dict: Mapping[str, Tensor], config: Any) ->
     name_map = hf_name_map(config)
     shapes = expected_shapes(config)
     hf_state_dict = dict(hf_state_dict)
+    from_saved = families.of_config(config).hf.from_saved_layout
+    if from_saved is not None:
+        hf_state_dict = from_saved(hf_state_dict, config)
     embedding, head = hf_state_dict.get(HF_EMBEDDING), hf_state_dict.get(HF_HEAD)
     if config.tie_embeddings and embedding is not None:
         if head is None:
@@ -117,8 +141,9 @@ def hf_to_recipe_state_dict(hf_state_dict: Mapping[str, Tensor], config: Any) ->
 
 
 def recipe_to_hf_state_dict(state_dict: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
-    """Inverse of ``hf_to_recipe_state_dict``: split gate/up and rename, after ``check_state_dict``; a tied model
-    gets no ``lm_head.weight``. The gate/up halves are copies, not views: safetensors refuses tensors that share a
+    """Inverse of ``hf_to_recipe_state_dict``: split gate/up and rename, after ``check_state_dict``, then the
+    family's ``to_saved_layout``, if it has one; a tied model gets no ``lm_head.weight``. The gate/up halves are
+    copies, not views: safetensors refuses tensors that share a
     buffer."""
     check_state_dict(state_dict, config, source="The recipe checkpoint")
     out: dict[str, Tensor] = {}
@@ -131,7 +156,8 @@ def recipe_to_hf_state_dict(state_dict: Mapping[str, Tensor], config: Any) -> di
         else:
             for hf, part in zip(theirs, tensor.chunk(len(theirs), dim=0), strict=True):
                 out[hf] = part.clone()
-    return out
+    to_saved = families.of_config(config).hf.to_saved_layout
+    return out if to_saved is None else to_saved(out, config)
 
 
 # --------------------------------------------------------------------------------------------------

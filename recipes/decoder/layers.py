@@ -9,13 +9,16 @@ INIT_STD = 0.02
 
 
 class Linear(nn.Linear):
-    """Bias-free linear layer initialised from normal(0, ``INIT_STD``) (``nn.Linear`` uses Kaiming)."""
+    """Linear layer, bias-free unless ``bias``, its weight initialised from normal(0, ``INIT_STD``) (``nn.Linear``
+    uses Kaiming) and its bias from zeros."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
 
 class Embedding(nn.Embedding):

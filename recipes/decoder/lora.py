@@ -52,7 +52,8 @@ class LoRAB(nn.Linear):
 
 
 class LoRALinear(Linear):
-    """A frozen bias-free projection plus a LoRA adapter on some of its equal row blocks.
+    """A frozen projection (with the replaced layer's bias, if any, frozen too) plus a LoRA adapter on some of its
+    equal row blocks.
 
     ``blocks`` is how many equal row blocks the weight has (2 for the fused gate/up) and ``adapted`` maps a target
     name to the row block it adapts. The base parameter is the replaced layer's own ``weight`` (not a copy).
@@ -62,7 +63,7 @@ class LoRALinear(Linear):
         nn.Module.__init__(self)  # not Linear.__init__: that would allocate a second weight
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
-        self.register_parameter("bias", None)
+        self.bias = base.bias
         self.weight.requires_grad_(False)
         self.rows = base.out_features // blocks
         self.blocks = blocks
@@ -76,7 +77,7 @@ class LoRALinear(Linear):
         self.lora_b = nn.ModuleDict({name: LoRAB(config.rank, self.rows, bias=False, **factory) for name in adapted})
 
     def forward(self, x: Tensor) -> Tensor:
-        out = F.linear(x, self.weight)
+        out = F.linear(x, self.weight, self.bias)
         by_block = {block: name for name, block in self.block_of.items()}
         pieces = []
         for block in range(self.blocks):

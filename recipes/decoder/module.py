@@ -132,11 +132,14 @@ class DecoderLM(LightningModule):
         return self.model(input_ids)
 
     def _loss(self, batch: dict[str, Any]) -> Tensor:
-        """Mean cross-entropy over the labelled tokens (-100 marks the others: prompts and padding in SFT rows).
+        """Mean cross-entropy over the labelled tokens (-100 marks the others: prompts and padding in SFT rows), plus
+        the model's ``auxiliary_loss()`` of that forward if its family defines one.
         Packed rows (``cu_seqlens``, ``position_ids``: ``sft_data.collate_packed``) attend within each sample."""
         logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
                             position_ids=batch.get("position_ids"))
-        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        auxiliary = getattr(self.model, "auxiliary_loss", None)  # a family's extra training term (MoE: load balance)
+        return loss if auxiliary is None else loss + auxiliary()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)

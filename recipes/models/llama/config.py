@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
+
+from recipes.decoder.config_dict import ConfigDict
 
 #: The rotary scaling rule the recipe implements: LLaMA-3.1's "llama3" (see ``LLaMAConfig.rope_scaling``).
 ROPE_SCALING_TYPE = "llama3"
@@ -18,7 +19,7 @@ ROPE_SCALING_KEYS = {
 
 
 @dataclass
-class LLaMAConfig:
+class LLaMAConfig(ConfigDict):
     """Shape of a LLaMA decoder. ``n_kv_heads`` < ``n_heads`` gives grouped-query attention;
     ``None`` means ``n_heads`` (multi-head attention, as in LLaMA-2 7B and 13B).
 
@@ -49,25 +50,16 @@ class LLaMAConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first inconsistent field, why, and what would work."""
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LLaMAConfig.{name}={value!r} is invalid: it must be a positive integer.")
-        for name in ("norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"LLaMAConfig.{name}={value!r} is invalid: it must be a positive number.")
+        self.require_positive(
+            ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len"),
+            ("norm_eps", "rope_theta"),
+        )
         if self.dim % self.n_heads:
             raise ValueError(
                 f"LLaMAConfig.dim={self.dim} is not divisible by n_heads={self.n_heads}: every head gets "
                 f"dim // n_heads channels. Pick n_heads among the divisors of {self.dim}."
             )
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"LLaMAConfig.n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}: grouped-query "
-                f"attention shares each key/value head among n_heads // n_kv_heads query heads. "
-                f"Pick n_kv_heads among the divisors of {self.n_heads}."
-            )
+        self.require_grouped_heads()
         if self.head_dim % 2:
             raise ValueError(
                 f"head_dim = dim // n_heads = {self.head_dim} is odd; rotary embeddings rotate channel pairs, "
@@ -104,19 +96,6 @@ class LLaMAConfig:
         """
         seq_len = self.max_seq_len if seq_len is None else seq_len
         return 6 * self.num_params(include_embedding=False) + 12 * self.n_layers * seq_len * self.dim
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict of the fields (what checkpoints store)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "LLaMAConfig":
-        """Inverse of ``to_dict``; unknown keys are an error so typos are not silently dropped."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"Unknown LLaMAConfig field(s) {unknown}; the fields are {sorted(known)}.")
-        return cls(**dict(values))
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "LLaMAConfig":

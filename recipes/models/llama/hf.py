@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from recipes.decoder.checkpoint_layout import CheckpointError
-from recipes.decoder.hf_checkpoint import HF_EMBEDDING, HF_HEAD
+from recipes.decoder.hf_checkpoint import HF_EMBEDDING, HF_HEAD, hf_decoder_entries
 from recipes.models.llama.config import ROPE_SCALING_KEYS, ROPE_SCALING_TYPE, LLaMAConfig, normalise_rope_scaling
 
 #: The ``config.json`` model types of the family (the first is what exports write).
@@ -127,26 +127,14 @@ def hf_config_dict(
 ) -> dict[str, Any]:
     """The ``config.json`` of a ``LlamaForCausalLM`` equal to ``LLaMA(config)``. The rotary settings and dtype are
     written under both the transformers 4 and 5 names so either version reads them."""
-    dtype_name = str(dtype).removeprefix("torch.")
     out: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": MODEL_TYPES[0],
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.dim,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads,
-        "head_dim": config.head_dim,
+        **hf_decoder_entries(config, dtype=dtype),
         "intermediate_size": config.ffn_hidden_dim,
-        "max_position_embeddings": config.max_seq_len,
-        "rms_norm_eps": config.norm_eps,
         **rope_to_hf(config),
-        "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": config.tie_embeddings,
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
     }
     out.update(extra or {})
     return out

@@ -1,0 +1,378 @@
+"""What the recipe's decoder families share: the RMSNorm layer, the key/value cache, causal grouped-query attention
+with rotary embeddings (optionally with query/key/value biases and per-head query/key norms), the SwiGLU MLP, and
+``CausalDecoder``, the embedding -> blocks -> norm -> output trunk with its rotary tables, argument checks and
+packed-row handling. A family brings its blocks and its rotary rule (``recipes/models/<family>/model.py``).
+
+The modules hold no buffers, so a model can be built on the meta device, sharded, then materialised with
+``to_empty()`` + ``reset_parameters()`` on each parameter-owning module.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_npu.kernels import apply_rotary, causal_attention, packed_causal_attention, rms_norm, swiglu
+from recipes.decoder.layers import Embedding, Linear
+
+#: Where the LoRA targets of attention sit in a ``DecoderBlock`` (``DecoderFamily.lora_sites`` entries).
+ATTENTION_LORA_SITES = {
+    "q": ("attention.wq", 0, 1),
+    "k": ("attention.wk", 0, 1),
+    "v": ("attention.wv", 0, 1),
+    "o": ("attention.wo", 0, 1),
+}
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned per-channel gain (computed in fp32, returned in x's dtype)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, eps=self.eps)
+
+
+class KVCache:
+    """Keys and values of every layer for positions ``[0, capacity)``, for incremental decoding.
+
+    Each layer's tensors are [batch, capacity, n_kv_heads, head_dim] (BSND, like the attention
+    kernel). ``CausalDecoder.forward(tokens, cache=cache, start_pos=p)`` writes the new tokens' keys/values at
+    positions ``p .. p + len - 1`` and attends over ``0 .. p + len - 1``.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        capacity: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        device: Optional[torch.device] = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (batch_size, capacity, n_kv_heads, head_dim)
+        self.batch_size = batch_size
+        self.capacity = capacity
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+
+    def check(self, batch_size: int, start_pos: int, seq_len: int) -> None:
+        """Raise ``ValueError`` if ``seq_len`` tokens of a batch of ``batch_size`` cannot go at ``start_pos``."""
+        if batch_size != self.batch_size:
+            raise ValueError(
+                f"The KV cache holds batch_size={self.batch_size} but the tokens have batch_size={batch_size}; "
+                "make a new cache with model.new_cache(batch_size)."
+            )
+        if start_pos + seq_len > self.capacity:
+            raise ValueError(
+                f"The KV cache holds {self.capacity} positions but positions {start_pos}..{start_pos + seq_len - 1} "
+                "were requested; make a larger cache with model.new_cache(batch_size, capacity=...)."
+            )
+
+    def update(self, layer: int, k: Tensor, v: Tensor, start_pos: int) -> tuple[Tensor, Tensor]:
+        """Store ``k``/``v`` [batch, seq, n_kv_heads, head_dim] at ``start_pos``; return every key/value
+        up to and including them."""
+        end = start_pos + k.shape[1]
+        self.keys[layer][:, start_pos:end] = k
+        self.values[layer][:, start_pos:end] = v
+        return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary position embeddings.
+
+    ``qkv_bias`` gives the query/key/value projections a bias (Qwen2), ``qk_norm_eps`` an RMSNorm over each head's
+    channels of the queries and keys, before rotary (Qwen3). With ``cu_seqlens`` (packed rows, see ``CausalDecoder.forward``) the batch is one packed sequence of batch x seq tokens:
+    rotary runs on it as a batch of one ([1, T, heads, head_dim], with per-token tables [T, head_dim]) and attention
+    is per sample (``packed_causal_attention``, TND), so no token attends to another sample's.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool = False,
+        qk_norm_eps: Optional[float] = None,
+    ) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.wq = Linear(dim, n_heads * head_dim, bias=qkv_bias)
+        self.wk = Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wv = Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wo = Linear(n_heads * head_dim, dim)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: Optional[KVCache] = None,
+        layer: int = 0,
+        start_pos: int = 0,
+        cu_seqlens: Optional[list[int]] = None,
+    ) -> Tensor:
+        batch, seq, _ = x.shape
+        rows, length = (1, batch * seq) if cu_seqlens is not None else (batch, seq)
+        q = self.wq(x).view(rows, length, self.n_heads, self.head_dim)
+        k = self.wk(x).view(rows, length, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(rows, length, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, k, v, start_pos)
+            # Under autocast q comes out in the autocast dtype while a cache allocated from the
+            # parameters is fp32; the fused attention kernel needs one dtype.
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        if cu_seqlens is not None:
+            out = packed_causal_attention(q[0], k[0], v[0], cu_seqlens)
+        else:
+            out = causal_attention(q, k, v)
+        return self.wo(out.reshape(batch, seq, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w_down(silu(x W_gate) * (x W_up))`` with gate and up fused into one matmul."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        # One [2 * hidden, dim] weight: the gate rows first, then the up rows, which is the
+        # (A, B) = chunk(2) order that swiglu (and npu_swiglu) expect.
+        self.w_gate_up = Linear(dim, 2 * hidden_dim)
+        self.w_down = Linear(hidden_dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_down(swiglu(self.w_gate_up(x)))
+
+
+class DecoderBlock(nn.Module):
+    """One pre-norm decoder layer (attention then MLP, each with a residual): the unit that FSDP
+    wrapping and activation checkpointing target. A family's block class passes its attention and MLP modules
+    (``feed_forward(x)`` gives the MLP's output)."""
+
+    def __init__(self, layer_id: int, dim: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(dim, norm_eps)
+        self.attention = attention
+        self.ffn_norm = RMSNorm(dim, norm_eps)
+        self.feed_forward = feed_forward
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: Optional[KVCache] = None,
+        start_pos: int = 0,
+        cu_seqlens: Optional[list[int]] = None,
+    ) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, self.layer_id, start_pos, cu_seqlens)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def positions_in_samples(cu_seqlens: Sequence[int], device: Optional[torch.device] = None) -> Tensor:
+    """Each token's position inside its sample, [cu_seqlens[-1]] int64, for the sample boundaries ``cu_seqlens``."""
+    if not cu_seqlens or cu_seqlens[0] != 0 or any(b <= a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        raise ValueError(f"cu_seqlens={list(cu_seqlens)} must start at 0 and rise strictly: the sample boundaries.")
+    lengths = torch.tensor([b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])])
+    starts = torch.tensor(cu_seqlens[:-1]).repeat_interleave(lengths)
+    return (torch.arange(cu_seqlens[-1]) - starts).to(device)
+
+
+class CausalDecoder(nn.Module):
+    """A decoder LM: token ids [batch, seq] -> next-token logits [batch, seq, vocab] (fp32), from the token
+    embedding, ``blocks`` (each ``block(h, cos, sin, cache, start_pos, cu_seqlens)``), a final RMSNorm and the
+    output projection. A family subclasses it with its blocks and its rotary tables (:meth:`rotary_cos_sin`).
+
+    ``config`` needs ``vocab_size``, ``dim``, ``n_layers``, ``n_kv_heads``, ``head_dim``, ``max_seq_len``,
+    ``norm_eps`` and ``tie_embeddings``.
+    """
+
+    def __init__(self, config: Any, blocks: Iterable[nn.Module]) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(blocks)
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = Linear(config.dim, config.vocab_size)
+        self._tie_embeddings()
+        # fp32 rotary tables keyed by device; per-dtype casts keyed by (device, dtype). A plain dict,
+        # not buffers: buffers would be lost on the meta device and sharded/broadcast needlessly.
+        self._rope_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def _tie_embeddings(self) -> None:
+        """With ``tie_embeddings``, one parameter under two names (the state dict holds both). FSDP2 keeps it in
+        the root unit, which holds both modules, and swaps sharded parameters in place, so the tie survives."""
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse: bool = True):
+        # Module._apply replaces parameters whose new tensor type differs (meta -> cpu in to_empty()), each module's
+        # separately, which would leave two untied copies: tie again afterwards.
+        module = super()._apply(fn, recurse)
+        self._tie_embeddings()
+        return module
+
+    def reset_parameters(self) -> None:
+        """Re-initialise every parameter (the same init each module's own ``reset_parameters`` gives)."""
+        for module in self.modules():
+            if module is not self and callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+
+    def new_cache(
+        self,
+        batch_size: int,
+        capacity: Optional[int] = None,
+        *,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> KVCache:
+        """An empty KV cache for ``capacity`` positions (default ``max_seq_len``) on the model's
+        device, in its parameter dtype unless told otherwise."""
+        weight = self.tok_embeddings.weight
+        capacity = self.config.max_seq_len if capacity is None else capacity
+        if capacity > self.config.max_seq_len:
+            raise ValueError(
+                f"KV cache capacity={capacity} exceeds max_seq_len={self.config.max_seq_len}; "
+                f"use at most {self.config.max_seq_len} positions."
+            )
+        return KVCache(
+            self.config.n_layers,
+            batch_size,
+            capacity,
+            self.config.n_kv_heads,
+            self.config.head_dim,
+            device=weight.device if device is None else device,
+            dtype=weight.dtype if dtype is None else dtype,
+        )
+
+    def rotary(self, start_pos: int, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos/sin [seq_len, head_dim] for positions ``start_pos .. start_pos + seq_len - 1``: computed in
+        fp32 once per device for ``max_seq_len`` positions, cast once per dtype, then sliced."""
+        cos, sin = self._rotary_tables(device, dtype)
+        return cos[start_pos : start_pos + seq_len], sin[start_pos : start_pos + seq_len]
+
+    def rotary_at(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos/sin [len(positions), head_dim] for the 1-D ``positions`` (each in ``0 .. max_seq_len - 1``), from
+        the same tables as :meth:`rotary`."""
+        cos, sin = self._rotary_tables(positions.device, dtype)
+        return cos[positions], sin[positions]
+
+    def rotary_cos_sin(self, device: Optional[torch.device] = None) -> tuple[Tensor, Tensor]:
+        """fp32 cos/sin [max_seq_len, head_dim] for positions 0 .. max_seq_len - 1 (the family's rotary rule)."""
+        raise NotImplementedError(f"{type(self).__name__} must define rotary_cos_sin (its rotary tables)")
+
+    def _rotary_tables(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        key = (device, dtype)
+        if key not in self._rope_cache:
+            base_key = (device, torch.float32)
+            if base_key not in self._rope_cache:
+                self._rope_cache[base_key] = self.rotary_cos_sin(device)
+            cos, sin = self._rope_cache[base_key]
+            self._rope_cache[key] = (cos.to(dtype), sin.to(dtype))
+        return self._rope_cache[key]
+
+    def forward(
+        self,
+        tokens: Tensor,
+        *,
+        cache: Optional[KVCache] = None,
+        start_pos: int = 0,
+        cu_seqlens: Optional[Sequence[int] | Tensor] = None,
+        position_ids: Optional[Tensor] = None,
+    ) -> Tensor:
+        """Logits [batch, seq, vocab] in fp32 for ``tokens`` [batch, seq] (int64) at positions
+        ``start_pos ..``. With ``cache``, earlier positions come from it and the new ones are added.
+
+        Packed rows (several samples per row, as ``sft_data.collate_packed`` gives them): ``cu_seqlens`` are the
+        sample boundaries over the batch flattened to batch x seq tokens (``[0, ..., batch * seq]``; a list of ints,
+        or an integer tensor, read on the host once), and each sample is attended to alone, with rotary positions
+        ``position_ids`` [batch, seq] (by default each sample's positions from 0). Every sample then gets the logits
+        it would get run on its own.
+        """
+        h, cos, sin, bounds = self.embed(tokens, cache, start_pos, cu_seqlens, position_ids)
+        for block in self.layers:
+            h = block(h, cos, sin, cache, start_pos, bounds)
+        return self.logits(h)
+
+    def embed(
+        self,
+        tokens: Tensor,
+        cache: Optional[KVCache],
+        start_pos: int,
+        cu_seqlens: Optional[Sequence[int] | Tensor],
+        position_ids: Optional[Tensor],
+    ) -> tuple[Tensor, Tensor, Tensor, Optional[list[int]]]:
+        """What the blocks take, after checking :meth:`forward`'s arguments: the embedded tokens, the rotary
+        cos/sin of their positions and the sample boundaries (a list, or None without packing)."""
+        if tokens.dim() != 2:
+            raise ValueError(
+                f"{type(self).__name__} expects token ids of shape [batch, seq]; got shape {tuple(tokens.shape)}. "
+                "Add a batch dimension with tokens.unsqueeze(0)."
+            )
+        batch, seq = tokens.shape
+        if start_pos < 0:
+            raise ValueError(f"start_pos={start_pos} must be >= 0.")
+        if start_pos and cache is None:
+            raise ValueError(
+                f"start_pos={start_pos} needs a KV cache holding positions 0..{start_pos - 1}; pass cache=..."
+            )
+        if start_pos + seq > self.config.max_seq_len:
+            raise ValueError(
+                f"Sequence of {start_pos + seq} positions (start_pos={start_pos} + {seq} tokens) exceeds "
+                f"max_seq_len={self.config.max_seq_len}; shorten the input or build the model with a larger "
+                "max_seq_len (rotary embeddings extrapolate poorly beyond the trained length)."
+            )
+        if cache is not None:
+            cache.check(batch, start_pos, seq)
+        if position_ids is not None and cu_seqlens is None:
+            raise ValueError(
+                "position_ids are read only with cu_seqlens (packed rows); without them positions are start_pos .., "
+                "so pass cu_seqlens with the sample boundaries, or drop position_ids."
+            )
+        h = self.tok_embeddings(tokens)
+        if cu_seqlens is None:
+            bounds = None
+            cos, sin = self.rotary(start_pos, seq, h.device, h.dtype)
+        else:
+            if cache is not None:
+                raise ValueError("Packed rows (cu_seqlens) are for training and scoring; decode without cu_seqlens.")
+            bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
+            if not bounds or bounds[-1] != batch * seq:
+                raise ValueError(
+                    f"cu_seqlens={bounds} must end at the token count T={batch * seq} (batch x seq of tokens "
+                    f"{tuple(tokens.shape)}): they are the sample boundaries over the batch flattened to one sequence."
+                )
+            if position_ids is None:
+                position_ids = positions_in_samples(bounds, device=tokens.device)
+            elif tuple(position_ids.shape) != (batch, seq):
+                raise ValueError(
+                    f"position_ids have shape {tuple(position_ids.shape)}; they must match tokens {(batch, seq)}."
+                )
+            cos, sin = self.rotary_at(position_ids.flatten(), h.dtype)
+        return h, cos, sin, bounds
+
+    def logits(self, h: Tensor) -> Tensor:
+        """fp32 next-token logits of the last block's output ``h``."""
+        return self.output(self.norm(h)).float()

@@ -1,0 +1,134 @@
+"""The Mixture-of-Experts decoder (Mixtral, Qwen2-MoE, Qwen3-MoE: see ``config.py``) as a plain ``nn.Module`` on
+``lightning_npu.kernels``: the shared attention, norms and trunk of ``recipes/decoder/transformer.py``, with MoE MLPs.
+
+The experts of a layer are stacked, one parameter per projection (``w_gate_up`` [E, 2F, dim], ``w_down``
+[E, dim, F], Hugging Face 5's layout), so FSDP2 shards two large tensors per layer rather than 3 x E small ones,
+and they run as two grouped matmuls over the tokens sorted by expert (``permute_tokens`` ->
+``grouped_matmul`` -> ``unpermute_tokens``, fused on NPUs). The router is fp32 plain torch (``router.py``).
+
+Parameter names (``hf.py`` maps them to Hugging Face's)::
+
+    tok_embeddings.weight                                   [vocab, dim]
+    layers.{i}.attention_norm.weight                        [dim]
+    layers.{i}.attention.wq.weight (.bias with qkv_bias)    [n_heads * head_dim, dim]
+    layers.{i}.attention.wk.weight (.bias)                  [n_kv_heads * head_dim, dim]
+    layers.{i}.attention.wv.weight (.bias)                  [n_kv_heads * head_dim, dim]
+    layers.{i}.attention.wo.weight                          [dim, n_heads * head_dim]
+    layers.{i}.attention.q_norm.weight, k_norm.weight       [head_dim]  (qwen3_moe)
+    layers.{i}.ffn_norm.weight                              [dim]
+  an MoE layer:
+    layers.{i}.feed_forward.router.weight                   [n_experts, dim]
+    layers.{i}.feed_forward.experts.w_gate_up               [n_experts, 2 * expert_hidden_dim, dim] (gate rows first)
+    layers.{i}.feed_forward.experts.w_down                  [n_experts, dim, expert_hidden_dim]
+    layers.{i}.feed_forward.shared_expert.w_gate_up.weight  [2 * shared_expert_hidden_dim, dim]  (with one)
+    layers.{i}.feed_forward.shared_expert.w_down.weight     [dim, shared_expert_hidden_dim]
+    layers.{i}.feed_forward.shared_expert_gate.weight       [1, dim]
+  a dense layer:
+    layers.{i}.feed_forward.w_gate_up.weight                [2 * dense_hidden_dim, dim]
+    layers.{i}.feed_forward.w_down.weight                   [dim, dense_hidden_dim]
+    norm.weight, output.weight                              as LLaMA's
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_npu.kernels import grouped_matmul, permute_tokens, rotary_tables, swiglu, unpermute_tokens
+from recipes.decoder.layers import INIT_STD, Linear
+from recipes.decoder.transformer import Attention, CausalDecoder, DecoderBlock, FeedForward
+from recipes.models.moe.config import MoEConfig
+from recipes.models.moe.router import Router, load_balancing_loss, route
+
+
+class Experts(nn.Module):
+    """``n_experts`` SwiGLU MLPs in two stacked parameters, run over tokens routed to them."""
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
+        self.w_down = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w_gate_up, mean=0.0, std=INIT_STD)
+        nn.init.normal_(self.w_down, mean=0.0, std=INIT_STD)
+
+    def forward(self, x: Tensor, expert_ids: Tensor, probs: Tensor) -> Tensor:
+        """``sum_j probs[t, j] * expert_{ids[t, j]}(x[t])`` for tokens x [T, dim], ids and probs [T, top_k]. The
+        probs go in x's dtype: the fused unpermute's backward gives NaN for mixed dtypes (moe-facts.md)."""
+        permuted, counts, permutation = permute_tokens(x, expert_ids, probs.to(x.dtype), self.w_gate_up.shape[0])
+        # [E, 2F, dim] -> [E, dim, 2F] views: grouped_matmul takes [E, K, N] (the fused op reads the view as is).
+        hidden = swiglu(grouped_matmul(permuted, self.w_gate_up.transpose(1, 2), counts))
+        out = grouped_matmul(hidden, self.w_down.transpose(1, 2), counts)
+        return unpermute_tokens(out, permutation)
+
+
+class MoEFeedForward(nn.Module):
+    """An MoE MLP: the router picks each token's experts, their gated sum is the output, plus the shared expert's
+    output scaled by its sigmoid gate when the config has one. The last forward's router logits are kept in
+    ``router_logits`` [tokens, n_experts] for the load-balancing loss (``MoE.forward(output_router_logits=True)``)."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.top_k = config.top_k
+        self.norm_topk_prob = config.norm_topk_prob
+        self.router = Router(config.dim, config.n_experts)
+        self.experts = Experts(config.n_experts, config.dim, config.expert_hidden_dim)
+        if config.shared_expert_hidden_dim:
+            self.shared_expert = FeedForward(config.dim, config.shared_expert_hidden_dim)
+            self.shared_expert_gate = Linear(config.dim, 1)
+        self.router_logits: Optional[Tensor] = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        self.router_logits = self.router(tokens)
+        probs, expert_ids = route(self.router_logits, self.top_k, normalise=self.norm_topk_prob)
+        out = self.experts(tokens, expert_ids, probs)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
+        return out.view_as(x)
+
+
+class MoEBlock(DecoderBlock):
+    """One layer: attention (with Qwen2-MoE's qkv biases or Qwen3-MoE's q/k norms), then an MoE or dense MLP."""
+
+    def __init__(self, config: MoEConfig, layer_id: int) -> None:
+        attention = Attention(
+            config.dim, config.n_heads, config.n_kv_heads, config.head_dim,
+            qkv_bias=config.qkv_bias, qk_norm_eps=config.norm_eps if config.qk_norm else None,
+        )
+        if layer_id in config.moe_layers:
+            feed_forward: nn.Module = MoEFeedForward(config)
+        else:
+            feed_forward = FeedForward(config.dim, config.dense_hidden_dim)
+        super().__init__(layer_id, config.dim, config.norm_eps, attention, feed_forward)
+
+
+class MoE(CausalDecoder):
+    """MoE decoder: token ids [batch, seq] -> next-token logits [batch, seq, vocab] (fp32)."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__(config, (MoEBlock(config, i) for i in range(config.n_layers)))
+
+    def rotary_cos_sin(self, device: Optional[torch.device] = None) -> tuple[Tensor, Tensor]:
+        return rotary_tables(self.config.max_seq_len, self.config.head_dim, theta=self.config.rope_theta, device=device)
+
+    def forward(self, tokens: Tensor, *, output_router_logits: bool = False, **kwargs) -> Tensor | tuple:
+        """``CausalDecoder.forward``'s logits; with ``output_router_logits``, ``(logits, router_logits)``: the
+        router logits [batch * seq, n_experts] (fp32) of each MoE layer in order, as Hugging Face returns them."""
+        logits = super().forward(tokens, **kwargs)
+        if not output_router_logits:
+            return logits
+        return logits, tuple(self.layers[i].feed_forward.router_logits for i in self.config.moe_layers)
+
+    def auxiliary_loss(self) -> Tensor:
+        """``router_aux_loss_coef`` x the load-balancing loss of the last forward's routing (what ``DecoderLM``
+        adds to the cross-entropy, as transformers does with ``output_router_logits``); 0 when the coefficient is."""
+        coef = self.config.router_aux_loss_coef
+        if not coef:
+            return self.tok_embeddings.weight.new_zeros(())
+        logits = [self.layers[i].feed_forward.router_logits for i in self.config.moe_layers]
+        return coef * load_balancing_loss(logits, self.config.top_k)

@@ -1,0 +1,54 @@
+"""Token-choice top-k routing and the load-balancing loss, in fp32 plain torch (no fused kernel: the router is a
+[tokens, experts] matmul and a softmax, and its choices must be exactly Hugging Face's)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from recipes.decoder.layers import INIT_STD
+
+
+class Router(nn.Module):
+    """The gate of an MoE layer: logits [tokens, n_experts] = x . weight^T, computed in fp32 whatever the
+    autocast dtype (a bf16 matmul moves near-tied scores, so tokens would pick other experts)."""
+
+    def __init__(self, dim: int, n_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float())
+
+
+def route(logits: Tensor, top_k: int, *, normalise: bool) -> tuple[Tensor, Tensor]:
+    """``(probs, expert_ids)`` [tokens, top_k] of router ``logits``: the softmax over all experts (fp32), then the
+    top k, renormalised to sum to 1 with ``normalise`` (Mixtral always; Qwen-MoE with ``norm_topk_prob``)."""
+    scores = torch.softmax(logits.float(), dim=-1)
+    probs, expert_ids = torch.topk(scores, top_k, dim=-1)
+    if normalise:
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs, expert_ids
+
+
+def load_balancing_loss(router_logits: Sequence[Tensor], top_k: int) -> Tensor:
+    """The Switch Transformer auxiliary loss as Hugging Face computes it (``load_balancing_loss_func``, no
+    attention mask): over the tokens of every MoE layer together, ``n_experts * sum_e f_e * P_e``, where f_e is
+    how many of the top_k choices went to expert e per token and P_e the mean softmax probability of e. Only P
+    carries a gradient. Counted without a host sync (a scatter, not bincount)."""
+    if not router_logits:
+        raise ValueError("load_balancing_loss needs the router logits of at least one MoE layer")
+    logits = torch.cat([layer.float() for layer in router_logits])
+    tokens, n_experts = logits.shape
+    scores = torch.softmax(logits, dim=-1)
+    chosen = torch.topk(scores, top_k, dim=-1).indices.flatten()
+    counts = torch.zeros(n_experts, device=logits.device).scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
+    return n_experts * torch.sum(counts / tokens * scores.mean(dim=0))

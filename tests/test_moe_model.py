@@ -1,0 +1,249 @@
+"""The MoE family against Hugging Face transformers: tiny random Mixtral, Qwen2-MoE (a shared expert, a dense layer
+through mlp_only_layers, qkv biases) and Qwen3-MoE (q/k norms, head_dim != hidden / heads, decoder_sparse_step)
+models imported into the recipe's model give transformers' fp32 logits, router logits, weight gradients, load-balancing
+loss and greedy tokens; the per-expert (saved) and stacked (in-memory) layouts import to the same weights; exports
+are what save_pretrained writes and load back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from torch.nn import functional as F
+from safetensors.torch import load_file, save_file
+
+from recipes import families
+from recipes.decoder import hf_checkpoint
+from recipes.decoder.checkpoint_layout import CheckpointError
+from recipes.decoder.module import DecoderLM
+from recipes.generate import generate, load_model
+from recipes.models.moe import hf as moe_hf
+from recipes.models.moe.config import MoEConfig
+from recipes.models.moe.model import MoE
+from recipes.models.moe.router import load_balancing_loss
+
+_COMMON = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+               rms_norm_eps=1e-6, num_experts_per_tok=2)
+HF_MODELS = {
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_hidden_layers=2, intermediate_size=24, num_local_experts=4)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                  dict(num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+                       shared_expert_intermediate_size=40, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(num_hidden_layers=4, head_dim=16, intermediate_size=48, moe_intermediate_size=24, num_experts=5,
+                       decoder_sparse_step=2, norm_topk_prob=True)),
+}
+# A layer index past the dense ones of each model, and the layers whose MLP is an MoE.
+MOE_LAYERS = {"mixtral": [0, 1], "qwen2_moe": [0, 2], "qwen3_moe": [1, 3]}
+
+
+def hf_model(arch: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """A tiny random transformers model of ``arch`` in eval mode; every weight random (norm gains around 1,
+    biases included) so each feature of the architecture moves the logits."""
+    config_class, model_class, fields = HF_MODELS[arch]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**_COMMON, **fields)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.2)
+            if "norm" in name:
+                param.add_(1.0)
+    return model
+
+
+def saved(model: transformers.PreTrainedModel, path) -> object:
+    model.save_pretrained(path)
+    return path
+
+
+def tokens(seed: int = 1, batch: int = 2, seq: int = 12) -> torch.Tensor:
+    return torch.randint(0, _COMMON["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def recipe_model(path) -> MoE:
+    config, state_dict = hf_checkpoint.load_hf_checkpoint(path)
+    model = MoE(config)
+    model.load_state_dict(state_dict)
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", sorted(HF_MODELS))
+def test_imported_model_gives_transformers_logits_router_logits_and_gradients(tmp_path, arch):
+    hf = hf_model(arch)
+    ours = recipe_model(saved(hf, tmp_path / "hf"))
+    assert ours.config.architecture == arch and ours.config.moe_layers == MOE_LAYERS[arch]
+    ids = tokens()
+    theirs = hf(ids, output_router_logits=True)
+    logits, router_logits = ours(ids, output_router_logits=True)
+    torch.testing.assert_close(logits, theirs.logits, rtol=0, atol=1e-5)
+    assert len(router_logits) == len(theirs.router_logits) == len(MOE_LAYERS[arch])
+    for mine, hf_logits in zip(router_logits, theirs.router_logits):
+        torch.testing.assert_close(mine, hf_logits, rtol=0, atol=1e-5)
+    # Training parity: the stacked experts' and router's gradients are transformers' (its per-expert loop).
+    theirs.logits.square().mean().backward()
+    logits.square().mean().backward()
+    for layer in MOE_LAYERS[arch]:
+        hf_mlp, mlp = hf.model.layers[layer].mlp, ours.layers[layer].feed_forward
+        torch.testing.assert_close(mlp.experts.w_gate_up.grad, hf_mlp.experts.gate_up_proj.grad, rtol=0, atol=1e-6)
+        torch.testing.assert_close(mlp.experts.w_down.grad, hf_mlp.experts.down_proj.grad, rtol=0, atol=1e-6)
+        torch.testing.assert_close(mlp.router.weight.grad, hf_mlp.gate.weight.grad, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", sorted(HF_MODELS))
+def test_stacked_and_per_expert_checkpoints_import_to_the_same_weights(tmp_path, arch):
+    """save_pretrained (transformers 5.24, like 4.x) writes one tensor per expert; the in-memory modules (and
+    checkpoints written from them) hold them stacked. Both read to the same weights."""
+    hf = hf_model(arch)
+    per_expert_dir = saved(hf, tmp_path / "per_expert")
+    stored = load_file(per_expert_dir / "model.safetensors")
+    assert any(".experts.0." in key for key in stored) and not any("gate_up_proj" in key for key in stored)
+    _, from_per_expert = hf_checkpoint.load_hf_checkpoint(per_expert_dir)
+    stacked_dir = tmp_path / "stacked"
+    stacked_dir.mkdir()
+    hf.config.to_json_file(stacked_dir / "config.json")
+    save_file({key: t.contiguous() for key, t in hf.state_dict().items()}, stacked_dir / "model.safetensors")
+    _, from_stacked = hf_checkpoint.load_hf_checkpoint(stacked_dir)
+    assert from_stacked.keys() == from_per_expert.keys()
+    for name in from_stacked:
+        assert torch.equal(from_stacked[name], from_per_expert[name]), name
+    # An expert missing from a shard is named, not read as a smaller layer.
+    del stored[next(key for key in stored if ".experts.3." in key)]
+    save_file(stored, per_expert_dir / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"of experts \[0, 1, 2(, 4)?\] in model\.layers\.\d\.mlp\.experts, but"):
+        hf_checkpoint.load_hf_checkpoint(per_expert_dir)
+
+
+@pytest.mark.parametrize("arch", sorted(HF_MODELS))
+def test_export_loads_back_into_transformers_with_the_same_logits(tmp_path, arch):
+    hf = hf_model(arch)
+    config, state_dict = hf_checkpoint.load_hf_checkpoint(saved(hf, tmp_path / "hf"))
+    hf_checkpoint.save_hf_checkpoint(config, state_dict, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["model_type"] == arch
+    # The tensors save_pretrained writes, by the same names (one per expert: what transformers 4 and 5 load).
+    ours, theirs = (load_file(tmp_path / d / "model.safetensors") for d in ("out", "hf"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(again) is type(hf)
+    ids = tokens(seed=2)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=1e-5)
+    # The recipe's config survives the round trip exactly.
+    assert hf_checkpoint.load_hf_checkpoint(tmp_path / "out")[0] == config
+
+
+@pytest.mark.parametrize("arch", sorted(HF_MODELS))
+def test_load_balancing_loss_is_transformers_aux_loss(tmp_path, arch):
+    hf = hf_model(arch)
+    # Training with the aux loss (the model copies the coefficient from its config when built).
+    hf.config.output_router_logits = True
+    hf.config.router_aux_loss_coef = hf.router_aux_loss_coef = 0.25
+    ours = recipe_model(saved(hf, tmp_path / "hf"))
+    assert ours.config.router_aux_loss_coef == 0.25
+    ids = tokens(seed=3, batch=3, seq=10)
+    with torch.no_grad():
+        theirs = hf(ids, labels=ids)
+        _, router_logits = ours(ids, output_router_logits=True)
+    aux = load_balancing_loss(router_logits, ours.config.top_k)
+    torch.testing.assert_close(aux, theirs.aux_loss, rtol=0, atol=1e-6)
+    # What training adds to the cross-entropy is what transformers adds to its loss.
+    cross_entropy = F.cross_entropy(theirs.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    torch.testing.assert_close(ours.auxiliary_loss(), theirs.loss - cross_entropy, rtol=0, atol=1e-6)
+
+
+def test_the_training_loss_adds_the_weighted_load_balancing_loss():
+    module = DecoderLM(family="moe", preset="tiny", config={"n_layers": 2, "router_aux_loss_coef": 0.5})
+    module.configure_model()
+    ids = tokens(seed=5, batch=2, seq=16) % module.config.vocab_size
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    loss = module._loss(batch)
+    logits, router_logits = module.model(batch["input_ids"], output_router_logits=True)
+    cross_entropy = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+    aux = load_balancing_loss(router_logits, module.config.top_k)
+    assert aux > 0.9  # n_experts * sum f * P is 1 when balanced, more when not
+    torch.testing.assert_close(loss, cross_entropy + 0.5 * aux, rtol=0, atol=1e-6)
+    loss.backward()
+    assert module.model.layers[0].feed_forward.router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("arch", sorted(HF_MODELS))
+def test_greedy_generation_from_an_hf_directory_is_transformers(tmp_path, arch):
+    hf = hf_model(arch)
+    model, _ = load_model(saved(hf, tmp_path / "hf"))
+    prompt = tokens(seed=4, batch=2, seq=5)
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(model, prompt, 8), expected)
+
+
+def test_hf_configs_the_model_cannot_hold_are_refused():
+    base = json.loads(hf_model("mixtral").config.to_json_string())
+    for change, message in [
+        ({"sliding_window": 16}, r"sliding_window=16; the recipe's attention is full causal"),
+        ({"router_jitter_noise": 0.1}, r"router_jitter_noise=0.1"),
+        ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, r"rope_type='yarn'"),
+    ]:
+        with pytest.raises(CheckpointError, match=message):
+            moe_hf.config_from_hf({**base, **change})
+    qwen3 = json.loads(hf_model("qwen3_moe").config.to_json_string())
+    with pytest.raises(CheckpointError, match=r"attention_bias=true"):
+        moe_hf.config_from_hf({**qwen3, "attention_bias": True})
+
+
+def test_config_rules_name_the_field_and_the_fix():
+    with pytest.raises(ValueError, match=r"norm_topk_prob=False, but mixtral models have norm_topk_prob=True"):
+        MoEConfig.from_preset("tiny", architecture="mixtral", norm_topk_prob=False)
+    with pytest.raises(ValueError, match=r"shared_expert_hidden_dim=64, but qwen3_moe models"):
+        MoEConfig.from_preset("tiny", shared_expert_hidden_dim=64)
+    with pytest.raises(ValueError, match=r"top_k=9 exceeds n_experts=8"):
+        MoEConfig.from_preset("tiny", top_k=9)
+    with pytest.raises(ValueError, match=r"layers \[1\] are dense .* give their MLP width"):
+        MoEConfig.from_preset("tiny", dense_layers=[1])
+    with pytest.raises(ValueError, match=r"leave no MoE layer"):
+        MoEConfig.from_preset("tiny", dense_layers=[0, 1, 2, 3], dense_hidden_dim=64)
+    with pytest.raises(ValueError, match=r"'moe' is not a model family|architecture='moe' is unknown"):
+        MoEConfig.from_preset("tiny", architecture="moe")
+
+
+def test_stacked_experts_are_one_parameter_per_projection_and_the_counts_agree():
+    config = MoEConfig.from_preset("tiny")
+    model = MoE(config)
+    expert_params = [name for name, _ in model.named_parameters() if ".experts." in name]
+    assert len(expert_params) == 2 * len(config.moe_layers)
+    assert sum(p.numel() for p in model.parameters()) == config.num_params()
+    per_layer_experts = 3 * config.dim * config.expert_hidden_dim * len(config.moe_layers)
+    assert config.num_params() - config.active_params() == (config.n_experts - config.top_k) * per_layer_experts
+    assert families.of_config(config) is families.get("moe")
+    assert families.of_hf_model_type("qwen2_moe") is families.get("moe")
+
+
+def test_lora_on_attention_keeps_the_qkv_biases_and_refuses_the_experts(tmp_path):
+    from recipes.decoder.lora import add_lora
+    from recipes.decoder.lora_config import LoRAConfig
+
+    ours = recipe_model(saved(hf_model("qwen2_moe"), tmp_path / "hf"))
+    ids = tokens(seed=6)
+    with torch.no_grad():
+        before = ours(ids)
+        add_lora(ours, LoRAConfig(targets=("q", "k", "v", "o")))
+        after = ours(ids)  # fresh adapters (B = 0) change nothing: the base, biases included, is intact
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert not ours.layers[0].attention.wq.bias.requires_grad
+    with pytest.raises(ValueError, match=r"gate"):
+        add_lora(recipe_model(tmp_path / "hf"), LoRAConfig(targets=("q", "gate")))
+
+
+@pytest.mark.parametrize(("preset", "total", "active"), [("mixtral-8x7b", 46.7e9, 12.9e9),
+                                                         ("qwen3-30b-a3b", 30.5e9, 3.3e9)])
+def test_real_size_presets_have_transformers_parameter_count_and_the_published_sizes(preset, total, active):
+    config = MoEConfig.from_preset(preset)
+    hf_config = transformers.AutoConfig.for_model(**moe_hf.hf_config_dict(config, dtype=torch.bfloat16))
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert sum(p.numel() for p in hf.parameters()) == config.num_params()
+    # The published figures, given to one decimal of a billion (3.35B active is Qwen's "3.3B").
+    assert abs(config.num_params() - total) < 0.06e9 and abs(config.active_params() - active) < 0.06e9
