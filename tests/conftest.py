@@ -1,6 +1,12 @@
-import pytest
+import os
 
-import lightning_npu  # noqa: F401 -- registers the accelerator and strategies
+# The tests never reach the network; one value for the whole session (set before anything imports
+# huggingface_hub, which reads it at import) also lets the warm interpreters of tests/warm_python.py serve them all.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+
+import lightning_npu  # noqa: E402,F401 -- registers the accelerator and strategies
 from lightning_npu import runtime
 
 

@@ -97,9 +97,14 @@ os._exit(status.get("exit", 1))
 # ---- the test process's side ------------------------------------------------------------------------------------
 
 class WarmPython:
-    """A zygote started on first use, stopped when the test process exits."""
+    """A zygote started on first use, stopped when the test process exits.
+
+    Made at import (test collection), it keeps the environment of that moment: the zygote imports with it, not
+    with what a test that happens to start it first has patched in.
+    """
 
     def __init__(self) -> None:
+        self._environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", SOCKET_VARIABLE)}
         self._process: Optional[subprocess.Popen] = None
         self._directory: Optional[tempfile.TemporaryDirectory] = None
         self.shim: Optional[str] = None
@@ -124,10 +129,9 @@ class WarmPython:
         Path(self.shim).write_text(SHIM.format(python=sys.executable, variable=SOCKET_VARIABLE,
                                                forwarded=FORWARDED))
         os.chmod(self.shim, 0o755)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", SOCKET_VARIABLE)}
         log = open(directory / "zygote.log", "wb")
         self._process = subprocess.Popen([sys.executable, __file__, self.socket, self.shim, str(os.getpid())],
-                                         env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                                         env=self._environment, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         log.close()
         deadline = time.monotonic() + 120
         while not os.path.exists(self.socket):
@@ -137,6 +141,17 @@ class WarmPython:
         atexit.register(self.stop)
 
     def stop(self) -> None:
+        """Stop the zygote; say on stderr how many processes it served warm and why the others ran cold."""
+        if self._process is not None and self._directory is not None:
+            lines = (Path(self._directory.name) / "zygote.log").read_text(errors="replace").splitlines()
+            cold: dict[str, int] = {}
+            for line in lines:
+                if line.startswith("cold: "):
+                    reason = line[len("cold: "):].split(": [")[0]
+                    cold[reason] = cold.get(reason, 0) + 1
+            reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(cold.items(), key=lambda i: -i[1]))
+            sys.__stderr__.write(f"warm python: {sum(line == 'warm' for line in lines)} processes forked warm,"
+                                 f" {sum(cold.values())} cold{' (' + reasons + ')' if reasons else ''}\n")
         if self._process is not None and self._process.poll() is None:
             self._process.terminate()
             try:
@@ -232,14 +247,15 @@ def _shadows(entry: str, preloaded: set[str]) -> bool:
 
 
 def _cold_reason(request: dict[str, Any], read_at_import: set[str], scanned: tuple[str, ...], own: dict[str, str],
-                 preloaded: set[str]) -> Optional[str]:
+                 set_by_imports: dict[str, str], preloaded: set[str]) -> Optional[str]:
     """Why a fresh interpreter could import differently from the zygote (``own``: its environment before the
-    imports), or None."""
+    imports; ``set_by_imports``: what they set, such as torch's inductor cache dir, which a caller that imported
+    torch itself passes on with the same value), or None."""
     if _command(request["argv"]) is None:
         return "command line"
     env = request["env"]
     for key in read_at_import - SET_IN_CHILD:
-        if env.get(key) != own.get(key):
+        if env.get(key) != own.get(key) and not (key in set_by_imports and env.get(key) == set_by_imports[key]):
             return f"{key} read at import"
     for key in set(env) | set(own):
         if scanned and key.startswith(scanned) and env.get(key) != own.get(key):
@@ -286,7 +302,7 @@ def serve(path: str, parent: int) -> tuple[dict[str, Any], list[int], dict[str, 
                 except (OSError, ValueError):
                     conn.close()
                     continue
-                reason = _cold_reason(request, read_at_import, scanned, own, preloaded)
+                reason = _cold_reason(request, read_at_import, scanned, own, set_by_imports, preloaded)
                 if reason is not None:
                     sys.stderr.write(f"cold: {reason}: {request['argv'][:3]}\n")
                     _send(conn, {"cold": True})
@@ -303,6 +319,7 @@ def serve(path: str, parent: int) -> tuple[dict[str, Any], list[int], dict[str, 
                 for fd in fds:
                     os.close(fd)
                 _send(conn, {"pid": pid})
+                sys.stderr.write("warm\n")
                 children[conn] = pid
             elif not sock.recv(1):  # the shim died (killed by a timeout): so does its process
                 try:
