@@ -8,6 +8,7 @@ import pytest  # noqa: E402
 
 import lightning_npu  # noqa: E402,F401 -- registers the accelerator and strategies
 from lightning_npu import runtime
+from tests.recipe_runs import TRAINED_STEPS, TrainedRun, train_tiny
 
 
 @pytest.fixture
@@ -29,3 +30,16 @@ def _no_simulation_unless_asked(monkeypatch):
     runtime.reset()
     yield
     runtime.reset()
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_run(tmp_path_factory):
+    """The tiny recipe trained once per session (``train_tiny(root, *TRAINED_STEPS)``, 2 simulated NPUs), for the
+    tests that only need a trained run. Read-only: a test that writes into it uses ``copy_to(tmp_path)``. At the end of
+    the session the run must be as it was trained, or a test leaked into the others' input."""
+    root = tmp_path_factory.mktemp("trained_tiny_run")
+    run = TrainedRun(root, train_tiny(root, *TRAINED_STEPS).stdout)
+    trained = run.snapshot()
+    yield run
+    assert run.snapshot() == trained, (f"a test wrote into the shared trained run {root}; "
+                                       "write into TrainedRun.copy_to(tmp_path) instead")

@@ -10,7 +10,7 @@ converts progress-bar values to Python numbers every step), one read each per st
 
 import pytest
 from tests.helpers import read_json
-from tests.test_recipe_e2e import _train
+from tests.recipe_runs import train_tiny
 
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains (or shares a fixture that does)
@@ -18,9 +18,9 @@ pytestmark = pytest.mark.slow  # every test here starts processes or trains (or 
 
 def test_recipe_training_steps_make_no_host_sync_outside_logging_steps(tmp_path):
     out = tmp_path / "syncs.json"
-    _train(tmp_path, "--trainer.max_steps", "10", "--trainer.log_every_n_steps", "1000",
-           "--trainer.limit_val_batches", "0", "--trainer.callbacks+=tests.scripts.host_sync_counter.HostSyncCounter",
-           f"--trainer.callbacks.out={out}")
+    train_tiny(tmp_path, "--trainer.max_steps", "10", "--trainer.log_every_n_steps", "1000",
+               "--trainer.limit_val_batches", "0",
+               "--trainer.callbacks+=tests.scripts.host_sync_counter.HostSyncCounter", f"--trainer.callbacks.out={out}")
     steps = read_json(out)["steps"]
     assert len(steps) == 8  # steps 1..8 of 0..9
     for counts in steps:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.helpers import SCRIPTS, read_json, run_python
-from tests.test_recipe_e2e import SMALL, TINY, TRAIN
+from tests.recipe_runs import SMALL, TINY, TRAIN
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains (or shares a fixture that does)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO, SCRIPTS, read_json, run_python
-from tests.test_recipe_e2e import SMALL, TINY, TRAIN, _last_checkpoint
+from tests.recipe_runs import SMALL, TINY, TRAIN, last_checkpoint
 
 #: Every process must be gone this long after the signal (the brief's bound for the tiny recipe).
 pytestmark = pytest.mark.slow  # every test here starts processes or trains (or shares a fixture that does)
@@ -101,7 +101,7 @@ def test_sigterm_stops_every_rank_saves_and_exits_143_then_resumes(tmp_path, tar
     resumed = run_python([TRAIN, "fit", "--config", TINY, *SMALL, "--trainer.max_steps", str(target),
                           "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", str(checkpoints[0])])
     assert f"Restored all states from the checkpoint at {checkpoints[0]}" in resumed.stdout + resumed.stderr
-    assert read_recipe_metadata(_last_checkpoint(tmp_path, 1))["global_step"] == target
+    assert read_recipe_metadata(last_checkpoint(tmp_path, 1))["global_step"] == target
 
 
 @pytest.mark.parametrize(("target", "signum", "resume"),

@@ -8,48 +8,27 @@ import pytest
 import torch
 
 from tests.helpers import REPO, run_python
+from tests.recipe_runs import SMALL, TINY, TINY_SFT_LORA, TRAIN, TRAINED_STEPS, last_checkpoint, train_tiny
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains (or shares a fixture that does)
 
 
-TRAIN = str(REPO / "recipes/train.py")
-TINY = str(REPO / "recipes/models/llama/configs/tiny.yaml")
-TINY_SFT_LORA = str(REPO / "recipes/models/llama/configs/tiny_sft_lora.yaml")
-SMALL = ["--data.seq_len", "64", "--data.max_documents", "60", "--data.batch_size", "4",
-         "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "4", "--trainer.log_every_n_steps", "2",
-         "--trainer.enable_progress_bar", "false", "--model.warmup_steps", "2"]
-
-
-def _train(tmp_path, *extra, simulate=2):
-    return run_python([TRAIN, "fit", "--config", TINY, *SMALL, "--trainer.default_root_dir", str(tmp_path), *extra],
-                      simulate=simulate)
-
-
-def _last_checkpoint(root, version):
-    return root / "lightning_logs" / f"version_{version}" / "checkpoints" / "last.ckpt"
-
-
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    """(run directory, last.ckpt, stdout) of an 8-step tiny pretraining run, shared by the tests that start from it."""
-    root = tmp_path_factory.mktemp("pretrain")
-    first = _train(root, "--trainer.max_steps", "8")
-    return root, _last_checkpoint(root, 0), first.stdout
-
-
-def test_fit_resume_generate_export_roundtrip(pretrained):
+def test_fit_resume_generate_export_roundtrip(trained_tiny_run, tmp_path):
+    """The session's trained run (last.ckpt at its last validation, step 8), resumed in a copy of its run directory
+    to step 12, then generate and `to-hf` from the resumed checkpoint; HF's model reproduces the recipe's logits."""
     from recipes.decoder.checkpoint_layout import load_recipe_checkpoint, read_recipe_metadata
 
-    tmp_path, ckpt, stdout = pretrained
+    ckpt, stdout = trained_tiny_run.last_ckpt, trained_tiny_run.stdout
     assert ckpt.is_dir() and (ckpt / ".metadata").is_file()  # sharded DCP checkpoint
     assert "train loss: first" in stdout and f"checkpoint: {ckpt}" in stdout
     assert f"recipes/generate.py {ckpt} --prompt" in stdout
     assert read_recipe_metadata(ckpt)["global_step"] == 8
 
-    _train(tmp_path, "--trainer.max_steps", "12", "--ckpt_path", str(ckpt))
-    resumed = _last_checkpoint(tmp_path, 1)
+    run = trained_tiny_run.copy_to(tmp_path)
+    train_tiny(run.root, *TRAINED_STEPS, "--trainer.max_steps", "12", "--ckpt_path", str(run.last_ckpt))
+    resumed = last_checkpoint(run.root, 1)
     assert read_recipe_metadata(resumed)["global_step"] == 12
-    assert ckpt.is_dir()  # the first run's checkpoint is untouched
+    assert run.last_ckpt.is_dir()  # the first run's checkpoint is untouched
 
     out = run_python([str(REPO / "recipes/generate.py"), str(resumed), "--prompt", "The",
                       "--max-new-tokens", "8"], simulate=None)
@@ -74,13 +53,13 @@ def _size(path):
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
 
 
-def test_pretrain_then_lora_sft_then_peft_adapter_and_merged_model_agree(pretrained, tmp_path, monkeypatch):
+def test_pretrain_then_lora_sft_then_peft_adapter_and_merged_model_agree(trained_tiny_run, tmp_path, monkeypatch):
     """The README's fine-tuning path: tiny_sft_lora.yaml on the embedded instruction set with --model.init_from the
-    pretraining run's last.ckpt, then `to-peft` and `to-hf --merge-lora`. The PEFT adapter on the HF export of the
-    base and the merged model give the same logits (fp32, 1e-5), which differ from the base's, and which the
-    generate script's model (the LoRA checkpoint merged onto its init_from) also gives. The LoRA checkpoint is a
-    small fraction of the full one. Breakage seen: the printed export command wrong, generate.py unable to read a
-    LoRA checkpoint, adapters that never train (logits equal to the base's)."""
+    pretraining run's last.ckpt (the session's trained run), then `to-peft` and `to-hf --merge-lora`. The PEFT
+    adapter on the HF export of the base and the merged model give the same logits (fp32, 1e-5), which differ from
+    the base's, and which the generate script's model (the LoRA checkpoint merged onto its init_from) also gives.
+    The LoRA checkpoint is a small fraction of the full one. Breakage seen: the printed export command wrong,
+    generate.py unable to read a LoRA checkpoint, adapters that never train (logits equal to the base's)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from peft import PeftModel
     from transformers import LlamaForCausalLM
@@ -88,14 +67,14 @@ def test_pretrain_then_lora_sft_then_peft_adapter_and_merged_model_agree(pretrai
     from recipes import convert
     from recipes.generate import load_model
 
-    _, base, _ = pretrained
+    base = trained_tiny_run.last_ckpt
     root = tmp_path / "sft"
     run = run_python([TRAIN, "fit", "--config", TINY_SFT_LORA, "--model.init_from", str(base),
                       "--data.init_args.seq_len", "128", "--data.init_args.max_samples", "400",
                       "--trainer.max_steps", "8", "--model.warmup_steps", "2", "--trainer.val_check_interval", "4",
                       "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "2",
                       "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root)])
-    lora = _last_checkpoint(root, 0)
+    lora = last_checkpoint(root, 0)
     assert f"export the adapter: python recipes/convert.py to-peft {lora} lora-adapter" in run.stdout
     assert "SFTDataModule:" in run.stdout + run.stderr and "train loss: first" in run.stdout
     assert _size(lora) * 5 < _size(base)  # measured: 1.7 MB vs 15.7 MB (sharded, each with its AdamW state)
@@ -192,7 +171,7 @@ def test_bad_input_fails_before_workers_and_writes_nothing(tmp_path, args, messa
     """Catches each configuration error surfacing only inside the workers (both ranks' tracebacks), after a
     checkpoint is half-restored (extra keys ignored), or buried in jsonargparse's Union report."""
     args = [a(tmp_path) if callable(a) else a for a in args]
-    _assert_fails_before_workers(tmp_path, lambda: _train(tmp_path / "run", "--trainer.max_steps", "2", *args), message)
+    _assert_fails_before_workers(tmp_path, lambda: train_tiny(tmp_path / "run", "--trainer.max_steps", "2", *args), message)
 
 
 def test_a_bad_sft_sample_stops_the_lora_run_before_workers_naming_its_line(tmp_path):
@@ -240,5 +219,5 @@ def test_prepare_tokenises_once_and_training_on_two_ranks_then_starts_from_the_c
     manifests = list((tmp_path / "cache" / "tokenized").glob("*/manifest.json"))
     assert len(manifests) == 1 and json.loads(manifests[0].read_text())["tokens"] > 0
 
-    fit = _train(tmp_path / "run1", *data_args, "--trainer.max_steps", "2")
+    fit = train_tiny(tmp_path / "run1", *data_args, "--trainer.max_steps", "2")
     assert "Tokenising" not in fit.stdout + fit.stderr  # the ranks read the prepared cache
