@@ -33,7 +33,9 @@ def runs(tmp_path_factory):
         "peer_killed": ["launch", ["--kill-rank", "0", "--sync-dir", str(work / "sync")]],
     }
     out = work / "runs.json"
-    run_python([str(BENCHMARK), "--cases", json.dumps(list(cases.values())), "--json", str(out)], timeout=1200)
+    # fresh: the benchmark collects its process tree's exit statuses as their subreaper
+    run_python([str(BENCHMARK), "--cases", json.dumps(list(cases.values())), "--json", str(out)], timeout=1200,
+               fresh=True)
     return {"work": work, **dict(zip(cases, read_json(out)))}
 
 
@@ -87,7 +89,7 @@ def test_an_exit_with_a_collective_in_flight_that_no_peer_joins_ends_after_the_l
     peer = subprocess.Popen([sys.executable, str(IN_FLIGHT), "1", str(store)], env=env, cwd=REPO)
     try:
         with pytest.raises(AssertionError) as failure:
-            run_python([str(IN_FLIGHT), "0", str(store), "--limit", "3"], simulate=None, timeout=180)
+            run_python([str(IN_FLIGHT), "0", str(store), "--limit", "3"], simulate=None, timeout=180, fresh=True)
     finally:
         peer.kill()
         peer.wait()

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from recipes.families import FAMILIES
 from tests.helpers import REPO, run_python
 from tests.recipe_runs import SMALL, TINY, TINY_SFT_LORA, TRAIN, TRAINED_STEPS, last_checkpoint, train_tiny
 
@@ -161,7 +162,7 @@ STRATEGY = "--trainer.strategy.init_args."
         ([STRATEGY + "activation_checkpointing_ratio", "1.5"],
          "error: trainer.strategy (NPUFSDPStrategy): activation_checkpointing_ratio=1.5 must lie in [0, 1]"),
         (["--model.family", "mixtral"],
-         "error: model.family='mixtral' is not a model family of the recipe; the families are ['llama']"),
+         f"error: model.family='mixtral' is not a model family of the recipe; the families are {sorted(FAMILIES)}"),
     ],
     ids=["missing-ckpt", "seq-len", "vocab", "missing-data", "missing-init-from", "ckpt-fewer-layers",
          "ckpt-other-dim", "ckpt-not-a-checkpoint", "empty-jsonl", "bad-jsonl-line", "parquet-without-text",

@@ -13,6 +13,12 @@ import time
 import pytest
 
 from tests.helpers import WARM_PYTHON, run_python
+from tests.warm_python import WARM_VARIABLE
+
+
+@pytest.fixture(autouse=True)
+def _warm(monkeypatch):
+    monkeypatch.setenv(WARM_VARIABLE, "1")
 
 PROBE = textwrap.dedent("""
     import json, os, pickle, sys
