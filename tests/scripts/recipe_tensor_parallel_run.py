@@ -6,6 +6,7 @@ checkpoint of a freshly built tiny LLaMA, loaded into the shards of each layout)
 - ``dp``: plain npu_fsdp, 4 data-parallel ranks of 2 sequences each;
 - ``tp``: tensor_parallel_size=2 (a 2 x 2 mesh) with the recipe's plan, sequence parallelism and loss_parallel (the
   defaults), 4 sequences per data-parallel rank, a sharded checkpoint at step ``SAVE_AT``;
+  (``dp`` and ``tp`` also save a sharded checkpoint at the end, ``<name>_end``)
 - ``tp_plain``: tensor_parallel_size=2 without sequence parallelism and loss_parallel;
 - ``tp_to_dp``: plain npu_fsdp resumed from ``tp``'s checkpoint (a sharded checkpoint across meshes);
 - ``tp_scratch``: tensor_parallel_size=2 from random weights (no init_from), one step.
@@ -73,6 +74,8 @@ def fit(out: Path, name: str, *, tp: int = 1, resume: str | None = None, save: b
     model = DecoderLM(preset="tiny", learning_rate=3e-3, warmup_steps=3,
                       init_from=str(out / "init.ckpt") if init else None)
     trainer.fit(model, datamodule=data, ckpt_path=resume)
+    if save:
+        trainer.save_checkpoint(out / f"{name}_end")
     weight = model.model.layers[0].feed_forward.w_gate.weight
     result = {"losses": losses.losses, "placements": [str(p) for p in weight.placements]}
     if not init:
@@ -97,7 +100,7 @@ def main() -> None:
     out = Path(parser.parse_args().out)
     write_initial_weights(out / "init.ckpt")
     results = {
-        "dp": fit(out, "dp"),
+        "dp": fit(out, "dp", save=True),
         "tp": fit(out, "tp", tp=2, save=True),
         "tp_plain": fit(out, "tp_plain", tp=2, sequence_parallel=False, loss_parallel=False),
     }
