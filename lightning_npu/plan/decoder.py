@@ -146,7 +146,7 @@ class DecoderProfile:
         p = self.projection_shapes()
         return BlockParameters(
             attention=((m.dim,), p["q"], p["k"], p["v"], p["o"]),
-            mlp_input=((m.dim,), (2 * m.ffn_hidden_dim, m.dim)),
+            mlp_input=((m.dim,), p["gate"], p["up"]),
             mlp_output=(p["down"],),
         )
 
