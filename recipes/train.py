@@ -38,6 +38,7 @@ from lightning_npu import GracefulPreemption, NonFiniteLossGuard, TokenThroughpu
 from recipes.decoder.data import NotPreparedError, TextDataModule, check_vocab_fits
 from recipes import families
 from recipes.decoder.module import DecoderLM
+from recipes.decoder.tensor_parallel import check_tensor_parallel
 
 RECIPE_DIR = Path(__file__).resolve().parent
 #: The data of a run that configures none (no data: section, no --data... argument): text, the embedded corpus.
@@ -152,12 +153,17 @@ def check_run(model: DecoderLM, data: TextDataModule, trainer: Optional[Trainer]
             f" model.config.max_seq_len >= {data.seq_len}"
         )
     if trainer is not None:
+        options = getattr(trainer.strategy, "options", None)
+        tp = getattr(options, "tensor_parallel_size", 1)
+        if tp > 1:
+            check_tensor_parallel(model.config, tp, seq_len=data.seq_len, sequence_parallel=options.sequence_parallel,
+                                  lora=model.lora is not None)
         prepare_before_launch(data, trainer)
 
 
 def check_resume_checkpoint(ckpt_path: str, config: Any) -> None:
     """``ckpt_path`` must be a recipe checkpoint of the configured model's shape (reads only its metadata)."""
-    from recipes.decoder.checkpoint_layout import config_from_hparams, read_recipe_metadata
+    from recipes.decoder.checkpoint_layout import config_from_hparams, fused_gate_up_names, read_recipe_metadata, some_names
 
     if not Path(ckpt_path).exists():
         raise FileNotFoundError(
@@ -171,6 +177,14 @@ def check_resume_checkpoint(ckpt_path: str, config: Any) -> None:
             f"ckpt_path={ckpt_path!r} is not a checkpoint of this recipe ({type(err).__name__}: {err}); give a"
             " last.ckpt / epoch=...ckpt file or directory written by recipes/train.py"
         ) from None
+    fused = fused_gate_up_names(ckpt_path)
+    if fused:
+        raise ValueError(
+            f"ckpt_path={ckpt_path!r} was written when the MLP fused its gate and up projections in one layer"
+            f" ({some_names(fused, 2)}); its optimizer state follows that layout, so it cannot resume here. Start"
+            f" from its weights instead: --model.init_from {ckpt_path} without ckpt_path (the weights load as they"
+            " were; the optimizer state and LR schedule start afresh)"
+        )
     if type(stored) is not type(config):
         raise ValueError(
             f"ckpt_path={ckpt_path!r} holds a model of family {families.name_of_config(stored)!r}, but the config's"

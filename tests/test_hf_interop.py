@@ -194,13 +194,33 @@ def test_name_map_covers_every_transformers_parameter_once():
     assert set(hf_checkpoint.hf_name_map(config)) == set(LLaMA(config).state_dict())
 
 
-def test_gate_rows_come_first_in_the_fused_projection():
+def test_gate_and_up_map_to_their_hf_projections():
     hf = hf_model(2)
+    ours = hf_checkpoint.hf_to_recipe_state_dict(hf.state_dict(), recipe_config())
+    assert torch.equal(ours["layers.1.feed_forward.w_gate.weight"], hf.model.layers[1].mlp.gate_proj.weight)
+    assert torch.equal(ours["layers.1.feed_forward.w_up.weight"], hf.model.layers[1].mlp.up_proj.weight)
+
+
+def test_a_checkpoint_written_with_the_fused_gate_up_layer_loads_as_it_was(tmp_path):
+    """Catches checkpoints of the layout before FeedForward held two layers (one [gate; up] matrix per MLP) no longer
+    loading, or loading with gate and up swapped: init_from, generate and convert read them through this path."""
     config = recipe_config()
-    ours = hf_checkpoint.hf_to_recipe_state_dict(hf.state_dict(), config)
-    fused = ours["layers.1.feed_forward.w_gate_up.weight"]
-    assert torch.equal(fused[:96], hf.model.layers[1].mlp.gate_proj.weight)
-    assert torch.equal(fused[96:], hf.model.layers[1].mlp.up_proj.weight)
+    model = recipe_model(config)
+    old = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("w_gate.weight"):
+            up = model.state_dict()[name.replace("w_gate.", "w_up.")]
+            old[name.replace("w_gate.", "w_gate_up.")] = torch.cat([tensor, up])
+        elif not name.endswith("w_up.weight"):
+            old[name] = tensor
+    checkpoint_layout.save_recipe_checkpoint(tmp_path / "old.ckpt", config, old)
+    assert checkpoint_layout.fused_gate_up_names(tmp_path / "old.ckpt") == [
+        f"layers.{i}.feed_forward.w_gate_up.weight" for i in range(config.n_layers)]
+    _, loaded = checkpoint_layout.load_recipe_checkpoint(tmp_path / "old.ckpt")
+    assert loaded.keys() == model.state_dict().keys()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in model.state_dict().items())
+    checkpoint_layout.save_recipe_checkpoint(tmp_path / "new.ckpt", config, model.state_dict())
+    assert checkpoint_layout.fused_gate_up_names(tmp_path / "new.ckpt") == []
 
 
 def test_a_tied_hf_checkpoint_imports_with_one_embedding_and_exports_again(tmp_path):
@@ -278,7 +298,7 @@ def test_recipe_shape_mismatch_names_the_tensor_and_both_shapes(tmp_path):
     checkpoint_layout.save_recipe_checkpoint(tmp_path / "recipe.ckpt", wrong, ours.state_dict())
     with pytest.raises(
         checkpoint_layout.CheckpointError,
-        match=r"'layers\.0\.feed_forward\.w_gate_up\.weight' has shape \(192, 64\) .* needs \(160, 64\)",
+        match=r"'layers\.0\.feed_forward\.w_gate\.weight' has shape \(96, 64\) .* needs \(80, 64\)",
     ):
         checkpoint_layout.load_recipe_checkpoint(tmp_path / "recipe.ckpt")
 

@@ -20,6 +20,8 @@ from recipes.decoder.module import DecoderLM
 from tests.helpers import SCRIPTS, read_json, run_python
 
 ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+#: The tiny LLaMA's state-dict entries (what a LoRA run's base holds).
+TINY_TENSORS = len(LLaMA(LLaMAConfig.from_preset("tiny")).state_dict())
 
 
 @pytest.mark.parametrize(
@@ -57,20 +59,37 @@ def test_fresh_adapters_change_no_logit_and_leave_only_adapters_trainable():
     assert all(torch.equal(b.weight, torch.zeros_like(b.weight)) for b in model.layers[0].attention.wq.lora_b.values())
 
 
-def test_gate_adapter_changes_only_the_gate_rows_of_the_fused_projection_by_scaled_BA():
-    """Catches an adapter on the fused gate/up matrix that lands on the wrong rows (up instead of gate), one that
-    spans both halves, or a wrong scaling (alpha / rank): each would break the exact PEFT mapping."""
+def test_gate_adapter_changes_the_gate_projection_by_scaled_BA_and_leaves_up_alone():
+    """Catches an adapter that lands on the wrong projection (up instead of gate) or a wrong scaling (alpha / rank):
+    each would break the exact PEFT mapping."""
     torch.manual_seed(0)
     model = LLaMA(LLaMAConfig.from_preset("tiny", n_layers=1))
-    base = model.layers[0].feed_forward.w_gate_up.weight.detach().clone()
+    gate, up = (model.layers[0].feed_forward.w_gate.weight.detach().clone(),
+                model.layers[0].feed_forward.w_up.weight.detach().clone())
     add_lora(model, LoRAConfig(rank=2, alpha=6.0, targets=("gate",)))
-    layer = model.layers[0].feed_forward.w_gate_up
+    layer = model.layers[0].feed_forward.w_gate
+    assert type(model.layers[0].feed_forward.w_up).__name__ == "Linear"
     torch.nn.init.normal_(layer.lora_b["gate"].weight)
     x = torch.randn(3, model.config.dim)
-    hidden = model.config.ffn_hidden_dim
     update = x @ (layer.lora_b["gate"].weight @ layer.lora_a["gate"].weight).T * 3.0
-    expected = x @ base.T + torch.cat([update, torch.zeros(3, hidden)], dim=-1)
-    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x), x @ gate.T + update, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.layers[0].feed_forward.w_up(x), x @ up.T)
+
+
+def test_an_adapter_on_one_row_block_of_a_fused_weight_changes_only_those_rows():
+    """Catches an adapter on one block of a fused weight (``LoRASite`` with two blocks) that spans both halves or
+    lands on the other one."""
+    torch.manual_seed(0)
+    from recipes.decoder.layers import Linear
+    from recipes.decoder.lora import LoRALinear
+
+    fused = Linear(8, 6)
+    base = fused.weight.detach().clone()
+    layer = LoRALinear(fused, 2, {"up": 1}, LoRAConfig(rank=2, alpha=2.0, targets=("up",)))
+    torch.nn.init.normal_(layer.lora_b["up"].weight)
+    x = torch.randn(3, 8)
+    update = x @ (layer.lora_b["up"].weight @ layer.lora_a["up"].weight).T
+    torch.testing.assert_close(layer(x), x @ base.T + torch.cat([torch.zeros(3, 3), update], dim=-1))
 
 
 def test_lora_without_init_from_is_refused_before_training():
@@ -111,7 +130,7 @@ def test_lora_trains_only_adapters_equally_under_ddp_and_fsdp_and_resumes_exactl
         out = tmp_path / strategy
         run_python([str(SCRIPTS / "lora_run.py"), str(out), str(base), strategy], timeout=200)
         results[strategy] = result = read_json(out / "result.json")
-        assert result["base_identical"] and result["base_keys"] == 35, strategy
+        assert result["base_identical"] and result["base_keys"] == TINY_TENSORS, strategy
         assert result["adapters_moved"] and result["trained_keys"] and result["adapter_keys"] == 4 * 7 * 2, strategy
         assert result["optimizer_holds_only_adapters"], strategy
         assert len(result["checkpoint_keys"]) == result["adapter_keys"]

@@ -135,7 +135,7 @@ def test_lora_adapts_the_sites_the_family_names_and_refuses_a_target_it_lacks(mo
     llama = families.get("llama")
     config = LLaMAConfig.from_preset("tiny", **SHAPE)
     adapted = add_lora(LLaMA(config), LoRAConfig(targets=["q", "gate"]))
-    assert {type(adapted.layers[0].attention.wq).__name__, type(adapted.layers[0].feed_forward.w_gate_up).__name__} == {
+    assert {type(adapted.layers[0].attention.wq).__name__, type(adapted.layers[0].feed_forward.w_gate).__name__} == {
         "LoRALinear"}
     without_gate = dataclasses.replace(llama, lora_sites={k: v for k, v in llama.lora_sites.items() if k != "gate"})
     monkeypatch.setattr(families, "get", lambda name: without_gate)

@@ -2,7 +2,7 @@
 its forward saves for backward, per token.
 
 The block is RMSNorm -> wq/wk/wv -> rotary -> causal attention (grouped-query) -> wo -> residual -> RMSNorm ->
-w_gate_up (gate and up fused in one matrix) -> SwiGLU -> w_down -> residual; the root unit is the token embedding,
+w_gate and w_up (their outputs concatenated) -> SwiGLU -> w_down -> residual; the root unit is the token embedding,
 the final RMSNorm and an untied output projection, and the model returns fp32 logits. That is LLaMA's layout (and
 that of the decoders copied from it); a model that differs subclasses ``DecoderProfile`` and overrides what
 differs (see ``lightning_npu.plan.profile``).
@@ -30,8 +30,7 @@ SOFTMAX_STAT_LANES = 8
 #: The rotary cos and sin tables are kept in fp32, plus half-precision copies (half the size) under bf16/fp16.
 ROTARY_TABLES = 2
 HALF_PRECISION_COPY = 0.5
-#: The block's projections, in forward order: the attention's four, then gate and up (the two row halves of the
-#: fused w_gate_up) and down. Low-rank adapters name the ones they sit beside.
+#: The block's projections, in forward order: the attention's four, then gate, up and down. Low-rank adapters name the ones they sit beside.
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 ATTENTION_PROJECTIONS = ("q", "k", "v", "o")
 #: A dropout mask's bytes per element on the fused (NPU) path: torch's native_dropout keeps a bool mask. The CPU
@@ -42,7 +41,7 @@ FUSED_DROPOUT_MASK_BYTES = 1
 @dataclass(frozen=True)
 class BlockParameters:
     """Parameter shapes of one block, grouped in the order backward produces their gradients: ``mlp_output``
-    first (w_down), then the rest of the MLP (``mlp_input``: ffn_norm, w_gate_up), then ``attention``
+    first (w_down), then the rest of the MLP (``mlp_input``: ffn_norm, w_gate, w_up), then ``attention``
     (attention_norm, wq, wk, wv, wo); adapters join the group of the projection they sit beside."""
 
     attention: tuple[Shape, ...]
@@ -135,7 +134,7 @@ class DecoderProfile:
     # ------------------------------------------------------------------------------------------- parameters
 
     def projection_shapes(self) -> dict[str, Shape]:
-        """Each projection's [rows, in] (gate and up: their halves of w_gate_up)."""
+        """Each projection's [rows, in]."""
         m = self.shape
         q, kv, f = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_hidden_dim
         return {"q": (q, m.dim), "k": (kv, m.dim), "v": (kv, m.dim), "o": (m.dim, q), "gate": (f, m.dim),
@@ -147,7 +146,7 @@ class DecoderProfile:
         p = self.projection_shapes()
         return BlockParameters(
             attention=((m.dim,), p["q"], p["k"], p["v"], p["o"]),
-            mlp_input=((m.dim,), (2 * m.ffn_hidden_dim, m.dim)),
+            mlp_input=((m.dim,), p["gate"], p["up"]),
             mlp_output=(p["down"],),
         )
 
@@ -268,7 +267,7 @@ class DecoderProfile:
         if residual_grad:
             mlp.update(self._norm_saved("ffn_norm", kernels, a, base_trains))
         if keeps_input("gate", "up"):
-            mlp["w_gate_up input"] = a * d
+            mlp["w_gate/w_up input"] = a * d
         gate_up_grad = needs_grad(residual_grad, "gate", "up")
         if gate_up_grad:
             if fused:

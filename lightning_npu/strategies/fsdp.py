@@ -20,7 +20,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -32,6 +32,7 @@ from lightning_npu.facts.options import (
     FSDPChoices,
     MeshLayout,
 )
+from lightning_npu.grad_norm import clip_grad_norm
 from lightning_npu.precision import mixed_precision_policy, precision_name
 from lightning_npu.strategies import initial_state
 from lightning_npu.strategies.backward_sync import RestoresBackwardSync, gradients_unsynced
@@ -510,6 +511,13 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
     @override
     def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         return super().all_reduce(tensor, self._reduce_group(group), reduce_op)
+
+    @override
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+        # Parameters on several meshes (tensor parallelism next to FSDP) clip together, as the Trainer's do.
+        self.precision.unscale_gradients(optimizer)
+        return clip_grad_norm(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

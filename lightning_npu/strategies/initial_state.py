@@ -125,7 +125,10 @@ def apply(model: nn.Module, state: InitialState, device: torch.device) -> None:
             module.to_empty(device=device, recurse=False)
     with torch.no_grad():
         for _, module in _named_owners(model, state.meta_names):
-            module.reset_parameters()
+            if any(isinstance(p, DTensor) and p.device_mesh.ndim > 1 for p in module.parameters(recurse=False)):
+                _reset_whole_then_distribute(module)
+            else:
+                module.reset_parameters()
     if not _distributed():
         return
     set_model_state_dict(
@@ -136,6 +139,32 @@ def apply(model: nn.Module, state: InitialState, device: torch.device) -> None:
         for name, buffer in model.named_buffers():
             if name not in state.meta_names:
                 dist.broadcast(buffer, src=0)
+
+
+def _reset_whole_then_distribute(module: nn.Module) -> None:
+    """``module.reset_parameters()`` for parameters split over a mesh of several dimensions (tensor parallelism next
+    to FSDP): each parameter is initialised whole, then every rank keeps its part of rank 0's values.
+
+    DTensor's random ops draw a shard's numbers from an offset computed for its placements, and for the strided
+    placements of a tensor-parallel split under FSDP that offset is the same on the ranks of a tensor-parallel
+    group: reset shard by shard, every rank of a column-split projection would draw the same numbers (duplicated
+    heads, a silently degenerate start). Whole, each parameter is drawn exactly as on one device. One module's
+    parameters at a time are held whole.
+    """
+    from torch.distributed.tensor import distribute_tensor
+
+    sharded = {name: param for name, param in module.named_parameters(recurse=False) if isinstance(param, DTensor)}
+    for name, param in sharded.items():
+        whole = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        module.register_parameter(name, nn.Parameter(whole, requires_grad=param.requires_grad))
+    try:
+        module.reset_parameters()
+        for name, param in sharded.items():
+            whole = getattr(module, name).detach()
+            param.to_local().copy_(distribute_tensor(whole, param.device_mesh, param.placements).to_local())
+    finally:
+        for name, param in sharded.items():
+            module.register_parameter(name, param)
 
 
 def _check_materializable(model: nn.Module, meta_names: frozenset[str]) -> None:

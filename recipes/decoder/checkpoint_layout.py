@@ -12,6 +12,11 @@ the family's model (``LLaMA`` for the LLaMA family) as ``self.model``:
 * The tokenizer directory, optional: the first of ``TOKENIZER_HPARAMS`` found in
   ``checkpoint["hyper_parameters"]``, then in ``checkpoint["datamodule_hyper_parameters"]``.
 
+Checkpoints written before ``FeedForward`` held separate gate and up layers store one fused ``w_gate_up`` per
+MLP; reading them splits it (``transformer.split_fused_gate_up``), so their weights start runs, generate and
+convert as before. Their optimizer state follows the old layout, so ``train.py`` refuses to resume one
+(``fused_gate_up_names``) and says to start from its weights instead.
+
 It is stored either as one file (``torch.save`` of that dict: a consolidated checkpoint) or as a
 Lightning sharded directory: ``torch.distributed.checkpoint`` files holding ``"state_dict"`` (and
 optimizer states), plus ``meta.pt`` with everything else, hyper-parameters included.
@@ -31,6 +36,7 @@ from torch import Tensor
 
 from lightning_npu.strategies.checkpoint import read_sharded_state_dict
 from recipes import families, legacy
+from recipes.decoder.transformer import is_fused_gate_up, split_fused_gate_up
 
 PathLike = Union[str, os.PathLike]
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -162,6 +168,20 @@ def read_model_tensors(path: PathLike) -> tuple[dict[str, Any], dict[str, Tensor
     return metadata, _model_state_dict(full_state_dict, source=str(path))
 
 
+def fused_gate_up_names(path: PathLike) -> list[str]:
+    """The fused gate/up tensors (the layout before ``FeedForward`` held two layers) that the recipe checkpoint at
+    ``path`` stores, read from its index (a sharded directory's DCP metadata, a file's memory map)."""
+    path = existing_path(path, "recipe checkpoint")
+    if path.is_dir():
+        from torch.distributed.checkpoint import FileSystemReader
+
+        names = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    else:
+        names = _torch_load(path, mmap=True).get("state_dict", {})
+    model_names = [name.split(STATE_DICT_PREFIX, 1)[-1] for name in names if STATE_DICT_PREFIX in name]
+    return [name for name in model_names if is_fused_gate_up(name)]
+
+
 def config_from_hparams(hparams: Optional[Mapping[str, Any]], *, source: str = "the checkpoint") -> Any:
     """The model config stored under ``hyper_parameters[CONFIG_HPARAM]`` (dict, config or preset name), of the
     family named under ``hyper_parameters[FAMILY_HPARAM]`` (``families.DEFAULT_FAMILY`` when absent)."""
@@ -218,7 +238,7 @@ def _model_state_dict(full_state_dict: Mapping[str, Any], *, source: str) -> dic
             f"{source} holds no tensor under {STATE_DICT_PREFIX!r} (its state_dict keys look like "
             f"{some_names(list(full_state_dict), 3)}). The recipe's LightningModule keeps its model as `self.model`."
         )
-    return out
+    return split_fused_gate_up(out)
 
 
 def _load_dcp_state_dict(path: Path) -> dict[str, Tensor]:

@@ -387,9 +387,9 @@ class TextDataModule(L.LightningDataModule):
         samples_per_step = self.batch_size * world
         if state.get("samples_per_step") != samples_per_step:
             rank_zero_warn(
-                f"TextDataModule: the checkpoint consumed {consumed} samples with batch_size x world_size = "
+                f"TextDataModule: the checkpoint consumed {consumed} samples with batch_size x data-parallel replicas = "
                 f"{state.get('samples_per_step')}, this run uses {samples_per_step}. The epoch resumes at the "
-                f"same sample (rounded down to a multiple of {world} ranks); Lightning's batch count for this "
+                f"same sample (rounded down to a multiple of {world} replicas); Lightning's batch count for this "
                 "epoch is in the old units, so this epoch may end early or late."
             )
             consumed -= consumed % world
@@ -413,10 +413,12 @@ class TextDataModule(L.LightningDataModule):
         )
 
     def _rank_and_world(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
+        """This rank's data-parallel replica and the number of replicas: the strategy's sampler split, in which
+        the ranks of a tensor- or context-parallel group share their batches (one rank, one replica otherwise)."""
+        split = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        if not split:
             return 0, 1
-        return int(trainer.global_rank), int(trainer.world_size)
+        return int(split["rank"]), int(split["num_replicas"])
 
     def _steps_per_epoch(self, world: int) -> int:
         train = self._require_setup()

@@ -44,6 +44,16 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 # --------------------------------------------------------------------------------------------------
 
 
+def hf_feed_forward_names(ours: str, theirs: str) -> dict[str, tuple[str, ...]]:
+    """The name map of a ``FeedForward`` at ``ours`` (``"layers.0.feed_forward."``) whose HF MLP is at ``theirs``
+    (``"model.layers.0.mlp."``): gate, up and down projections, one HF tensor each."""
+    return {
+        ours + "w_gate.weight": (theirs + "gate_proj.weight",),
+        ours + "w_up.weight": (theirs + "up_proj.weight",),
+        ours + "w_down.weight": (theirs + "down_proj.weight",),
+    }
+
+
 def hf_name_map(config: Any) -> dict[str, tuple[str, ...]]:
     """Recipe parameter name -> the Hugging Face names it is made of, by the family of ``config``."""
     return families.of_config(config).hf.name_map(config)

@@ -9,13 +9,11 @@ base layout unchanged) and adds, per target, ``lora_a.<target>.weight`` [rank, i
 
     layers.{i}.attention.wq.lora_a.q.weight              [rank, dim]
     layers.{i}.attention.wq.lora_b.q.weight              [n_heads * head_dim, rank]
-    layers.{i}.feed_forward.w_gate_up.lora_a.gate.weight [rank, dim]
-    layers.{i}.feed_forward.w_gate_up.lora_b.gate.weight [ffn_hidden_dim, rank]   (the gate rows only)
-    layers.{i}.feed_forward.w_gate_up.lora_a.up.weight   [rank, dim]
-    layers.{i}.feed_forward.w_gate_up.lora_b.up.weight   [ffn_hidden_dim, rank]   (the up rows only)
+    layers.{i}.feed_forward.w_gate.lora_a.gate.weight    [rank, dim]
+    layers.{i}.feed_forward.w_gate.lora_b.gate.weight    [ffn_hidden_dim, rank]
 
-The fused gate/up matrix gets one independent adapter per half, so each is exactly PEFT's adapter on Hugging
-Face's separate ``gate_proj`` / ``up_proj`` (``lora_export.py`` only renames). Forward, as PEFT's:
+Each adapter is exactly PEFT's adapter on the Hugging Face layer it maps to (``lora_export.py`` only renames); a
+site may also be one row block of a fused weight (``LoRASite``), with one independent adapter per block. Forward, as PEFT's:
 ``base(x) + B(A(dropout(x))) * alpha / rank``; B starts at zero (a fresh adapter changes nothing), A as PEFT
 initialises it (Kaiming uniform, a=sqrt(5)). Base weights are frozen; the model stays free of parallelism.
 """

@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from lightning_npu.optim import AdamW8bit
@@ -35,6 +36,7 @@ from recipes.decoder.lora import (
     initial_adapter_state,
     is_adapter_name,
 )
+from recipes.decoder.tensor_parallel import decoder_plan
 
 
 #: The recipe's ``model.optimizer`` choices.
@@ -113,6 +115,12 @@ class DecoderLM(LightningModule):
                 if self.lora is not None:
                     add_lora(self.model, self.lora)  # before the strategy wraps it: FSDP2 copies requires_grad
 
+    def tensor_parallel_plan(self, tp_mesh: Any, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
+        """How the model splits over ``tp_mesh`` when ``npu_fsdp`` runs with ``tensor_parallel_size > 1``
+        (``recipes/decoder/tensor_parallel.py``; ``train.py`` checks the model against the size first)."""
+        return decoder_plan(self.model, prefix="model.", sequence_parallel=sequence_parallel,
+                            loss_parallel=loss_parallel)
+
     @property
     def flops_per_token(self) -> int:
         """Training FLOPs per token at the configured context length (the family config's flops_per_token). With LoRA the
@@ -138,6 +146,8 @@ class DecoderLM(LightningModule):
         logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
                             position_ids=batch.get("position_ids"))
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        if isinstance(loss, DTensor):  # loss_parallel: computed on vocabulary-split logits, the same on every TP rank
+            loss = loss.to_local()
         auxiliary = getattr(self.model, "auxiliary_loss", None)  # a family's extra training term (MoE: load balance)
         return loss if auxiliary is None else loss + auxiliary()
 

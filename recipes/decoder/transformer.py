@@ -9,7 +9,8 @@ The modules hold no buffers, so a model can be built on the meta device, sharded
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence
+import re
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -132,9 +133,10 @@ class Attention(nn.Module):
     ) -> Tensor:
         batch, seq, _ = x.shape
         rows, length = (1, batch * seq) if cu_seqlens is not None else (batch, seq)
-        q = self.wq(x).view(rows, length, self.n_heads, self.head_dim)
-        k = self.wk(x).view(rows, length, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(rows, length, self.n_kv_heads, self.head_dim)
+        # Heads as -1: under tensor parallelism each rank holds n_heads / tp of them (and as many KV heads).
+        q = self.wq(x).view(rows, length, -1, self.head_dim)
+        k = self.wk(x).view(rows, length, -1, self.head_dim)
+        v = self.wv(x).view(rows, length, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, cos, sin)
@@ -148,21 +150,54 @@ class Attention(nn.Module):
             out = packed_causal_attention(q[0], k[0], v[0], cu_seqlens)
         else:
             out = causal_attention(q, k, v)
-        return self.wo(out.reshape(batch, seq, self.n_heads * self.head_dim))
+        return self.wo(out.reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: ``w_down(silu(x W_gate) * (x W_up))`` with gate and up fused into one matmul."""
+    """SwiGLU MLP: ``w_down(silu(x W_gate) * (x W_up))``.
+
+    Gate and up are two layers, not one fused [2 * hidden, dim] matrix, so a tensor-parallel column split gives
+    every rank matching gate and up rows (a split of a fused [gate; up] matrix would give rank 0 only gate rows).
+    Their outputs are concatenated for ``swiglu`` (one fused ``npu_swiglu`` on NPUs). Checkpoints written with the
+    fused ``w_gate_up`` still load: see :func:`split_fused_gate_up`.
+    """
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        # One [2 * hidden, dim] weight: the gate rows first, then the up rows, which is the
-        # (A, B) = chunk(2) order that swiglu (and npu_swiglu) expect.
-        self.w_gate_up = Linear(dim, 2 * hidden_dim)
+        self.w_gate = Linear(dim, hidden_dim)
+        self.w_up = Linear(dim, hidden_dim)
         self.w_down = Linear(hidden_dim, dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_down(swiglu(self.w_gate_up(x)))
+        return self.w_down(swiglu(torch.cat((self.w_gate(x), self.w_up(x)), dim=-1)))
+
+
+#: A tensor of the fused gate/up layer of checkpoints written before ``FeedForward`` held two layers: its weight
+#: ([gate rows; up rows]) or a LoRA adapter on one half (``lora_a`` / ``lora_b`` of target ``gate`` or ``up``).
+_FUSED_GATE_UP = re.compile(r"^(?P<site>(?:.*\.)?)w_gate_up\.(?:weight|(?P<lora>lora_[ab])\.(?P<target>gate|up)\.weight)$")
+
+
+def is_fused_gate_up(name: str) -> bool:
+    """Whether a state-dict name is one of the fused gate/up layer's (see :func:`split_fused_gate_up`)."""
+    return _FUSED_GATE_UP.match(name) is not None
+
+
+def split_fused_gate_up(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``state_dict`` with every fused ``<ffn>.w_gate_up.weight`` [2 * hidden, dim] of an older checkpoint split
+    into ``<ffn>.w_gate.weight`` and ``<ffn>.w_up.weight``, and its LoRA adapters (``<ffn>.w_gate_up.lora_a.gate.
+    weight`` ...) renamed to the layer they adapt (``<ffn>.w_gate.lora_a.gate.weight``). Everything else, the MoE
+    family's stacked ``experts.w_gate_up`` included (no ``.weight``), is kept as it is."""
+    out: dict[str, Tensor] = {}
+    for name, tensor in state_dict.items():
+        match = _FUSED_GATE_UP.match(name)
+        if match is None:
+            out[name] = tensor
+        elif match["lora"] is None:
+            gate, up = tensor.chunk(2, dim=0)
+            out[f"{match['site']}w_gate.weight"], out[f"{match['site']}w_up.weight"] = gate, up
+        else:
+            out[f"{match['site']}w_{match['target']}.{match['lora']}.{match['target']}.weight"] = tensor
+    return out
 
 
 class DecoderBlock(nn.Module):

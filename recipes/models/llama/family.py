@@ -10,11 +10,10 @@ FAMILY = DecoderFamily(
     config_class=LLaMAConfig,
     model_class=LLaMA,
     hf=HFFormat.of_module(hf),
-    # Gate and up share the fused ``w_gate_up`` (gate rows first), see model.py.
     lora_sites={
         **ATTENTION_LORA_SITES,
-        "gate": ("feed_forward.w_gate_up", 0, 2),
-        "up": ("feed_forward.w_gate_up", 1, 2),
+        "gate": ("feed_forward.w_gate", 0, 1),
+        "up": ("feed_forward.w_up", 0, 1),
         "down": ("feed_forward.w_down", 0, 1),
     },
 )

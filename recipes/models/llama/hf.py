@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from recipes.decoder.checkpoint_layout import CheckpointError
-from recipes.decoder.hf_checkpoint import HF_EMBEDDING, HF_HEAD, hf_decoder_entries
+from recipes.decoder.hf_checkpoint import HF_EMBEDDING, HF_HEAD, hf_decoder_entries, hf_feed_forward_names
 from recipes.models.llama.config import ROPE_SCALING_KEYS, ROPE_SCALING_TYPE, LLaMAConfig, normalise_rope_scaling
 
 #: The ``config.json`` model types of the family (the first is what exports write).
@@ -30,8 +30,7 @@ PEFT_TARGETS = {
 
 
 def hf_name_map(config: LLaMAConfig) -> dict[str, tuple[str, ...]]:
-    """Recipe parameter name -> the Hugging Face ``LlamaForCausalLM`` names it is made of (two for
-    the fused gate/up projection: gate rows first, then up rows)."""
+    """Recipe parameter name -> the Hugging Face ``LlamaForCausalLM`` name it is (one each)."""
     names: dict[str, tuple[str, ...]] = {"tok_embeddings.weight": (HF_EMBEDDING,)}
     for i in range(config.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
@@ -43,11 +42,7 @@ def hf_name_map(config: LLaMAConfig) -> dict[str, tuple[str, ...]]:
                 ours + "attention.wv.weight": (theirs + "self_attn.v_proj.weight",),
                 ours + "attention.wo.weight": (theirs + "self_attn.o_proj.weight",),
                 ours + "ffn_norm.weight": (theirs + "post_attention_layernorm.weight",),
-                ours + "feed_forward.w_gate_up.weight": (
-                    theirs + "mlp.gate_proj.weight",
-                    theirs + "mlp.up_proj.weight",
-                ),
-                ours + "feed_forward.w_down.weight": (theirs + "mlp.down_proj.weight",),
+                **hf_feed_forward_names(ours + "feed_forward.", theirs + "mlp."),
             }
         )
     names["norm.weight"] = ("model.norm.weight",)

@@ -14,7 +14,8 @@ Parameter names (the recipe's state-dict layout; ``hf_checkpoint.py`` maps them 
     layers.{i}.attention.wv.weight             [n_kv_heads * head_dim, dim]
     layers.{i}.attention.wo.weight             [dim, n_heads * head_dim]
     layers.{i}.ffn_norm.weight                 [dim]
-    layers.{i}.feed_forward.w_gate_up.weight   [2 * ffn_hidden_dim, dim]  (gate rows, then up rows)
+    layers.{i}.feed_forward.w_gate.weight      [ffn_hidden_dim, dim]
+    layers.{i}.feed_forward.w_up.weight        [ffn_hidden_dim, dim]
     layers.{i}.feed_forward.w_down.weight      [dim, ffn_hidden_dim]
     norm.weight                                [dim]
     output.weight                              [vocab, dim]  (with tie_embeddings: the tok_embeddings parameter;

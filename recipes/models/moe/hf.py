@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from recipes.decoder.checkpoint_layout import CheckpointError
-from recipes.decoder.hf_checkpoint import HF_EMBEDDING, HF_HEAD, hf_decoder_entries
+from recipes.decoder.hf_checkpoint import HF_EMBEDDING, HF_HEAD, hf_decoder_entries, hf_feed_forward_names
 from recipes.models.moe.config import MoEConfig
 
 #: The ``config.json`` model types of the family, one per ``MoEConfig.architecture`` (each exports as itself).
@@ -58,20 +58,13 @@ def hf_name_map(config: MoEConfig) -> dict[str, tuple[str, ...]]:
             names[mlp + "experts.w_gate_up"] = (hf_mlp + "experts.gate_up_proj",)
             names[mlp + "experts.w_down"] = (hf_mlp + "experts.down_proj",)
             if config.shared_expert_hidden_dim:
-                names.update(_swiglu_names(mlp + "shared_expert.", hf_mlp + "shared_expert."))
+                names.update(hf_feed_forward_names(mlp + "shared_expert.", hf_mlp + "shared_expert."))
                 names[mlp + "shared_expert_gate.weight"] = (hf_mlp + "shared_expert_gate.weight",)
         else:
-            names.update(_swiglu_names(mlp, hf_mlp))
+            names.update(hf_feed_forward_names(mlp, hf_mlp))
     names["norm.weight"] = ("model.norm.weight",)
     names["output.weight"] = (HF_HEAD,)
     return names
-
-
-def _swiglu_names(ours: str, theirs: str) -> dict[str, tuple[str, ...]]:
-    return {
-        ours + "w_gate_up.weight": (theirs + "gate_proj.weight", theirs + "up_proj.weight"),
-        ours + "w_down.weight": (theirs + "down_proj.weight",),
-    }
 
 
 def from_saved_layout(hf_state_dict: dict[str, Tensor], config: MoEConfig) -> dict[str, Tensor]:

@@ -20,11 +20,11 @@ Parameter names (``hf.py`` maps them to Hugging Face's)::
     layers.{i}.feed_forward.router.weight                   [n_experts, dim]
     layers.{i}.feed_forward.experts.w_gate_up               [n_experts, 2 * expert_hidden_dim, dim] (gate rows first)
     layers.{i}.feed_forward.experts.w_down                  [n_experts, dim, expert_hidden_dim]
-    layers.{i}.feed_forward.shared_expert.w_gate_up.weight  [2 * shared_expert_hidden_dim, dim]  (with one)
+    layers.{i}.feed_forward.shared_expert.w_gate.weight     [shared_expert_hidden_dim, dim]  (with one; w_up too)
     layers.{i}.feed_forward.shared_expert.w_down.weight     [dim, shared_expert_hidden_dim]
     layers.{i}.feed_forward.shared_expert_gate.weight       [1, dim]
   a dense layer:
-    layers.{i}.feed_forward.w_gate_up.weight                [2 * dense_hidden_dim, dim]
+    layers.{i}.feed_forward.w_gate.weight, w_up.weight      [dense_hidden_dim, dim]
     layers.{i}.feed_forward.w_down.weight                   [dim, dense_hidden_dim]
     norm.weight, output.weight                              as LLaMA's
 """
