@@ -250,6 +250,19 @@ def test_a_tensor_parallel_config_is_refused_rather_than_planned_as_plain_shardi
         load_spec(config)
 
 
+def test_an_expert_parallel_config_is_refused_rather_than_planned_as_plain_sharding(tmp_path):
+    """Catches the planner reading expert_parallel_size from a YAML and ignoring it (no all_to_all buffers, every
+    expert gathered)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model:\n  preset: tiny\n"
+        "trainer:\n  devices: 4\n  strategy:\n    class_path: lightning_npu.NPUFSDPStrategy\n    init_args:\n"
+        "      auto_wrap_policy: [recipes.models.llama.model.TransformerBlock]\n      expert_parallel_size: 2\n"
+    )
+    with pytest.raises(PlanError, match=r"expert_parallel_size=2 is not modelled by the planner yet"):
+        load_spec(config)
+
+
 def test_yaml_fields_are_read_and_flags_override_them(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(
