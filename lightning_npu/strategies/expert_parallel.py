@@ -11,8 +11,8 @@ into its expert-parallel form without touching its code:
   (:func:`shard_experts`; torchtitan's "efsdp"). The DTensors keep the global shape ``[n_experts, ...]``, so a
   sharded (DCP) checkpoint saved under one ``expert_parallel_size`` loads under another, and full checkpoints and
   Hugging Face exports hold every expert;
-- a forward pre-hook exchanges the per-expert counts (one small all_to_all and one host sync: the row split sizes
-  must be known on the host), sends each rank the rows of its experts (a differentiable all_to_all) and re-sorts
+- a forward pre-hook exchanges the per-expert counts (one small all_to_all and one host sync per layer: the row
+  split sizes must be known on the host), sends each rank the rows of its experts (a differentiable all_to_all) and re-sorts
   them by local expert; the module then runs only its own experts (:meth:`StackedExperts.local` gives it their
   weights); a forward hook sends the outputs back to the ranks the rows came from, in their original order.
 
@@ -126,6 +126,11 @@ class _Dispatcher:
         counts = counts.to(torch.int64)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # El counts to each rank, El from each
+        if counts.device.type != "cpu":
+            # Reading an HCCL result on the host needs the device synchronised first (moe-facts.md, EP pitfalls).
+            from lightning_npu.runtime import get_runtime
+
+            get_runtime().synchronize(counts.device)
         # One host sync for every split size: what this rank sends each rank, and what each sends it per expert.
         host = torch.cat([counts.view(self.ep, per_rank).sum(1), received]).tolist()
         send = host[:self.ep]
