@@ -238,28 +238,17 @@ def test_zero3_and_activation_checkpointing_lower_the_7b_peak():
     assert estimate(_spec_7b(ac_ratio=1.0), 3).total < zero3.total
 
 
-def test_a_tensor_parallel_config_is_refused_rather_than_planned_as_plain_sharding(tmp_path):
-    """Catches the planner reading tensor_parallel_size from a YAML and ignoring it (plain sharding's numbers)."""
+@pytest.mark.parametrize("option", ["tensor_parallel_size", "expert_parallel_size"])
+def test_a_model_parallel_config_is_refused_rather_than_planned_as_plain_sharding(tmp_path, option):
+    """Catches the planner reading tensor_parallel_size or expert_parallel_size from a YAML and ignoring it (plain
+    sharding's numbers: no split activations, every expert gathered, no all_to_all buffers)."""
     config = tmp_path / "run.yaml"
     config.write_text(
         "model:\n  preset: tiny\n"
         "trainer:\n  devices: 4\n  strategy:\n    class_path: lightning_npu.NPUFSDPStrategy\n    init_args:\n"
-        "      auto_wrap_policy: [recipes.models.llama.model.TransformerBlock]\n      tensor_parallel_size: 2\n"
+        f"      auto_wrap_policy: [recipes.models.llama.model.TransformerBlock]\n      {option}: 2\n"
     )
-    with pytest.raises(PlanError, match=r"tensor_parallel_size=2 is not modelled by the planner yet"):
-        load_spec(config)
-
-
-def test_an_expert_parallel_config_is_refused_rather_than_planned_as_plain_sharding(tmp_path):
-    """Catches the planner reading expert_parallel_size from a YAML and ignoring it (no all_to_all buffers, every
-    expert gathered)."""
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        "model:\n  preset: tiny\n"
-        "trainer:\n  devices: 4\n  strategy:\n    class_path: lightning_npu.NPUFSDPStrategy\n    init_args:\n"
-        "      auto_wrap_policy: [recipes.models.llama.model.TransformerBlock]\n      expert_parallel_size: 2\n"
-    )
-    with pytest.raises(PlanError, match=r"expert_parallel_size=2 is not modelled by the planner yet"):
+    with pytest.raises(PlanError, match=rf"{option}=2 is not modelled by the planner yet"):
         load_spec(config)
 
 

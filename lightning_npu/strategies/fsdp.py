@@ -370,7 +370,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
             state = initial_state.capture(model, self._built_in_configure_model)
             self._built_in_configure_model = None
             self.options.parallelize(model, self.device_mesh, precision_name(precision_plugin), step_methods,
-                                     expert_mesh=self._expert_mesh)
+                                     self._expert_mesh)
             # Initialised on the mesh's device, whose generator DTensor offsets per rank, then offloaded.
             initial_state.apply(model, state, self.root_device)
             if self.options.cpu_offload:
