@@ -48,7 +48,7 @@ from lightning_npu.strategies.clean_exit import destroy_at_exit
 from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta, with_host_backend
 from lightning_npu.strategies.fsdp1 import fsdp1_wrap_reported, refuse_fsdp1_units
 from lightning_npu.strategies.expert_parallel import apply_expert_parallel, shard_experts
-from lightning_npu.strategies.grad_norm import clip_by_norm_method, clip_grad_norm_
+from lightning_npu.strategies.grad_norm import clip_grad_norm_, use_for_trainer_clipping
 from lightning_npu.strategies.mesh import build_expert_mesh, build_mesh, fsdp_mesh
 from lightning_npu.strategies.parallelize import (
     MODULE_CLASSES,
@@ -445,7 +445,7 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         # Gradient clipping over parameters on several meshes (experts, tensor-parallel splits): see grad_norm.
-        self.precision_plugin.clip_grad_by_norm = clip_by_norm_method(self.precision_plugin)
+        use_for_trainer_clipping(self.precision_plugin)
 
     @contextmanager
     @override

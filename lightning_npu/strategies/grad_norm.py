@@ -47,14 +47,19 @@ def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float
     return total
 
 
-def clip_by_norm_method(plugin: Any) -> Any:
-    """A Trainer precision plugin's ``clip_grad_by_norm(optimizer, clip_val)`` that clips with :func:`clip_grad_norm_`
-    (Lightning's calls torch's function on the optimizer's parameters)."""
+def use_for_trainer_clipping(plugin: Any) -> None:
+    """Make a Trainer precision plugin clip by norm with :func:`clip_grad_norm_` (Lightning's ``clip_grad_by_norm``
+    calls torch's function on the optimizer's parameters); a plugin class with its own ``clip_grad_by_norm`` keeps
+    it."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    if type(plugin).clip_grad_by_norm is not Precision.clip_grad_by_norm:
+        return
 
     def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
         clip_grad_norm_(plugin.main_params(optimizer), clip_val)
 
-    return clip_grad_by_norm
+    plugin.clip_grad_by_norm = clip_grad_by_norm
 
 
-__all__ = ["clip_by_norm_method", "clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "use_for_trainer_clipping"]
