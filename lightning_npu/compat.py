@@ -407,3 +407,17 @@ def grouped_mm() -> Optional[Callable[..., Any]]:
     import torch
 
     return getattr(torch, "_grouped_mm", None)
+
+
+def set_gradient_divide_factor(unit: Any, factor: float, shard_size: int) -> None:
+    """Divide one FSDP2 unit's reduced gradients by ``factor`` rather than by its mesh size (``shard_size``
+    ranks), with a plain SUM reduction and a division after it: the custom factor otherwise becomes a PREMUL_SUM
+    reduction, which gloo and HCCL reject. On one rank nothing is reduced, and torch 2.13 divides by the factor
+    there already (forcing SUM would divide twice). Releases before ``set_force_sum_reduction_for_comms`` name the
+    factor setter ``set_reduce_scatter_divide_factor`` and reduce by SUM already."""
+    if not hasattr(unit, "set_force_sum_reduction_for_comms"):
+        unit.set_reduce_scatter_divide_factor(factor)
+        return
+    if shard_size > 1:
+        unit.set_force_sum_reduction_for_comms(True)
+    unit.set_gradient_divide_factor(factor)

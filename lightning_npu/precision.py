@@ -15,7 +15,6 @@ from typing import Any, Optional
 import torch
 
 from lightning_npu.facts.precisions import PRECISION_DTYPES, canonical_precision, uses_bf16
-from lightning_npu.grad_norm import clip_grad_norm
 
 
 def check_precision(precision: str, chip_name: Optional[str] = None, supports_bf16: bool = True) -> None:
@@ -38,29 +37,13 @@ def build_precision(precision: str, *, device_type: str, scaler: Optional[torch.
     """
     precision = canonical_precision(precision)  # raises for settings NPUs cannot run
     if precision == "32-true":
-        return _mesh_aware_clipping(plugins_namespace.Precision)()
+        return plugins_namespace.Precision()
     if precision in ("bf16-true", "16-true"):
-        return _mesh_aware_clipping(plugins_namespace.HalfPrecision)(precision)
+        return plugins_namespace.HalfPrecision(precision)
     if precision == "bf16-mixed":
-        base = _unscaled_mixed_precision(plugins_namespace.MixedPrecision)
-        return _mesh_aware_clipping(base)(precision, device=device_type)
+        return _unscaled_mixed_precision(plugins_namespace.MixedPrecision)(precision, device=device_type)
     assert precision == "16-mixed", precision  # every name canonical_precision returns is handled above
-    return _mesh_aware_clipping(plugins_namespace.MixedPrecision)(precision, device=device_type, scaler=scaler)
-
-
-@functools.lru_cache(maxsize=None)
-def _mesh_aware_clipping(base: type) -> type:
-    """``base`` whose norm clipping works for parameters on several device meshes (``grad_norm.clip_grad_norm``:
-    tensor parallelism next to FSDP). Fabric's plugins do not clip (its strategies do), so they stay as they are."""
-    if not hasattr(base, "clip_grad_by_norm"):
-        return base
-
-    class MeshAwareClipping(base):
-        def clip_grad_by_norm(self, optimizer: Any, clip_val: Any) -> None:
-            clip_grad_norm(self.main_params(optimizer), clip_val)
-
-    MeshAwareClipping.__qualname__ = MeshAwareClipping.__name__ = base.__name__  # shown under Lightning's name
-    return MeshAwareClipping
+    return plugins_namespace.MixedPrecision(precision, device=device_type, scaler=scaler)
 
 
 @functools.lru_cache(maxsize=None)

@@ -46,8 +46,8 @@ def test_shards_pad_each_tensor_to_a_multiple_of_the_group_along_dim_0():
     model = ModelShape(vocab_size=10, dim=6, n_layers=1, n_heads=3, n_kv_heads=3, ffn_hidden_dim=5, max_seq_len=8)
     spec = PlanSpec(model=model, seq_len=8, micro_batch=1, devices=4, precision="32-true")
     # ceil(rows / 4) rows per device: root = emb 3x6 + norm 2 + output 3x6 = 38; block = norms 2 + 2,
-    # wq/wk/wv/wo 2x6 each = 48, gate_up ceil(10/4)=3 x 6 = 18, down 2 x 5 = 10 -> 80.
-    assert state_bytes(spec)["parameters"] == (38 + 80) * 4
+    # wq/wk/wv/wo 2x6 each = 48, gate and up ceil(5/4)=2 x 6 each = 24, down 2 x 5 = 10 -> 86.
+    assert state_bytes(spec)["parameters"] == (38 + 86) * 4
 
 
 def _saved_bytes_per_token(block, dtype, kernels_context, batch_sizes, seq, input_grad=True):
@@ -238,15 +238,17 @@ def test_zero3_and_activation_checkpointing_lower_the_7b_peak():
     assert estimate(_spec_7b(ac_ratio=1.0), 3).total < zero3.total
 
 
-def test_a_tensor_parallel_config_is_refused_rather_than_planned_as_plain_sharding(tmp_path):
-    """Catches the planner reading tensor_parallel_size from a YAML and ignoring it (plain sharding's numbers)."""
+@pytest.mark.parametrize("option", ["tensor_parallel_size", "expert_parallel_size"])
+def test_a_model_parallel_config_is_refused_rather_than_planned_as_plain_sharding(tmp_path, option):
+    """Catches the planner reading tensor_parallel_size or expert_parallel_size from a YAML and ignoring it (plain
+    sharding's numbers: no split activations, every expert gathered, no all_to_all buffers)."""
     config = tmp_path / "run.yaml"
     config.write_text(
         "model:\n  preset: tiny\n"
         "trainer:\n  devices: 4\n  strategy:\n    class_path: lightning_npu.NPUFSDPStrategy\n    init_args:\n"
-        "      auto_wrap_policy: [recipes.models.llama.model.TransformerBlock]\n      tensor_parallel_size: 2\n"
+        f"      auto_wrap_policy: [recipes.models.llama.model.TransformerBlock]\n      {option}: 2\n"
     )
-    with pytest.raises(PlanError, match=r"tensor_parallel_size=2 is not modelled by the planner yet"):
+    with pytest.raises(PlanError, match=rf"{option}=2 is not modelled by the planner yet"):
         load_spec(config)
 
 

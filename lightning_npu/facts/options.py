@@ -84,6 +84,27 @@ def check_context_parallel_size(value: Any) -> int:
     return value
 
 
+def check_expert_parallel_size(value: Any, layout: "MeshLayout", sharding: str) -> int:
+    """``value`` if ``layout``'s data-parallel ranks split into expert-parallel groups of that size; ValueError
+    with the numbers and the fix otherwise (before workers start; the experts count is checked at sharding)."""
+    check_parallel_size("expert_parallel_size", value)
+    if value == 1:
+        return value
+    if layout.model_parallel or sharding != "full":
+        raise ValueError(
+            f"expert_parallel_size={value} works with sharding='full' and tensor_parallel_size ="
+            f" context_parallel_size = 1 only for now (got sharding={sharding!r}, tensor_parallel_size={layout.tp},"
+            f" context_parallel_size={layout.cp}); drop one of the two"
+        )
+    if layout.data_parallel_size % value:
+        raise ValueError(
+            f"expert_parallel_size={value} does not divide the data-parallel size {layout.data_parallel_size}:"
+            " expert-parallel groups are carved out of the data-parallel ranks; use a divisor of"
+            f" {layout.data_parallel_size} ({', '.join(map(str, _divisors(layout.data_parallel_size)))})"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class MeshLayout:
     """The sizes of npu_fsdp's mesh dimensions (``MESH_DIM_NAMES``) for one run, checked against the devices.
@@ -168,6 +189,8 @@ class FSDPChoices:
     sequence_parallel: bool = True
     #: Under tensor parallelism: the loss computed on vocabulary-sharded logits (torch's ``loss_parallel``).
     loss_parallel: bool = True
+    #: Ranks (of the data-parallel ones) that split each MoE layer's experts between them.
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_zero_stage(self.zero_stage)
@@ -176,12 +199,15 @@ class FSDPChoices:
         check_memory_fraction(self.memory_fraction)
         check_parallel_size("tensor_parallel_size", self.tensor_parallel_size)
         check_context_parallel_size(self.context_parallel_size)
+        check_parallel_size("expert_parallel_size", self.expert_parallel_size)
 
     def layout(self, num_nodes: int, devices_per_node: int) -> MeshLayout:
         """The mesh these options give ``num_nodes x devices_per_node`` devices (ValueError if they cannot)."""
-        return MeshLayout.for_run(num_nodes=num_nodes, devices_per_node=devices_per_node, sharding=self.sharding,
-                                  tensor_parallel_size=self.tensor_parallel_size,
-                                  context_parallel_size=self.context_parallel_size)
+        layout = MeshLayout.for_run(num_nodes=num_nodes, devices_per_node=devices_per_node, sharding=self.sharding,
+                                    tensor_parallel_size=self.tensor_parallel_size,
+                                    context_parallel_size=self.context_parallel_size)
+        check_expert_parallel_size(self.expert_parallel_size, layout, self.sharding)
+        return layout
 
     @property
     def reshard_after_forward(self) -> bool:

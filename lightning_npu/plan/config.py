@@ -77,6 +77,15 @@ def load_spec(
             " planner yet (it would report plain sharding's memory); plan the run with tensor_parallel_size: 1 for"
             " an upper bound on the weights and activations"
         )
+    if int(options["expert_parallel_size"]) != 1:
+        # Each rank stores the same sharded expert weights either way, but gathers only E / N experts per layer and
+        # holds all_to_all buffers (rows received, re-sorted and sent back): neither is modelled yet.
+        raise PlanError(
+            f"config {str(path)!r}: expert_parallel_size={options['expert_parallel_size']} is not modelled by the"
+            " planner yet (the sharded weights are plain sharding's, but it gathers E / expert_parallel_size experts"
+            " per layer and holds all_to_all buffers of about 2 x tokens x top_k x dim per MoE layer, more under"
+            " skewed routing); plan the run with expert_parallel_size: 1 for an upper bound on the gathered experts"
+        )
     notes = []
     if ac_ratio is not None:
         ratio = float(ac_ratio)

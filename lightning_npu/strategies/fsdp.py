@@ -20,7 +20,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -32,7 +32,6 @@ from lightning_npu.facts.options import (
     FSDPChoices,
     MeshLayout,
 )
-from lightning_npu.grad_norm import clip_grad_norm
 from lightning_npu.precision import mixed_precision_policy, precision_name
 from lightning_npu.strategies import initial_state
 from lightning_npu.strategies.backward_sync import RestoresBackwardSync, gradients_unsynced
@@ -48,7 +47,9 @@ from lightning_npu.strategies.checkpoint import (
 from lightning_npu.strategies.clean_exit import destroy_at_exit
 from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta, with_host_backend
 from lightning_npu.strategies.fsdp1 import fsdp1_wrap_reported, refuse_fsdp1_units
-from lightning_npu.strategies.mesh import build_mesh, fsdp_mesh
+from lightning_npu.strategies.expert_parallel import apply_expert_parallel, shard_experts
+from lightning_npu.strategies.grad_norm import clip_grad_norm_, use_for_trainer_clipping
+from lightning_npu.strategies.mesh import build_expert_mesh, build_mesh, fsdp_mesh
 from lightning_npu.strategies.parallelize import (
     MODULE_CLASSES,
     SHARDING,
@@ -57,6 +58,7 @@ from lightning_npu.strategies.parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
     apply_tensor_parallel,
+    fully_shard_options,
     import_tensor_parallel_plan,
     repeated_block_class,
     resolve_module_classes,
@@ -87,15 +89,25 @@ class FSDPOptions(FSDPChoices):
         if self.tensor_parallel_plan is not None:
             import_tensor_parallel_plan(self.tensor_parallel_plan)
 
-    def parallelize(self, model: nn.Module, mesh: Any, precision: Optional[str], step_methods: Iterable[str] = ()) -> None:
-        """Split ``model`` over the tensor-parallel ranks (by the plan), checkpoint activations, then shard it: blocks
-        by policy, then ``model`` as the root unit."""
+    def parallelize(self, model: nn.Module, mesh: Any, precision: Optional[str], step_methods: Iterable[str] = (),
+                    expert_mesh: Any = None) -> None:
+        """Split ``model`` over the tensor-parallel ranks (by the plan) and its experts over the expert-parallel
+        ranks (``expert_mesh``), checkpoint activations, then shard it: the experts, blocks by policy, then
+        ``model`` as the root unit."""
         refuse_fsdp1_units(model)
         if self.tensor_parallel_size > 1:
             self._apply_tensor_parallel(model, mesh["tp"])
+        if self.expert_parallel_size > 1:
+            split = apply_expert_parallel(model, expert_mesh["ep"])
+            rank_zero_info(f"npu_fsdp: expert parallelism over {self.expert_parallel_size} ranks: the experts of"
+                           f" {len(split)} modules split")
         ac_classes = resolve_module_classes(self.activation_checkpointing_policy, model, "activation_checkpointing_policy")
         checkpointed = apply_activation_checkpointing(model, ac_classes, float(self.activation_checkpointing_ratio))
         wrap_classes, chosen_by = self.wrap_classes(model)
+        if self.expert_parallel_size > 1:
+            shard_experts(model, expert_mesh["dp_shard_mod_ep"], expert_mesh.size(),
+                          reshard_after_forward=self.reshard_after_forward,
+                          **fully_shard_options(mesh, mixed_precision_policy(precision), self.cpu_offload))
         sharded = apply_fsdp(
             model,
             fsdp_mesh(mesh, self.sharding),
@@ -225,6 +237,9 @@ class _FSDPStrategyBase(BackendFromRuntime):
         tensor_parallel_size: devices (consecutive ranks, inside one node) that split each layer between them and
             train on the same batch; FSDP shards over the rest (``lightning_npu.strategies.mesh``).
         context_parallel_size: devices that split the sequence; only 1 for now (no context-parallel attention yet).
+        expert_parallel_size: data-parallel devices (consecutive ranks) that split each MoE layer's experts between
+            them and exchange its tokens by all_to_all (``lightning_npu.strategies.expert_parallel``); must divide
+            the data-parallel size and every layer's expert count.
         sequence_parallel: under tensor parallelism, passed to the plan: norms and residuals split by sequence.
         loss_parallel: under tensor parallelism, passed to the plan (vocabulary-sharded logits); the Trainer runs
             the steps and backward inside torch's ``loss_parallel()``.
@@ -254,6 +269,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
         tensor_parallel_plan: TENSOR_PARALLEL_PLAN = None,
+        expert_parallel_size: int = 1,
     ) -> None:
         if async_save and not _is_sharded(state_dict_type):
             raise ValueError(
@@ -275,11 +291,13 @@ class _FSDPStrategyBase(BackendFromRuntime):
             memory_fraction=memory_fraction, tensor_parallel_size=tensor_parallel_size,
             context_parallel_size=context_parallel_size, sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel, tensor_parallel_plan=tensor_parallel_plan,
+            expert_parallel_size=expert_parallel_size,
         )
         self._checkpoints = CheckpointWriter(bool(async_save), timeout)
         # What rank 0's configure_model built (Trainer), and which parameters sharding replaced (Fabric).
         self._built_in_configure_model: Optional[initial_state.BuiltParameters] = None
         self._replaced = ReplacedParameters()
+        self._expert_mesh: Optional[Any] = None  # the experts' mesh under expert parallelism (mesh.build_expert_mesh)
 
     def _base_kwargs(self) -> dict[str, Any]:
         return {}
@@ -335,6 +353,10 @@ class _FSDPStrategyBase(BackendFromRuntime):
         mesh = build_mesh(self.root_device.type, self.layout, self.options.sharding)
         compat.set_device_mesh(self, mesh)
         destroy_at_exit(mesh)
+        if self.options.expert_parallel_size > 1:
+            self._expert_mesh = build_expert_mesh(self.root_device.type, self.world_size,
+                                                  self.options.expert_parallel_size)
+            destroy_at_exit(self._expert_mesh)
 
     def _shard(self, model: nn.Module, precision_plugin: Any, step_methods: Iterable[str] = ()) -> None:
         """Shard ``model`` and give it the first values the user's code made (see ``initial_state``), once: a
@@ -347,7 +369,8 @@ class _FSDPStrategyBase(BackendFromRuntime):
             host_sync_batchnorm(model, self.root_device)
             state = initial_state.capture(model, self._built_in_configure_model)
             self._built_in_configure_model = None
-            self.options.parallelize(model, self.device_mesh, precision_name(precision_plugin), step_methods)
+            self.options.parallelize(model, self.device_mesh, precision_name(precision_plugin), step_methods,
+                                     self._expert_mesh)
             # Initialised on the mesh's device, whose generator DTensor offsets per rank, then offloaded.
             initial_state.apply(model, state, self.root_device)
             if self.options.cpu_offload:
@@ -421,6 +444,8 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        # Gradient clipping over parameters on several meshes (experts, tensor-parallel splits): see grad_norm.
+        use_for_trainer_clipping(self.precision_plugin)
 
     @contextmanager
     @override
@@ -514,10 +539,10 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
 
     @override
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
-                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
-        # Parameters on several meshes (tensor parallelism next to FSDP) clip together, as the Trainer's do.
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        # Fabric's calls torch's clip_grad_norm_, which fails for parameters on several meshes (see grad_norm).
         self.precision.unscale_gradients(optimizer)
-        return clip_grad_norm(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
+        return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

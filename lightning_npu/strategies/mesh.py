@@ -42,6 +42,14 @@ def build_mesh(device_type: str, layout: MeshLayout, sharding: str) -> DeviceMes
     return init_device_mesh(device_type, (layout.dp_shard,), mesh_dim_names=("shard",))
 
 
+def build_expert_mesh(device_type: str, data_parallel_size: int, expert_parallel_size: int) -> DeviceMesh:
+    """The mesh of the expert parameters (``lightning_npu.strategies.expert_parallel``): ``"ep"`` innermost
+    (consecutive ranks split each layer's experts and exchange its tokens), ``"dp_shard_mod_ep"`` the ranks holding
+    the same experts, over which FSDP shards them (plain sharding only, so the data-parallel ranks are all ranks)."""
+    shape = (data_parallel_size // expert_parallel_size, expert_parallel_size)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("dp_shard_mod_ep", "ep"))
+
+
 def is_model_parallel(mesh: DeviceMesh) -> bool:
     return mesh.mesh_dim_names == MESH_DIM_NAMES
 
@@ -53,4 +61,4 @@ def fsdp_mesh(mesh: DeviceMesh, sharding: str) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard_cp"] if sharding == "hybrid" else mesh["dp_shard_cp"]
 
 
-__all__ = ["FLATTENED", "build_mesh", "fsdp_mesh", "is_model_parallel"]
+__all__ = ["FLATTENED", "build_expert_mesh", "build_mesh", "fsdp_mesh", "is_model_parallel"]

@@ -203,16 +203,10 @@ def apply_fsdp(
     Modules that are already FSDP units, or lie inside one, are left as the user sharded them.
     Returns the names of the modules sharded here (``""`` for the root).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
     scalars = {param for param in model.parameters() if param.ndim == 0}
-    kwargs = {
-        "mesh": mesh,
-        "mp_policy": mp_policy,
-        "ignored_params": scalars,
-        # Pinned host memory needs an accelerator; on a simulated (CPU) mesh there is none.
-        "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy(),
-    }
+    kwargs = {"mesh": mesh, "ignored_params": scalars, **fully_shard_options(mesh, mp_policy, cpu_offload)}
     inside_fsdp = _modules_inside_fsdp(model, FSDPModule)
     names = {id(module): name for name, module in model.named_modules()}
     blocks = [
@@ -234,6 +228,15 @@ def apply_fsdp(
             register_fsdp_forward_method(model, method)
     average_gradients_over_ranks(scalars)
     return sharded
+
+
+def fully_shard_options(mesh: DeviceMesh, mp_policy: object, cpu_offload: bool) -> dict[str, Any]:
+    """``fully_shard``'s mixed-precision and offload arguments, the same for every unit of a run."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    # Pinned host memory needs an accelerator; on a simulated (CPU) mesh there is none.
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
+    return {"mp_policy": mp_policy, "offload_policy": offload}
 
 
 def average_gradients_over_ranks(params: Iterable[nn.Parameter]) -> None:
@@ -278,6 +281,7 @@ __all__ = [
     "average_gradients_over_ranks",
     "checkpointed_by_hand",
     "evenly_spaced",
+    "fully_shard_options",
     "import_tensor_parallel_plan",
     "repeated_block_class",
     "resolve_module_classes",

@@ -5,6 +5,8 @@ The experts of a layer are stacked, one parameter per projection (``w_gate_up`` 
 [E, dim, F], Hugging Face 5's layout), so FSDP2 shards two large tensors per layer rather than 3 x E small ones,
 and they run as two grouped matmuls over the tokens sorted by expert (``permute_tokens`` ->
 ``grouped_matmul`` -> ``unpermute_tokens``, fused on NPUs). The router is fp32 plain torch (``router.py``).
+``Experts`` is a ``StackedExperts``: under ``expert_parallel_size`` npu_fsdp splits each layer's experts over
+ranks and moves the rows between them (``lightning_npu.strategies.expert_parallel``); this code stays as it is.
 
 Parameter names (``hf.py`` maps them to Hugging Face's)::
 
@@ -37,14 +39,16 @@ import torch
 from torch import Tensor, nn
 
 from lightning_npu.kernels import grouped_matmul, permute_tokens, rotary_tables, swiglu, unpermute_tokens
+from lightning_npu.strategies.expert_parallel import StackedExperts
 from recipes.decoder.layers import INIT_STD, Linear
 from recipes.decoder.transformer import Attention, CausalDecoder, DecoderBlock, FeedForward
 from recipes.models.moe.config import MoEConfig
 from recipes.models.moe.router import Router, load_balancing_loss, route
 
 
-class Experts(nn.Module):
-    """``n_experts`` SwiGLU MLPs in two stacked parameters, run over tokens routed to them."""
+class Experts(StackedExperts):
+    """``n_experts`` SwiGLU MLPs in two stacked parameters, run over rows sorted by expert. Under expert
+    parallelism npu_fsdp gives each rank a block of the experts and only their rows (``StackedExperts``)."""
 
     def __init__(self, n_experts: int, dim: int, hidden_dim: int) -> None:
         super().__init__()
@@ -56,14 +60,11 @@ class Experts(nn.Module):
         nn.init.normal_(self.w_gate_up, mean=0.0, std=INIT_STD)
         nn.init.normal_(self.w_down, mean=0.0, std=INIT_STD)
 
-    def forward(self, x: Tensor, expert_ids: Tensor, probs: Tensor) -> Tensor:
-        """``sum_j probs[t, j] * expert_{ids[t, j]}(x[t])`` for tokens x [T, dim], ids and probs [T, top_k]. The
-        probs go in x's dtype: the fused unpermute's backward gives NaN for mixed dtypes (moe-facts.md)."""
-        permuted, counts, permutation = permute_tokens(x, expert_ids, probs.to(x.dtype), self.w_gate_up.shape[0])
+    def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
+        """The experts' outputs [R, dim] for rows [R, dim] sorted by expert, ``counts[e]`` of them for expert e."""
         # [E, 2F, dim] -> [E, dim, 2F] views: grouped_matmul takes [E, K, N] (the fused op reads the view as is).
-        hidden = swiglu(grouped_matmul(permuted, self.w_gate_up.transpose(1, 2), counts))
-        out = grouped_matmul(hidden, self.w_down.transpose(1, 2), counts)
-        return unpermute_tokens(out, permutation)
+        hidden = swiglu(grouped_matmul(rows, self.local(self.w_gate_up).transpose(1, 2), counts))
+        return grouped_matmul(hidden, self.local(self.w_down).transpose(1, 2), counts)
 
 
 class MoEFeedForward(nn.Module):
@@ -74,6 +75,7 @@ class MoEFeedForward(nn.Module):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.top_k = config.top_k
+        self.n_experts = config.n_experts
         self.norm_topk_prob = config.norm_topk_prob
         self.router = Router(config.dim, config.n_experts)
         self.experts = Experts(config.n_experts, config.dim, config.expert_hidden_dim)
@@ -86,7 +88,9 @@ class MoEFeedForward(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         self.router_logits = self.router(tokens)
         probs, expert_ids = route(self.router_logits, self.top_k, normalise=self.norm_topk_prob)
-        out = self.experts(tokens, expert_ids, probs)
+        # The probs go in the tokens' dtype: the fused unpermute's backward gives NaN for mixed dtypes (moe-facts.md).
+        permuted, counts, permutation = permute_tokens(tokens, expert_ids, probs.to(tokens.dtype), self.n_experts)
+        out = unpermute_tokens(self.experts(permuted, counts), permutation)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
         return out.view_as(x)
