@@ -238,15 +238,17 @@ def test_zero3_and_activation_checkpointing_lower_the_7b_peak():
     assert estimate(_spec_7b(ac_ratio=1.0), 3).total < zero3.total
 
 
-def test_a_tensor_parallel_config_is_refused_rather_than_planned_as_plain_sharding(tmp_path):
-    """Catches the planner reading tensor_parallel_size from a YAML and ignoring it (plain sharding's numbers)."""
+@pytest.mark.parametrize("option", ["tensor_parallel_size", "context_parallel_size"])
+def test_a_tensor_or_context_parallel_config_is_refused_rather_than_planned_as_plain_sharding(tmp_path, option):
+    """Catches the planner reading tensor_parallel_size or context_parallel_size from a YAML and ignoring it (plain
+    sharding's numbers)."""
     config = tmp_path / "run.yaml"
     config.write_text(
         "model:\n  preset: tiny\n"
         "trainer:\n  devices: 4\n  strategy:\n    class_path: lightning_npu.NPUFSDPStrategy\n    init_args:\n"
-        "      auto_wrap_policy: [recipes.models.llama.model.TransformerBlock]\n      tensor_parallel_size: 2\n"
+        f"      auto_wrap_policy: [recipes.models.llama.model.TransformerBlock]\n      {option}: 2\n"
     )
-    with pytest.raises(PlanError, match=r"tensor_parallel_size=2 is not modelled by the planner yet"):
+    with pytest.raises(PlanError, match=rf"{option}=2 is not modelled by the planner yet"):
         load_spec(config)
 
 

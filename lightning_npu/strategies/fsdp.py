@@ -1,4 +1,4 @@
-"""``"npu_fsdp"``: FSDP2 (``fully_shard``) applied by policy, with tensor parallelism, activation checkpointing,
+"""``"npu_fsdp"``: FSDP2 (``fully_shard``) applied by policy, with tensor and context parallelism, activation checkpointing,
 mixed precision, CPU offload, hybrid sharding and torch distributed checkpoints, on one device mesh (``mesh``).
 
 torch_npu supports FSDP2 and DCP on Atlas A2/A3 but documents FSDP1's full-state APIs as unsupported,
@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_npu import compat
 from lightning_npu.facts.options import (
     DEFAULT_ACTIVATION_CHECKPOINTING_RATIO,
+    DEFAULT_CONTEXT_PARALLEL_ALGO,
     DEFAULT_SHARDING,
     DEFAULT_ZERO_STAGE,
     FSDPChoices,
@@ -54,6 +55,7 @@ from lightning_npu.strategies.parallelize import (
     STEP_METHODS,
     TENSOR_PARALLEL_PLAN,
     apply_activation_checkpointing,
+    apply_context_parallel,
     apply_fsdp,
     apply_tensor_parallel,
     import_tensor_parallel_plan,
@@ -87,11 +89,13 @@ class FSDPOptions(FSDPChoices):
             import_tensor_parallel_plan(self.tensor_parallel_plan)
 
     def parallelize(self, model: nn.Module, mesh: Any, precision: Optional[str], step_methods: Iterable[str] = ()) -> None:
-        """Split ``model`` over the tensor-parallel ranks (by the plan), checkpoint activations, then shard it: blocks
-        by policy, then ``model`` as the root unit."""
+        """Split ``model`` over the tensor-parallel ranks (by the plan), give its context-parallel modules the cp
+        group, checkpoint activations, then shard it: blocks by policy, then ``model`` as the root unit."""
         refuse_fsdp1_units(model)
         if self.tensor_parallel_size > 1:
             self._apply_tensor_parallel(model, mesh["tp"])
+        if self.context_parallel_size > 1:
+            self._apply_context_parallel(model, mesh["cp"])
         ac_classes = resolve_module_classes(self.activation_checkpointing_policy, model, "activation_checkpointing_policy")
         checkpointed = apply_activation_checkpointing(model, ac_classes, float(self.activation_checkpointing_ratio))
         wrap_classes, chosen_by = self.wrap_classes(model)
@@ -126,6 +130,21 @@ class FSDPOptions(FSDPChoices):
             )
         rank_zero_info(f"npu_fsdp: tensor parallelism over {tp_mesh.size()} ranks: {len(split)} parameters split"
                        f"{' (plan: ' + ', '.join(planned) + ')' if planned else ''}")
+
+    def _apply_context_parallel(self, model: nn.Module, cp_mesh: Any) -> None:
+        from lightning_npu.kernels.context_parallel import ContextParallel
+
+        given = apply_context_parallel(model, ContextParallel(cp_mesh.get_group(), self.context_parallel_algo))
+        if not given:
+            rank_zero_warn(
+                f"npu_fsdp: context_parallel_size={self.context_parallel_size}, but no module of the model declares a"
+                " context_parallel attribute, so nothing splits the sequence: each group of context-parallel ranks"
+                " computes the whole sequence of the same batch (correct results, no memory saved). Declare"
+                " `context_parallel = None` on the modules that shard the batch (context_parallel.shard) and run"
+                " attention (context_parallel.attention); see lightning_npu.kernels.context_parallel."
+            )
+        rank_zero_info(f"npu_fsdp: context parallelism ({self.context_parallel_algo}) over {cp_mesh.size()} ranks:"
+                       f" {len(given)} modules split the sequence")
 
     def wrap_classes(self, model: nn.Module) -> tuple[tuple[type, ...], str]:
         """The block classes that become FSDP units, and how they were chosen (for the log).
@@ -223,7 +242,11 @@ class _FSDPStrategyBase(BackendFromRuntime):
             ``lightning_npu.strategies.checkpoint``); saves are atomic either way.
         tensor_parallel_size: devices (consecutive ranks, inside one node) that split each layer between them and
             train on the same batch; FSDP shards over the rest (``lightning_npu.strategies.mesh``).
-        context_parallel_size: devices that split the sequence; only 1 for now (no context-parallel attention yet).
+        context_parallel_size: devices that split each sequence between them and train on the same batch; FSDP
+            shards over them too. The model's modules that declare ``context_parallel = None`` are given the group
+            (``lightning_npu.kernels.context_parallel.ContextParallel``) to shard the batch and run attention with.
+        context_parallel_algo: ``"ulysses"`` (all-to-all over heads; heads % (tp x cp) == 0; packed rows work) or
+            ``"ring"`` (keys and values around the ranks; any head count; seq_len % (2 x cp) == 0).
         sequence_parallel: under tensor parallelism, passed to the plan: norms and residuals split by sequence.
         loss_parallel: under tensor parallelism, passed to the plan (vocabulary-sharded logits); the Trainer runs
             the steps and backward inside torch's ``loss_parallel()``.
@@ -250,6 +273,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
         async_save: bool = False,
         tensor_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        context_parallel_algo: str = DEFAULT_CONTEXT_PARALLEL_ALGO,
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
         tensor_parallel_plan: TENSOR_PARALLEL_PLAN = None,
@@ -272,7 +296,8 @@ class _FSDPStrategyBase(BackendFromRuntime):
             activation_checkpointing_policy=activation_checkpointing_policy,
             activation_checkpointing_ratio=activation_checkpointing_ratio, cpu_offload=cpu_offload,
             memory_fraction=memory_fraction, tensor_parallel_size=tensor_parallel_size,
-            context_parallel_size=context_parallel_size, sequence_parallel=sequence_parallel,
+            context_parallel_size=context_parallel_size, context_parallel_algo=context_parallel_algo,
+            sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel, tensor_parallel_plan=tensor_parallel_plan,
         )
         self._checkpoints = CheckpointWriter(bool(async_save), timeout)

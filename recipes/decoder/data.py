@@ -413,10 +413,12 @@ class TextDataModule(L.LightningDataModule):
         )
 
     def _rank_and_world(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
+        """This rank's data-parallel replica and the number of replicas: the strategy's sampler split, in which
+        the ranks of a tensor- or context-parallel group share their batches (one rank, one replica otherwise)."""
+        split = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        if not split:
             return 0, 1
-        return int(trainer.global_rank), int(trainer.world_size)
+        return int(split["rank"]), int(split["num_replicas"])
 
     def _steps_per_epoch(self, world: int) -> int:
         train = self._require_setup()

@@ -62,6 +62,9 @@ class DecoderLM(LightningModule):
             (``lightning_npu.optim.AdamW8bit``: 8-bit moments, about 2.03 bytes).
     """
 
+    #: Set by npu_fsdp under context parallelism (``lightning_npu.kernels.context_parallel.ContextParallel``).
+    context_parallel = None
+
     def __init__(
         self,
         family: str = families.DEFAULT_FAMILY,
@@ -134,12 +137,21 @@ class DecoderLM(LightningModule):
     def _loss(self, batch: dict[str, Any]) -> Tensor:
         """Mean cross-entropy over the labelled tokens (-100 marks the others: prompts and padding in SFT rows), plus
         the model's ``auxiliary_loss()`` of that forward if its family defines one.
-        Packed rows (``cu_seqlens``, ``position_ids``: ``sft_data.collate_packed``) attend within each sample."""
+        Packed rows (``cu_seqlens``, ``position_ids``: ``sft_data.collate_packed``) attend within each sample.
+        Under context parallelism each rank computes it on its part of every sequence (the strategy averages)."""
+        if self.context_parallel is not None:
+            batch = self._sequence_shard(batch)
         logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
                             position_ids=batch.get("position_ids"))
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
         auxiliary = getattr(self.model, "auxiliary_loss", None)  # a family's extra training term (MoE: load balance)
         return loss if auxiliary is None else loss + auxiliary()
+
+    def _sequence_shard(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This context-parallel rank's part of each sequence of ``batch`` (ids, labels, packed positions; the
+        sample boundaries ``cu_seqlens`` stay the whole batch's)."""
+        by_sequence = ("input_ids", "labels", "position_ids")
+        return {key: self.context_parallel.shard(value) if key in by_sequence else value for key, value in batch.items()}
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)
