@@ -194,7 +194,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Any, *, scale: Option
         )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    reason = _attention.why_not_fused(q, k, v)
+    reason = why_not_fused_ring(q, k, v)
     if reason is not None:
         note_fallback("attention", q, reason)
     block = _NPU_BLOCK if reason is None else _REFERENCE_BLOCK
@@ -373,6 +373,50 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
+def ring_step_attention(q: Tensor, k_before: Tensor, v_before: Tensor, k: Tensor, v: Tensor, *,
+                        scale: Optional[float] = None) -> Tensor:
+    """Ring attention's kernels on one rank: ``q``'s causal attention over earlier keys (``k_before``, every query
+    sees them: a block received from another rank) and its own (``k``, the causal diagonal), the two blocks merged
+    through their softmax statistics and differentiated from the merged ones, as a ring step does. It equals
+    :func:`~lightning_npu.kernels.causal_attention` over the concatenated keys: ``lightning-npu selftest`` checks the
+    ring's NPU blocks (npu_fusion_attention, npu_fusion_attention_grad) against that reference."""
+    _attention._check_inputs(q, k, v)
+    _attention._check_inputs(q, k_before, v_before)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    block = _NPU_BLOCK if why_not_fused_ring(q, k, v) is None else _REFERENCE_BLOCK
+    return _MergedBlocks.apply(q, k_before, v_before, k, v, scale, block)
+
+
+def why_not_fused_ring(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
+    """Why ring attention's blocks would run the exact PyTorch block on these inputs; None when they run fused."""
+    return _attention.why_not_fused(q, k, v)
+
+
+class _MergedBlocks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k_before: Tensor, v_before: Tensor, k: Tensor, v: Tensor, scale: float,
+                block: _Block) -> Tensor:
+        b, length, heads, _ = q.shape
+        out = torch.zeros(b, length, heads, v.shape[-1], dtype=torch.float32, device=q.device)
+        row_max = torch.full((b, heads, length), float("-inf"), dtype=torch.float32, device=q.device)
+        row_sum = torch.zeros(b, heads, length, dtype=torch.float32, device=q.device)
+        for keys, values, causal in ((k_before, v_before, False), (k, v, True)):
+            _merge(out, row_max, row_sum, slice(None), block.forward(q, keys, values, causal, scale))
+        ctx.save_for_backward(q, k_before, v_before, k, v, out, row_max, row_sum)
+        ctx.scale, ctx.block = scale, block
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor):
+        q, k_before, v_before, k, v, out, row_max, row_sum = ctx.saved_tensors
+        dout = dout.contiguous()
+        before = ctx.block.backward(q, k_before, v_before, dout, out, row_max, row_sum, False, ctx.scale)
+        own = ctx.block.backward(q, k, v, dout, out, row_max, row_sum, True, ctx.scale)
+        return ((before[0].float() + own[0].float()).to(q.dtype), before[1].to(k.dtype), before[2].to(v.dtype),
+                own[1].to(k.dtype), own[2].to(v.dtype), None, None)
+
+
 class _Ring:
     """Send a tensor to the next rank of the group and receive the previous rank's (``start(x).wait()``)."""
 
@@ -402,4 +446,5 @@ class _Exchange:
         return self.received
 
 
-__all__ = ["ContextParallel", "check_ulysses_heads", "ring_attention", "ulysses_attention"]
+__all__ = ["ContextParallel", "check_ulysses_heads", "ring_attention", "ring_step_attention", "ulysses_attention",
+           "why_not_fused_ring"]

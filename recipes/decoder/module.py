@@ -129,7 +129,8 @@ class DecoderLM(LightningModule):
         return flops
 
     def count_tokens(self, batch: dict[str, Tensor]) -> int:
-        return batch["input_ids"].numel()
+        """The tokens this rank trains on: its part of every sequence under context parallelism."""
+        return batch["input_ids"].numel() // (1 if self.context_parallel is None else self.context_parallel.size)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids)
