@@ -84,7 +84,8 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 
 def _fake_trainer(rank: int, world: int) -> SimpleNamespace:
-    return SimpleNamespace(global_rank=rank, world_size=world)
+    return SimpleNamespace(global_rank=rank, world_size=world,
+                           distributed_sampler_kwargs={"num_replicas": world, "rank": rank})
 
 
 # ----------------------------------------------------------------------------- formats and packing

@@ -63,7 +63,8 @@ def _ready(path: str, tmp_path: Path, **kwargs) -> SFTDataModule:
 def _trainer(rank: int, world: int, batches_done: int = 0) -> SimpleNamespace:
     progress = SimpleNamespace(current=SimpleNamespace(processed=batches_done))
     return SimpleNamespace(
-        global_rank=rank, world_size=world, fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress))
+        global_rank=rank, world_size=world, distributed_sampler_kwargs={"num_replicas": world, "rank": rank},
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress))
     )
 
 
