@@ -107,11 +107,12 @@ def test_ulysses_and_ring_attention_equal_full_causal_attention_forward_and_back
     """On 4 gloo processes (cp = 4, and cp = 2 in two groups): Ulysses (GQA with key/value heads repeated, packed
     rows crossing the chunk boundaries) and ring attention (head-tail chunks, GQA) give each rank its shard of full
     causal attention and of its q/k/v gradients; on the NPU branch through the fake's npu_fusion_attention and
-    npu_fusion_attention_grad. The tiny LLaMA gives the same logits and parameter gradients through them."""
+    npu_fusion_attention_grad. The tiny LLaMA gives the same logits and parameter gradients through them, and a
+    loss over unevenly placed labelled tokens averages (token_mean) to the mean over the whole sequences."""
     result = attention_runs[path]
     cases = ["ulysses_gqa_repeat", "ulysses_mha", "ulysses_packed", "ring_cp4_gqa", "ring_cp2"]
     if path == "reference":
-        cases += ["model_ulysses_packed", "model_ring"]
+        cases += ["model_ulysses_packed", "model_ring", "token_mean"]
     else:
         # Ulysses' 3 causal calls, then 4 + 2 ring steps forward, and each ring step's backward.
         assert result["npu_calls"] == {"npu_fusion_attention": 9, "npu_fusion_attention_grad": 6}

@@ -99,8 +99,8 @@ def check_context_parallel_shapes(cp: int, algo: str, *, heads: int, seq_len: in
             raise ValueError(
                 f"context_parallel_algo='ulysses' splits each rank's {heads} / tensor_parallel_size={tp} attention"
                 f" heads over context_parallel_size={cp} ranks, which needs heads % (tp x cp) == 0 ({heads} % {tp * cp}"
-                f" = {heads % (tp * cp)}); choose context_parallel_size (and tensor_parallel_size) whose product divides"
-                f" {heads}, or context_parallel_algo='ring' (any head count)"
+                f" = {heads % (tp * cp)}); choose context_parallel_size (and tensor_parallel_size) whose product"
+                f" divides {heads}, or context_parallel_algo='ring' (any head count)"
             )
         if seq_len % cp:
             raise ValueError(

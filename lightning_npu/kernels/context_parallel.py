@@ -80,6 +80,16 @@ class ContextParallel:
         """The global positions (int64) of the tokens :meth:`shard` gives this rank of a ``seq_len`` sequence."""
         return self.shard(torch.arange(seq_len, device=device), dim=0)
 
+    def token_mean(self, total: Tensor, count: Tensor) -> Tensor:
+        """This rank's share of a mean over the whole sequences' tokens, from its own ``total`` (a sum over its
+        tokens, e.g. of a loss) and ``count`` (how many it counted): ``cp x total / (the group's count)``. The group's
+        average of it, which npu_fsdp's loss and gradient averaging take, is then the mean over every token of the
+        group however unevenly they fall on the ranks (an SFT batch's labelled tokens), as without context
+        parallelism."""
+        count = count.detach().clone()
+        dist.all_reduce(count, group=self.group)
+        return total * self.size / count
+
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Optional[Sequence[int]] = None,
                   scale: Optional[float] = None) -> Tensor:
         """Causal attention of this rank's queries over the whole sequence; BSND in and out, this rank's tokens.
@@ -177,7 +187,9 @@ def check_ulysses_heads(heads: int, kv_heads: int, cp: int) -> None:
             f" {heads}, or context_parallel_algo='ring' (any head count)"
         )
     if heads % kv_heads:
-        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads (grouped-query attention)")
+        raise ValueError(
+            f"{heads} query heads are not a multiple of {kv_heads} key/value heads (grouped-query attention)"
+        )
 
 
 # ---------------------------------------------------------------- ring
@@ -236,7 +248,8 @@ class _ReferenceBlock(_Block):
         dq = torch.matmul(ds, keys) * scale
         dk = torch.matmul(ds.transpose(-1, -2), q.float().transpose(1, 2)) * scale
         kv_heads = k.shape[2]
-        return dq.transpose(1, 2), _per_kv_head(dk, kv_heads).transpose(1, 2), _per_kv_head(dv, kv_heads).transpose(1, 2)
+        dk, dv = (_per_kv_head(grad, kv_heads).transpose(1, 2) for grad in (dk, dv))
+        return dq.transpose(1, 2), dk, dv
 
     @staticmethod
     def _scores(q, k, v, causal, scale):

@@ -200,8 +200,8 @@ def _expert_scale(counts: Tensor, permuted: Tensor) -> Tensor:
 def kernel_cases(quick: bool) -> list[KernelCase]:
     """The shapes checked: the tiny recipe's (GQA 4/2 heads of 32, dim 128, ffn 352), LLaMA-2-7B's per-head and
     per-token shapes (32 heads of 128, dim 4096, ffn 11008) at a small batch, and edge shapes (GQA, head_dim 64,
-    decoding against a KV cache, rotary far into the sequence, SFT rows of packed samples, a ring-attention step), MoE experts and routing
-    at a tiny and at Qwen3-30B-A3B's shapes (experts of 2048 -> 768, 16 of its 128 with ``quick``; routing over
+    decoding against a KV cache, rotary far into the sequence, SFT rows of packed samples, a ring-attention step),
+    MoE experts and routing at a tiny and at Qwen3-30B-A3B's shapes (experts of 2048 -> 768, 16 of its 128 with ``quick``; routing over
     128, top-8), each with an expert that gets no tokens; long sequences in the full run only."""
     seq = 512 if quick else 4096
     experts = 16 if quick else 128  # Qwen3-30B-A3B's 128 experts hold 200M weights per projection

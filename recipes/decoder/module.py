@@ -139,12 +139,18 @@ class DecoderLM(LightningModule):
         """Mean cross-entropy over the labelled tokens (-100 marks the others: prompts and padding in SFT rows), plus
         the model's ``auxiliary_loss()`` of that forward if its family defines one.
         Packed rows (``cu_seqlens``, ``position_ids``: ``sft_data.collate_packed``) attend within each sample.
-        Under context parallelism each rank computes it on its part of every sequence (the strategy averages)."""
-        if self.context_parallel is not None:
+        Under context parallelism each rank computes its share on its part of every sequence (the strategy averages
+        the shares: the mean over all labelled tokens however many each part holds)."""
+        cp = self.context_parallel
+        if cp is not None:
             batch = self._sequence_shard(batch)
         logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
                             position_ids=batch.get("position_ids"))
-        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        labels = batch["labels"].flatten()
+        if cp is None:
+            loss = F.cross_entropy(logits.flatten(0, 1), labels)
+        else:
+            loss = cp.token_mean(F.cross_entropy(logits.flatten(0, 1), labels, reduction="sum"), (labels != -100).sum())
         auxiliary = getattr(self.model, "auxiliary_loss", None)  # a family's extra training term (MoE: load balance)
         return loss if auxiliary is None else loss + auxiliary()
 
@@ -152,7 +158,8 @@ class DecoderLM(LightningModule):
         """This context-parallel rank's part of each sequence of ``batch`` (ids, labels, packed positions; the
         sample boundaries ``cu_seqlens`` stay the whole batch's)."""
         by_sequence = ("input_ids", "labels", "position_ids")
-        return {key: self.context_parallel.shard(value) if key in by_sequence else value for key, value in batch.items()}
+        return {key: self.context_parallel.shard(value) if key in by_sequence else value
+                for key, value in batch.items()}
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)

@@ -39,7 +39,8 @@ def full_attention(q, k, v, cu_seqlens):
     if cu_seqlens is None:
         return reference_attention(q, k, v)
     b, s = q.shape[:2]
-    return reference_packed_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens).view(b, s, -1, q.shape[-1])
+    out = reference_packed_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens)
+    return out.view(b, s, -1, q.shape[-1])
 
 
 def run_case(case) -> dict:
@@ -96,6 +97,21 @@ def model_case(group, algo: str, cu_seqlens) -> dict:
     return dict(zip(errors, stacked.tolist()))
 
 
+def token_mean_case(group) -> dict:
+    """A loss over labelled tokens that fall unevenly on the ranks (SFT labels): the group's average of
+    ``token_mean`` against the mean over the whole sequences."""
+    from lightning_npu.kernels.context_parallel import ContextParallel
+
+    losses = torch.rand(2, 32, generator=torch.Generator().manual_seed(3))
+    labelled = torch.zeros(2, 32, dtype=torch.bool)
+    labelled[0, 20:] = True  # the tail only: ranks holding the head chunks count none of row 0
+    labelled[1, 3:9] = True
+    cp = ContextParallel(group, "ring")
+    mine = cp.token_mean((cp.shard(losses) * cp.shard(labelled)).sum(), cp.shard(labelled).sum())
+    dist.all_reduce(mine, group=group)
+    return {"error": abs(float(mine) / cp.size - float(losses[labelled].mean()))}
+
+
 def refusals(groups) -> dict:
     from lightning_npu.kernels.context_parallel import ContextParallel
 
@@ -132,9 +148,11 @@ def worker(rank: int, out: str, fake: str | None) -> None:
     if not fake:  # the recipe's model through the same context (its kernels' NPU branch is tested above)
         results["model_ulysses_packed"] = model_case(groups[0], "ulysses", [0, 5, 16, 19, 40, 64])
         results["model_ring"] = model_case(groups[1], "ring", None)
+        results["token_mean"] = token_mean_case(groups[0])
     results["refusals"] = refusals(groups)
     if fake:
-        results["npu_calls"] = {op: len(npu.calls_to(op)) for op in ("npu_fusion_attention", "npu_fusion_attention_grad")}
+        ops = ("npu_fusion_attention", "npu_fusion_attention_grad")
+        results["npu_calls"] = {op: len(npu.calls_to(op)) for op in ops}
         patch.undo()
     if rank == 0:
         with open(out, "w") as file:
