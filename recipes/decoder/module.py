@@ -147,10 +147,9 @@ class DecoderLM(LightningModule):
         logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
                             position_ids=batch.get("position_ids"))
         labels = batch["labels"].flatten()
-        if cp is None:
-            loss = F.cross_entropy(logits.flatten(0, 1), labels)
-        else:
-            loss = cp.token_mean(F.cross_entropy(logits.flatten(0, 1), labels, reduction="sum"), (labels != -100).sum())
+        loss = F.cross_entropy(logits.flatten(0, 1), labels, reduction="mean" if cp is None else "sum")
+        if cp is not None:
+            loss = cp.token_mean(loss, (labels != -100).sum())
         auxiliary = getattr(self.model, "auxiliary_loss", None)  # a family's extra training term (MoE: load balance)
         return loss if auxiliary is None else loss + auxiliary()
 
