@@ -35,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 
 from lightning_npu import GracefulPreemption, NonFiniteLossGuard, TokenThroughputMonitor  # importing the plugin registers accelerator="npu" and npu_*
+from lightning_npu.facts.options import FSDPChoices, check_context_parallel_shapes
 from recipes.decoder.data import NotPreparedError, TextDataModule, check_vocab_fits
 from recipes import families
 from recipes.decoder.module import DecoderLM
@@ -158,7 +159,17 @@ def check_run(model: DecoderLM, data: TextDataModule, trainer: Optional[Trainer]
         if tp > 1:
             check_tensor_parallel(model.config, tp, seq_len=data.seq_len, sequence_parallel=options.sequence_parallel,
                                   lora=model.lora is not None)
+        check_context_parallel(model, data, trainer)
         prepare_before_launch(data, trainer)
+
+
+def check_context_parallel(model: DecoderLM, data: TextDataModule, trainer: Trainer) -> None:
+    """npu_fsdp's context_parallel_size against the model's heads and the sequence length, before workers start."""
+    options = getattr(trainer.strategy, "options", None)
+    if isinstance(options, FSDPChoices):
+        check_context_parallel_shapes(options.context_parallel_size, options.context_parallel_algo,
+                                      heads=model.config.n_heads, seq_len=data.seq_len,
+                                      tp=options.tensor_parallel_size)
 
 
 def check_resume_checkpoint(ckpt_path: str, config: Any) -> None:

@@ -54,7 +54,8 @@ def test_mesh_layout_refuses_sizes_the_devices_cannot_form(nodes, devices, shard
     ("kwargs", "message"),
     [
         ({"tensor_parallel_size": 0}, r"tensor_parallel_size=0 must be a positive integer"),
-        ({"context_parallel_size": 2}, r"context_parallel_size=2: context-parallel attention .* not available"),
+        ({"context_parallel_size": 0}, r"context_parallel_size=0 must be a positive integer"),
+        ({"context_parallel_algo": "zigzag"}, r"context_parallel_algo='zigzag' is not supported; use 'ulysses' .*'ring'"),
         ({"tensor_parallel_plan": "nowhere.plan"}, r"tensor_parallel_plan: cannot import 'nowhere.plan'"),
         ({"tensor_parallel_plan": "tests.scripts.tensor_parallel_run.WIDTH"},
          r"names an object of type int, not a function"),

@@ -41,6 +41,7 @@ from typing import Any, Optional
 
 FUSED_OPS = (
     "npu_fusion_attention",
+    "npu_fusion_attention_grad",
     "npu_rms_norm",
     "npu_rotary_mul",
     "npu_swiglu",

@@ -26,6 +26,12 @@ DEFAULT_ACTIVATION_CHECKPOINTING_RATIO = 1.0
 #: npu_fsdp's device mesh dimensions, outermost first: tensor parallelism innermost, so a tensor-parallel group is
 #: consecutive ranks (one node's fast links), and FSDP shards over ``dp_shard x cp``.
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+#: How attention runs over a sequence split across the ``cp`` ranks (``lightning_npu.kernels.context_parallel``).
+CONTEXT_PARALLEL_ALGOS = {
+    "ulysses": "all-to-all to whole sequences for a share of the heads; heads % (tp x cp) == 0, packed rows work",
+    "ring": "keys and values passed around the ranks, head-tail balanced; any head count, seq_len % (2 x cp) == 0",
+}
+DEFAULT_CONTEXT_PARALLEL_ALGO = "ulysses"
 
 
 def check_zero_stage(value: Any) -> int:
@@ -72,15 +78,11 @@ def check_parallel_size(option: str, value: Any) -> int:
     return value
 
 
-def check_context_parallel_size(value: Any) -> int:
-    """``value`` if it is 1; the mesh has a ``cp`` dimension, but nothing shards attention over it yet."""
-    check_parallel_size("context_parallel_size", value)
-    if value > 1:
-        raise ValueError(
-            f"context_parallel_size={value}: context-parallel attention (Ulysses, ring) is not available in npu_fsdp"
-            " yet, so nothing would split the sequence over the cp ranks; use context_parallel_size=1 (and"
-            " tensor_parallel_size or plain sharding to save memory)"
-        )
+def check_context_parallel_algo(value: Any) -> str:
+    """``value`` if it is one of ``CONTEXT_PARALLEL_ALGOS``; ValueError with the choices otherwise."""
+    if value not in CONTEXT_PARALLEL_ALGOS:
+        choices = "; ".join(f"{algo!r} ({meaning})" for algo, meaning in CONTEXT_PARALLEL_ALGOS.items())
+        raise ValueError(f"context_parallel_algo={value!r} is not supported; use {choices}")
     return value
 
 
@@ -103,6 +105,33 @@ def check_expert_parallel_size(value: Any, layout: "MeshLayout", sharding: str) 
             f" {layout.data_parallel_size} ({', '.join(map(str, _divisors(layout.data_parallel_size)))})"
         )
     return value
+def check_context_parallel_shapes(cp: int, algo: str, *, heads: int, seq_len: int, tp: int = 1) -> None:
+    """ValueError, with the numbers and the fix, unless ``cp`` context-parallel ranks can split a model of ``heads``
+    query heads (before ``tp``-way tensor parallelism) and ``seq_len``-token sequences by ``algo``: what a recipe
+    checks before any worker starts (the kernels check the same at run time). Any key/value head count works: Ulysses
+    repeats key/value heads where cp does not divide them."""
+    if cp == 1:
+        return
+    check_context_parallel_algo(algo)
+    if algo == "ulysses":
+        if heads % (tp * cp):
+            raise ValueError(
+                f"context_parallel_algo='ulysses' splits each rank's {heads} / tensor_parallel_size={tp} attention"
+                f" heads over context_parallel_size={cp} ranks, which needs heads % (tp x cp) == 0 ({heads} % {tp * cp}"
+                f" = {heads % (tp * cp)}); choose context_parallel_size (and tensor_parallel_size) whose product"
+                f" divides {heads}, or context_parallel_algo='ring' (any head count)"
+            )
+        if seq_len % cp:
+            raise ValueError(
+                f"seq_len={seq_len} does not split into context_parallel_size={cp} equal chunks (Ulysses gives each"
+                f" rank one); use a sequence length that is a multiple of {cp}"
+            )
+    elif seq_len % (2 * cp):
+        raise ValueError(
+            f"seq_len={seq_len} does not split into 2 x context_parallel_size = {2 * cp} equal chunks (ring attention"
+            f" gives each rank one chunk from each end, so causal work is balanced); use a sequence length that is a"
+            f" multiple of {2 * cp}"
+        )
 
 
 @dataclass(frozen=True)
@@ -185,6 +214,8 @@ class FSDPChoices:
     memory_fraction: Optional[float] = None
     tensor_parallel_size: int = 1
     context_parallel_size: int = 1
+    #: Under context parallelism: how attention sees the whole sequence (``CONTEXT_PARALLEL_ALGOS``).
+    context_parallel_algo: str = DEFAULT_CONTEXT_PARALLEL_ALGO
     #: Under tensor parallelism: norms and residuals sharded over the sequence (the plan decides how).
     sequence_parallel: bool = True
     #: Under tensor parallelism: the loss computed on vocabulary-sharded logits (torch's ``loss_parallel``).
@@ -198,7 +229,8 @@ class FSDPChoices:
         check_activation_checkpointing_ratio(self.activation_checkpointing_ratio)
         check_memory_fraction(self.memory_fraction)
         check_parallel_size("tensor_parallel_size", self.tensor_parallel_size)
-        check_context_parallel_size(self.context_parallel_size)
+        check_parallel_size("context_parallel_size", self.context_parallel_size)
+        check_context_parallel_algo(self.context_parallel_algo)
         check_parallel_size("expert_parallel_size", self.expert_parallel_size)
 
     def layout(self, num_nodes: int, devices_per_node: int) -> MeshLayout:

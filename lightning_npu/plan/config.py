@@ -86,6 +86,13 @@ def load_spec(
             " per layer and holds all_to_all buffers of about 2 x tokens x top_k x dim per MoE layer, more under"
             " skewed routing); plan the run with expert_parallel_size: 1 for an upper bound on the gathered experts"
         )
+    if int(options["context_parallel_size"]) != 1:
+        # Likewise for CP's terms (activations at seq_len / cp, all-to-all or ring buffers).
+        raise PlanError(
+            f"config {str(path)!r}: context_parallel_size={options['context_parallel_size']} is not modelled by the"
+            " planner yet (it would report plain sharding's memory); plan the run with context_parallel_size: 1 for"
+            " an upper bound on the activations"
+        )
     notes = []
     if ac_ratio is not None:
         ratio = float(ac_ratio)

@@ -1,11 +1,11 @@
-"""Collective checks: all_reduce, all_gather_into_tensor, reduce_scatter_tensor and broadcast over the process
-group the strategy built (hccl on NPUs, gloo when simulated), checked for exact results and timed per size.
+"""Collective checks: all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single (context
+parallelism's Ulysses exchange) and broadcast over the process group the strategy built (hccl on NPUs, gloo when simulated), checked for exact results and timed per size.
 
 Every rank fills its tensors with small integers times (rank + 1), so every correct result is an exact
 float32 integer (sums stay below 2**24 up to 64 ranks) and is compared bit for bit. Bus bandwidth follows
 nccl-tests (doc/PERFORMANCE.md): algbw = S / t, with S the size of the full buffer (the gathered output, the
-scattered input), and busbw = algbw x 2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, and 1 for
-broadcast: what each link carries, comparable with the hardware's bandwidth whatever the number of ranks.
+scattered input, the all-to-all's input), and busbw = algbw x 2(n-1)/n for all_reduce, (n-1)/n for all_gather,
+reduce_scatter and all_to_all (each rank keeps 1/n of its buffer), and 1 for broadcast: what each link carries, comparable with the hardware's bandwidth whatever the number of ranks.
 
 ``ops`` is the module whose collectives run (``torch.distributed``); tests pass a wrong one to see the check fail.
 """
@@ -65,6 +65,15 @@ def _reduce_scatter(ops: Any, group: Any, n: int, rank: int, numel: int, device:
     return _Prepared(lambda: ops.reduce_scatter_tensor(output, source, group=group), output, expected)
 
 
+def _all_to_all(ops: Any, group: Any, n: int, rank: int, numel: int, device: torch.device) -> _Prepared:
+    chunk = _base(numel // n, device)
+    # Chunk c goes to rank c; rank r receives chunk r of every rank s, in the order of s.
+    source = torch.cat([chunk * (rank + 1) + c for c in range(n)])
+    output = torch.empty_like(source)
+    expected = torch.cat([chunk * (s + 1) + rank for s in range(n)])
+    return _Prepared(lambda: ops.all_to_all_single(output, source, group=group), output, expected)
+
+
 def _broadcast(ops: Any, group: Any, n: int, rank: int, numel: int, device: torch.device) -> _Prepared:
     base = _base(numel, device)
     tensor = base * (rank + 1)
@@ -84,6 +93,7 @@ COLLECTIVES = (
     Collective("all_reduce", _all_reduce, lambda n: 2 * (n - 1) / n),
     Collective("all_gather_into_tensor", _all_gather, lambda n: (n - 1) / n),
     Collective("reduce_scatter_tensor", _reduce_scatter, lambda n: (n - 1) / n),
+    Collective("all_to_all_single", _all_to_all, lambda n: (n - 1) / n),
     Collective("broadcast", _broadcast, lambda n: 1.0),
 )
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_npu import kernels
-from lightning_npu.kernels import packed_attention
+from lightning_npu.kernels import context_parallel, packed_attention
 from lightning_npu.selftest.report import FAIL, NOT_AVAILABLE, PASS, CheckResult
 
 FAMILY = "kernels"
@@ -93,6 +93,24 @@ def _packed_attention_case(name: str, lengths: Sequence[int], hq: int, hkv: int,
     return KernelCase("attention", f"{name} packed {len(lengths)} samples T{sum(lengths)} h{hq}/{hkv} d{d}", make,
                       kernels.packed_causal_attention, kernels.reference_packed_attention,
                       packed_attention.why_not_fused)
+
+
+def _ring_step_case(name: str, b: int, s: int, hq: int, hkv: int, d: int) -> KernelCase:
+    """One ring-attention step's kernels (context parallelism): queries over a received block of ``s`` earlier keys
+    and their own ``s`` (causal), merged through the blocks' softmax statistics; the reference is causal attention
+    over all ``2 s`` keys (bottom-right aligned)."""
+
+    def make(dtype: torch.dtype, device: torch.device) -> tuple[Any, ...]:
+        g = torch.Generator().manual_seed(6)
+        tensors = (_randn(g, b, s, hq, d), *(_randn(g, b, s, hkv, d) for _ in range(4)))
+        return tuple(t.to(device=device, dtype=dtype).requires_grad_(True) for t in tensors)
+
+    def reference(q: Tensor, k_before: Tensor, v_before: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return kernels.reference_attention(q, torch.cat((k_before, k), 1), torch.cat((v_before, v), 1))
+
+    return KernelCase("attention", f"{name} ring step b{b} q{s} kv{2 * s} h{hq}/{hkv} d{d}", make,
+                      context_parallel.ring_step_attention, reference,
+                      lambda q, k_before, v_before, k, v: context_parallel.why_not_fused_ring(q, k, v))
 
 
 def _rms_norm_case(name: str, b: int, s: int, dim: int) -> KernelCase:
@@ -182,18 +200,20 @@ def _expert_scale(counts: Tensor, permuted: Tensor) -> Tensor:
 def kernel_cases(quick: bool) -> list[KernelCase]:
     """The shapes checked: the tiny recipe's (GQA 4/2 heads of 32, dim 128, ffn 352), LLaMA-2-7B's per-head and
     per-token shapes (32 heads of 128, dim 4096, ffn 11008) at a small batch, and edge shapes (GQA, head_dim 64,
-    decoding against a KV cache, rotary far into the sequence, SFT rows of packed samples), MoE experts and routing
-    at a tiny and at Qwen3-30B-A3B's shapes (experts of 2048 -> 768, 16 of its 128 with ``quick``; routing over
+    decoding against a KV cache, rotary far into the sequence, SFT rows of packed samples, a ring-attention step),
+    MoE experts and routing at a tiny and at Qwen3-30B-A3B's shapes (experts of 2048 -> 768, 16 of its 128 with ``quick``; routing over
     128, top-8), each with an expert that gets no tokens; long sequences in the full run only."""
     seq = 512 if quick else 4096
     experts = 16 if quick else 128  # Qwen3-30B-A3B's 128 experts hold 200M weights per projection
     cases = [
         _attention_case("tiny", 2, 128, 128, 4, 2, 32),
         _packed_attention_case("tiny", (50, 7, 71), 4, 2, 32),
+        _ring_step_case("tiny", 2, 64, 4, 2, 32),
         _attention_case("7b", 1, seq, seq, 32, 32, 128),
         _packed_attention_case("7b", (seq // 2, 3, seq // 4, seq // 4 - 3), 32, 32, 128),
         _attention_case("gqa", 2, 256, 256, 8, 2, 64),
         _attention_case("decode", 2, 4, 4 + seq, 32, 8, 128),
+        _ring_step_case("7b", 1, seq // 2, 32, 8, 128),
         _rms_norm_case("tiny", 2, 128, 128),
         _rms_norm_case("7b", 1, seq, 4096),
         _rotary_case("tiny", 2, 128, 4, 32),

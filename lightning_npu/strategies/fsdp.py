@@ -1,4 +1,4 @@
-"""``"npu_fsdp"``: FSDP2 (``fully_shard``) applied by policy, with tensor parallelism, activation checkpointing,
+"""``"npu_fsdp"``: FSDP2 (``fully_shard``) applied by policy, with tensor and context parallelism, activation checkpointing,
 mixed precision, CPU offload, hybrid sharding and torch distributed checkpoints, on one device mesh (``mesh``).
 
 torch_npu supports FSDP2 and DCP on Atlas A2/A3 but documents FSDP1's full-state APIs as unsupported,
@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_npu import compat
 from lightning_npu.facts.options import (
     DEFAULT_ACTIVATION_CHECKPOINTING_RATIO,
+    DEFAULT_CONTEXT_PARALLEL_ALGO,
     DEFAULT_SHARDING,
     DEFAULT_ZERO_STAGE,
     FSDPChoices,
@@ -56,6 +57,7 @@ from lightning_npu.strategies.parallelize import (
     STEP_METHODS,
     TENSOR_PARALLEL_PLAN,
     apply_activation_checkpointing,
+    apply_context_parallel,
     apply_fsdp,
     apply_tensor_parallel,
     fully_shard_options,
@@ -91,12 +93,14 @@ class FSDPOptions(FSDPChoices):
 
     def parallelize(self, model: nn.Module, mesh: Any, precision: Optional[str], step_methods: Iterable[str] = (),
                     expert_mesh: Any = None) -> None:
-        """Split ``model`` over the tensor-parallel ranks (by the plan) and its experts over the expert-parallel
-        ranks (``expert_mesh``), checkpoint activations, then shard it: the experts, blocks by policy, then
-        ``model`` as the root unit."""
+        """Split ``model`` over the tensor-parallel ranks (by the plan), give its context-parallel modules the cp
+        group, split its experts over the expert-parallel ranks (``expert_mesh``), checkpoint activations, then
+        shard it: the experts, blocks by policy, then ``model`` as the root unit."""
         refuse_fsdp1_units(model)
         if self.tensor_parallel_size > 1:
             self._apply_tensor_parallel(model, mesh["tp"])
+        if self.context_parallel_size > 1:
+            self._apply_context_parallel(model, mesh["cp"])
         if self.expert_parallel_size > 1:
             split = apply_expert_parallel(model, expert_mesh["ep"])
             rank_zero_info(f"npu_fsdp: expert parallelism over {self.expert_parallel_size} ranks: the experts of"
@@ -139,6 +143,21 @@ class FSDPOptions(FSDPChoices):
             )
         rank_zero_info(f"npu_fsdp: tensor parallelism over {tp_mesh.size()} ranks: {len(split)} parameters split"
                        f"{' (plan: ' + ', '.join(planned) + ')' if planned else ''}")
+
+    def _apply_context_parallel(self, model: nn.Module, cp_mesh: Any) -> None:
+        from lightning_npu.kernels.context_parallel import ContextParallel
+
+        given = apply_context_parallel(model, ContextParallel(cp_mesh.get_group(), self.context_parallel_algo))
+        if not given:
+            rank_zero_warn(
+                f"npu_fsdp: context_parallel_size={self.context_parallel_size}, but no module of the model declares a"
+                " context_parallel attribute, so nothing splits the sequence: each group of context-parallel ranks"
+                " computes the whole sequence of the same batch (correct results, no memory saved). Declare"
+                " `context_parallel = None` on the modules that shard the batch (context_parallel.shard) and run"
+                " attention (context_parallel.attention); see lightning_npu.kernels.context_parallel."
+            )
+        rank_zero_info(f"npu_fsdp: context parallelism ({self.context_parallel_algo}) over {cp_mesh.size()} ranks:"
+                       f" {len(given)} modules split the sequence")
 
     def wrap_classes(self, model: nn.Module) -> tuple[tuple[type, ...], str]:
         """The block classes that become FSDP units, and how they were chosen (for the log).
@@ -236,7 +255,11 @@ class _FSDPStrategyBase(BackendFromRuntime):
             ``lightning_npu.strategies.checkpoint``); saves are atomic either way.
         tensor_parallel_size: devices (consecutive ranks, inside one node) that split each layer between them and
             train on the same batch; FSDP shards over the rest (``lightning_npu.strategies.mesh``).
-        context_parallel_size: devices that split the sequence; only 1 for now (no context-parallel attention yet).
+        context_parallel_size: devices that split each sequence between them and train on the same batch; FSDP
+            shards over them too. The model's modules that declare ``context_parallel = None`` are given the group
+            (``lightning_npu.kernels.context_parallel.ContextParallel``) to shard the batch and run attention with.
+        context_parallel_algo: ``"ulysses"`` (all-to-all over heads; heads % (tp x cp) == 0; packed rows work) or
+            ``"ring"`` (keys and values around the ranks; any head count; seq_len % (2 x cp) == 0).
         expert_parallel_size: data-parallel devices (consecutive ranks) that split each MoE layer's experts between
             them and exchange its tokens by all_to_all (``lightning_npu.strategies.expert_parallel``); must divide
             the data-parallel size and every layer's expert count.
@@ -266,6 +289,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
         async_save: bool = False,
         tensor_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        context_parallel_algo: str = DEFAULT_CONTEXT_PARALLEL_ALGO,
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
         tensor_parallel_plan: TENSOR_PARALLEL_PLAN = None,
@@ -289,7 +313,8 @@ class _FSDPStrategyBase(BackendFromRuntime):
             activation_checkpointing_policy=activation_checkpointing_policy,
             activation_checkpointing_ratio=activation_checkpointing_ratio, cpu_offload=cpu_offload,
             memory_fraction=memory_fraction, tensor_parallel_size=tensor_parallel_size,
-            context_parallel_size=context_parallel_size, sequence_parallel=sequence_parallel,
+            context_parallel_size=context_parallel_size, context_parallel_algo=context_parallel_algo,
+            sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel, tensor_parallel_plan=tensor_parallel_plan,
             expert_parallel_size=expert_parallel_size,
         )

@@ -1,9 +1,10 @@
 """Small functions that shard and checkpoint a finished model; the FSDP strategies call them by policy, in order:
-tensor parallelism by a plan, activation checkpointing, FSDP by policy, the root unit.
+tensor parallelism by a plan, context parallelism, activation checkpointing, FSDP by policy, the root unit.
 
 The model code knows nothing of parallelism: which modules become FSDP units and which recompute their
 activations is decided here from module classes; how a model splits over tensor-parallel ranks comes from a plan
-its family provides (``apply_tensor_parallel``).
+its family provides (``apply_tensor_parallel``); which modules split the sequence over context-parallel ranks, from
+the modules that ask for it (``apply_context_parallel``).
 """
 
 from __future__ import annotations
@@ -71,6 +72,22 @@ def apply_tensor_parallel(
         )
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
     return sorted(styles)
+
+
+def apply_context_parallel(model: nn.Module, context_parallel: Any) -> list[str]:
+    """Give ``context_parallel`` (a ``lightning_npu.kernels.context_parallel.ContextParallel``) to every module of
+    ``model`` (itself included) whose class declares a ``context_parallel`` attribute: the modules that shard the
+    batch by sequence and run attention over it (``context_parallel.shard`` / ``.attention``); returns their names.
+
+    A class attribute ``context_parallel = None`` is the module's opt-in, as a ``tensor_parallel_plan`` method is for
+    tensor parallelism; the model's code imports nothing of the strategy and runs unchanged without it.
+    """
+    given = []
+    for name, module in model.named_modules():
+        if "context_parallel" in dir(type(module)):
+            module.context_parallel = context_parallel
+            given.append(name or type(module).__name__)
+    return given
 
 
 def tensor_parallel_parameters(model: nn.Module) -> list[str]:

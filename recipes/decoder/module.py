@@ -64,6 +64,9 @@ class DecoderLM(LightningModule):
             (``lightning_npu.optim.AdamW8bit``: 8-bit moments, about 2.03 bytes).
     """
 
+    #: Set by npu_fsdp under context parallelism (``lightning_npu.kernels.context_parallel.ContextParallel``).
+    context_parallel = None
+
     def __init__(
         self,
         family: str = families.DEFAULT_FAMILY,
@@ -134,7 +137,8 @@ class DecoderLM(LightningModule):
         return flops
 
     def count_tokens(self, batch: dict[str, Tensor]) -> int:
-        return batch["input_ids"].numel()
+        """The tokens this rank trains on: its part of every sequence under context parallelism."""
+        return batch["input_ids"].numel() // (1 if self.context_parallel is None else self.context_parallel.size)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids)
@@ -142,14 +146,29 @@ class DecoderLM(LightningModule):
     def _loss(self, batch: dict[str, Any]) -> Tensor:
         """Mean cross-entropy over the labelled tokens (-100 marks the others: prompts and padding in SFT rows), plus
         the model's ``auxiliary_loss()`` of that forward if its family defines one.
-        Packed rows (``cu_seqlens``, ``position_ids``: ``sft_data.collate_packed``) attend within each sample."""
+        Packed rows (``cu_seqlens``, ``position_ids``: ``sft_data.collate_packed``) attend within each sample.
+        Under context parallelism each rank computes its share on its part of every sequence (the strategy averages
+        the shares: the mean over all labelled tokens however many each part holds)."""
+        cp = self.context_parallel
+        if cp is not None:
+            batch = self._sequence_shard(batch)
         logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
                             position_ids=batch.get("position_ids"))
-        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        labels = batch["labels"].flatten()
+        loss = F.cross_entropy(logits.flatten(0, 1), labels, reduction="mean" if cp is None else "sum")
         if isinstance(loss, DTensor):  # loss_parallel: computed on vocabulary-split logits, the same on every TP rank
             loss = loss.to_local()
+        if cp is not None:
+            loss = cp.token_mean(loss, (labels != -100).sum())
         auxiliary = getattr(self.model, "auxiliary_loss", None)  # a family's extra training term (MoE: load balance)
         return loss if auxiliary is None else loss + auxiliary()
+
+    def _sequence_shard(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This context-parallel rank's part of each sequence of ``batch`` (ids, labels, packed positions; the
+        sample boundaries ``cu_seqlens`` stay the whole batch's)."""
+        by_sequence = ("input_ids", "labels", "position_ids")
+        return {key: self.context_parallel.shard(value) if key in by_sequence else value
+                for key, value in batch.items()}
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)

@@ -97,7 +97,13 @@ class Attention(nn.Module):
     channels of the queries and keys, before rotary (Qwen3). With ``cu_seqlens`` (packed rows, see ``CausalDecoder.forward``) the batch is one packed sequence of batch x seq tokens:
     rotary runs on it as a batch of one ([1, T, heads, head_dim], with per-token tables [T, head_dim]) and attention
     is per sample (``packed_causal_attention``, TND), so no token attends to another sample's.
+
+    Under context parallelism (npu_fsdp's ``context_parallel_size``, which sets ``context_parallel``) ``x`` is this
+    rank's part of each sequence and attention runs over the whole sequence (``context_parallel.attention``).
     """
+
+    #: Set by npu_fsdp under context parallelism (``lightning_npu.kernels.context_parallel.ContextParallel``).
+    context_parallel = None
 
     def __init__(
         self,
@@ -146,7 +152,10 @@ class Attention(nn.Module):
             # Under autocast q comes out in the autocast dtype while a cache allocated from the
             # parameters is fp32; the fused attention kernel needs one dtype.
             k, v = k.to(q.dtype), v.to(q.dtype)
-        if cu_seqlens is not None:
+        if self.context_parallel is not None:
+            q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))
+            out = self.context_parallel.attention(q, k, v, cu_seqlens=cu_seqlens)
+        elif cu_seqlens is not None:
             out = packed_causal_attention(q[0], k[0], v[0], cu_seqlens)
         else:
             out = causal_attention(q, k, v)
@@ -242,7 +251,14 @@ class CausalDecoder(nn.Module):
 
     ``config`` needs ``vocab_size``, ``dim``, ``n_layers``, ``n_kv_heads``, ``head_dim``, ``max_seq_len``,
     ``norm_eps`` and ``tie_embeddings``.
+
+    Under context parallelism (``context_parallel``, set by npu_fsdp) ``tokens`` (and ``position_ids``) are this
+    rank's part of each sequence (``context_parallel.shard``), rotary gets their global positions, ``cu_seqlens`` are
+    the whole batch's, and the logits are this rank's tokens'.
     """
+
+    #: Set by npu_fsdp under context parallelism (``lightning_npu.kernels.context_parallel.ContextParallel``).
+    context_parallel = None
 
     def __init__(self, config: Any, blocks: Iterable[nn.Module]) -> None:
         super().__init__()
@@ -367,15 +383,19 @@ class CausalDecoder(nn.Module):
                 "Add a batch dimension with tokens.unsqueeze(0)."
             )
         batch, seq = tokens.shape
+        cp = self.context_parallel
+        full = seq if cp is None else seq * cp.size  # the whole sequence's length, of which tokens are a part
+        if cp is not None and cache is not None:
+            raise ValueError("Decoding with a KV cache runs without context parallelism; generate outside npu_fsdp.")
         if start_pos < 0:
             raise ValueError(f"start_pos={start_pos} must be >= 0.")
         if start_pos and cache is None:
             raise ValueError(
                 f"start_pos={start_pos} needs a KV cache holding positions 0..{start_pos - 1}; pass cache=..."
             )
-        if start_pos + seq > self.config.max_seq_len:
+        if start_pos + full > self.config.max_seq_len:
             raise ValueError(
-                f"Sequence of {start_pos + seq} positions (start_pos={start_pos} + {seq} tokens) exceeds "
+                f"Sequence of {start_pos + full} positions (start_pos={start_pos} + {full} tokens) exceeds "
                 f"max_seq_len={self.config.max_seq_len}; shorten the input or build the model with a larger "
                 "max_seq_len (rotary embeddings extrapolate poorly beyond the trained length)."
             )
@@ -389,18 +409,23 @@ class CausalDecoder(nn.Module):
         h = self.tok_embeddings(tokens)
         if cu_seqlens is None:
             bounds = None
-            cos, sin = self.rotary(start_pos, seq, h.device, h.dtype)
+            if cp is None:
+                cos, sin = self.rotary(start_pos, seq, h.device, h.dtype)
+            else:
+                cos, sin = self.rotary_at(cp.positions(full, h.device), h.dtype)
         else:
             if cache is not None:
                 raise ValueError("Packed rows (cu_seqlens) are for training and scoring; decode without cu_seqlens.")
             bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
-            if not bounds or bounds[-1] != batch * seq:
+            if not bounds or bounds[-1] != batch * full:
                 raise ValueError(
-                    f"cu_seqlens={bounds} must end at the token count T={batch * seq} (batch x seq of tokens "
-                    f"{tuple(tokens.shape)}): they are the sample boundaries over the batch flattened to one sequence."
+                    f"cu_seqlens={bounds} must end at the token count T={batch * full} (batch x seq of tokens "
+                    f"{(batch, full)}): they are the sample boundaries over the batch flattened to one sequence."
                 )
             if position_ids is None:
                 position_ids = positions_in_samples(bounds, device=tokens.device)
+                if cp is not None:
+                    position_ids = cp.shard(position_ids.view(batch, full))
             elif tuple(position_ids.shape) != (batch, seq):
                 raise ValueError(
                     f"position_ids have shape {tuple(position_ids.shape)}; they must match tokens {(batch, seq)}."

@@ -203,6 +203,105 @@ def _check_compressed_mask(mask: Tensor, sparse_mode: int) -> None:
         )
 
 
+def npu_fusion_attention_grad(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    dy: Tensor,
+    head_num: int,
+    input_layout: str,
+    *,
+    pse: Optional[Tensor] = None,
+    padding_mask: Optional[Tensor] = None,
+    atten_mask: Optional[Tensor] = None,
+    softmax_max: Optional[Tensor] = None,
+    softmax_sum: Optional[Tensor] = None,
+    softmax_in: Optional[Tensor] = None,
+    attention_in: Optional[Tensor] = None,
+    scale_value: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = 2147483647,
+    next_tockens: int = 2147483647,
+    inner_precise: int = 0,
+    seed: int = 0,
+    offset: int = 0,
+    numels: int = 0,
+    prefix=None,
+    actual_seq_qlen=None,
+    actual_seq_kvlen=None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+    softmax_layout: str = "",
+    sink: Optional[Tensor] = None,
+    release: Optional[str] = None,
+):
+    """(dq, dk, dv, dpse, dsink) of npu_fusion_attention from the forward's statistics, flash-attention style.
+
+    The softmax is rebuilt from ``softmax_max`` / ``softmax_sum`` (the forward's [B, N, Sq, 8] fp32 outputs, or
+    statistics merged over several blocks, as ring attention passes them): P = exp(scale * q k^T - max) / sum, and
+    ``attention_in`` is the output those statistics belong to (dS = P * (dP - rowsum(dy * attention_in))). Output
+    dtypes and shapes follow _meta_registrations.py (dq/dk/dv in query's dtype and the inputs' shapes; dpse None,
+    dsink an empty tensor without sink; 2.6.0's schema has no sink and returns (dq, dk, dv, dpse)). Modelled: BSND
+    and BNSD without dropout, pse or sink.
+    """
+    if input_layout not in ("BSND", "BNSD"):
+        raise NotImplementedError(f"the fake models npu_fusion_attention_grad in BSND/BNSD only, not {input_layout!r}")
+    if padding_mask is not None:
+        raise ValueError("padding_mask is documented as not supported by npu_fusion_attention ('暂不支持该传参')")
+    for name, val in (("pse", pse), ("prefix", prefix), ("sink", sink), ("softmax_in", softmax_in),
+                      ("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen)):
+        if val is not None:
+            raise NotImplementedError(f"the fake does not model npu_fusion_attention_grad's {name} argument")
+    if keep_prob != 1.0:
+        raise NotImplementedError("the fake does not model npu_fusion_attention_grad with dropout (keep_prob < 1)")
+    if softmax_max is None or softmax_sum is None or attention_in is None:
+        raise NotImplementedError(
+            "the fake models npu_fusion_attention_grad from the forward's softmax_max, softmax_sum and attention_in only"
+        )
+    if not (query.dtype == key.dtype == value.dtype == dy.dtype == attention_in.dtype):
+        raise TypeError(
+            f"query, key, value, dy and attention_in must share a dtype; got {query.dtype}, {key.dtype}, {value.dtype},"
+            f" {dy.dtype}, {attention_in.dtype}"
+        )
+    q, k, v = _inputs_to_bnsd(query, key, value, head_num, input_layout)
+    do, o, _ = _inputs_to_bnsd(dy, attention_in, attention_in, head_num, input_layout)
+    b, nq, sq, d = q.shape
+    nkv, skv = k.shape[1], k.shape[2]
+    if nq != head_num or nq % nkv != 0:
+        raise ValueError(f"head_num={head_num}: query has {nq} heads, key/value {nkv}; query heads must be a multiple")
+    if do.shape != q.shape or o.shape != q.shape:
+        raise ValueError(f"dy {tuple(dy.shape)} and attention_in {tuple(attention_in.shape)} must have query's shape")
+    for name, stat in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+        if stat.dtype != torch.float32 or tuple(stat.shape) != (b, nq, sq, 8):
+            raise ValueError(
+                f"{name} must be the forward's float32 [B, N, Sq, 8] = {[b, nq, sq, 8]}; got {stat.dtype} {tuple(stat.shape)}"
+            )
+    masked = _masked_positions(atten_mask, sparse_mode, pre_tockens, next_tockens, b, nq, sq, skv, q.device)
+    group = nq // nkv
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    qf, dof, of = q.float(), do.float(), o.float()
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale_value
+    probs = torch.exp(scores - softmax_max[..., :1]) / softmax_sum[..., :1]
+    if masked is not None:
+        probs = probs.masked_fill(masked, 0.0)
+    dv = torch.matmul(probs.transpose(-1, -2), dof)
+    dp = torch.matmul(dof, vf.transpose(-1, -2))
+    ds = probs * (dp - (dof * of).sum(dim=-1, keepdim=True))
+    dq = torch.matmul(ds, kf) * scale_value
+    dk = torch.matmul(ds.transpose(-1, -2), qf) * scale_value
+
+    def per_kv_head(grad: Tensor) -> Tensor:  # the query heads of one group share a key/value head
+        return grad.reshape(b, nkv, group, skv, grad.shape[-1]).sum(dim=2)
+
+    def laid_out(grad: Tensor, like: Tensor) -> Tensor:
+        return (grad.transpose(1, 2) if input_layout == "BSND" else grad).to(query.dtype).reshape(like.shape)
+
+    grads = (laid_out(dq, query), laid_out(per_kv_head(dk), key), laid_out(per_kv_head(dv), value), None)
+    return grads if release == "2.6.0" else (*grads, torch.empty(0, device=query.device))
+
+
 # ---------------------------------------------------------------- npu_fusion_attention, varlen (TND)
 # Lines cited are torch_npu/_op_plugin_docs.py of the 2.13.0 wheel (2.14.0: the same lines, byte-identical text);
 # "2.6.0:" cites that wheel's file. All three document TND with actual_seq_qlen / actual_seq_kvlen (1607; 2.6.0: 1217).
