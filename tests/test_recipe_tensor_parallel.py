@@ -87,13 +87,13 @@ def recipe_tensor_parallel_runs(tmp_path_factory):
 @pytest.mark.slow
 def test_the_tiny_recipe_with_tensor_parallelism_trains_with_plain_sharding_losses(recipe_tensor_parallel_runs):
     """tensor_parallel_size=2 on 4 simulated NPUs (a 2 x 2 mesh), with and without sequence parallelism and
-    loss_parallel, from the same init_from weights and global batch: plain npu_fsdp's loss at each of 20 steps
-    (fp32, 1e-5). Catches a wrong split (gate and up rows on different ranks), a batch that differs inside a TP
+    loss_parallel, and tensor_parallel_size=2 with context_parallel_size=2 (Ulysses, ring), from the same init_from
+    weights and global batch: plain npu_fsdp's loss at each of 20 steps (fp32, 1e-5). Catches a wrong split (gate and up rows on different ranks), a batch that differs inside a TP
     group, a loss averaged over the wrong ranks, and gradient clipping over parameters on two meshes."""
     result = recipe_tensor_parallel_runs
     plain = torch.tensor(list(result["dp"]["losses"].values()))
     assert len(plain) == 20 and plain[-1] < plain[0] - 0.5
-    for run in ("tp", "tp_plain"):
+    for run in ("tp", "tp_plain", "tp_cp_ulysses", "tp_cp_ring"):
         split = torch.tensor(list(result[run]["losses"].values()))
         assert torch.allclose(split, plain, rtol=0, atol=1e-5), run
         assert result[run]["placements"] == ["_S(0, 2)", "S(0)"]  # FSDP over dp, columns split over tp

@@ -9,7 +9,9 @@ checkpoint of a freshly built tiny LLaMA, loaded into the shards of each layout)
   (``dp`` and ``tp`` also save a sharded checkpoint at the end, ``<name>_end``)
 - ``tp_plain``: tensor_parallel_size=2 without sequence parallelism and loss_parallel;
 - ``tp_to_dp``: plain npu_fsdp resumed from ``tp``'s checkpoint (a sharded checkpoint across meshes);
-- ``tp_scratch``: tensor_parallel_size=2 from random weights (no init_from), one step.
+- ``tp_scratch``: tensor_parallel_size=2 from random weights (no init_from), one step;
+- ``tp_cp_ulysses`` / ``tp_cp_ring``: tensor_parallel_size=2 and context_parallel_size=2 (one data-parallel rank of 8
+  sequences), Ulysses and ring attention.
 
 Rank 0 writes ``<out>/result.json``: each run's per-step losses (averaged over data-parallel ranks), the placements
 of one MLP weight, and for ``tp_scratch`` whether the two tensor-parallel halves of each weight drew the same
@@ -53,12 +55,13 @@ class SaveAt(Callback):
             trainer.save_checkpoint(self.path)
 
 
-def fit(out: Path, name: str, *, tp: int = 1, resume: str | None = None, save: bool = False, init: bool = True,
-        steps: int = STEPS, **options) -> dict:
+def fit(out: Path, name: str, *, tp: int = 1, cp: int = 1, resume: str | None = None, save: bool = False,
+        init: bool = True, steps: int = STEPS, **options) -> dict:
     seed_everything(1234)
     strategy = lightning_npu.NPUFSDPStrategy(
         auto_wrap_policy=["TransformerBlock"], activation_checkpointing_policy=["TransformerBlock"],
-        activation_checkpointing_ratio=0.5, tensor_parallel_size=tp, timeout=240, **options,
+        activation_checkpointing_ratio=0.5, tensor_parallel_size=tp, context_parallel_size=cp, timeout=240,
+        **options,
     )
     losses = Losses()
     callbacks = [losses] + ([SaveAt(out / f"{name}_step{SAVE_AT}")] if save else [])
@@ -67,7 +70,7 @@ def fit(out: Path, name: str, *, tp: int = 1, resume: str | None = None, save: b
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         limit_val_batches=0, gradient_clip_val=1.0,
     )
-    data_parallel = 4 // tp
+    data_parallel = 4 // (tp * cp)
     data = TextDataModule(seq_len=64, batch_size=GLOBAL_BATCH // data_parallel, max_documents=80, val_fraction=0.0,
                           cache_dir=str(out / "cache"))
     data.prepare()
@@ -106,6 +109,8 @@ def main() -> None:
     }
     results["tp_to_dp"] = fit(out, "tp_to_dp", resume=str(out / f"tp_step{SAVE_AT}"))
     results["tp_scratch"] = fit(out, "tp_scratch", tp=2, init=False, steps=1)
+    for algo in ("ulysses", "ring"):
+        results[f"tp_cp_{algo}"] = fit(out, f"tp_cp_{algo}", tp=2, cp=2, context_parallel_algo=algo)
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
