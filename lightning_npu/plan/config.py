@@ -77,6 +77,10 @@ def load_spec(
             " planner yet (it would report plain sharding's memory); plan the run with tensor_parallel_size: 1 for"
             " an upper bound on the weights and activations"
         )
+    experts = options.get("expert_parallel_size", 1)
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise PlanError(f"config {str(path)!r}: expert_parallel_size={experts!r} must be a positive integer (1: none)")
+    decoder = decoder.with_expert_parallelism(experts)
     notes = []
     if ac_ratio is not None:
         ratio = float(ac_ratio)
