@@ -84,8 +84,12 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        self.router_logits = self.router(tokens)
-        probs, expert_ids = route(self.router_logits, self.top_k, normalise=self.norm_topk_prob)
+        logits = self.router(tokens)
+        # Not when activation checkpointing recomputes this forward inside backward: the recomputed logits would
+        # keep the block's recomputed graph, and its saved tensors, alive until the next forward.
+        if torch._C._current_graph_task_id() == -1:
+            self.router_logits = logits
+        probs, expert_ids = route(logits, self.top_k, normalise=self.norm_topk_prob)
         out = self.experts(tokens, expert_ids, probs)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
