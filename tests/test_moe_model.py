@@ -265,3 +265,21 @@ def test_activation_checkpointing_recompute_keeps_the_forward_s_router_logits():
     (logits.float().mean() + model.auxiliary_loss()).backward()
     assert all(layer.feed_forward.router_logits is kept for layer, kept in zip(model.layers, forward_logits))
     assert model.layers[0].feed_forward.experts.w_gate_up.grad is not None
+
+
+def test_flops_per_token_count_the_active_experts_and_lora_leaves_them_positive():
+    """MFU's FLOPs per token: 6 x the active non-embedding parameters (top_k routed experts, router; not all 128)
+    plus attention, and under LoRA 2 FLOPs less per *active* frozen weight. Catches the LoRA correction subtracting
+    2 x every parameter, which made Qwen3-30B-A3B's FLOPs per token negative (telemetry then reports no MFU)."""
+    config = MoEConfig.from_preset("qwen3-30b-a3b")
+    active = config.active_params(include_embedding=False)
+    attention = 12 * config.n_layers * 4096 * config.n_heads * config.head_dim
+    assert config.flops_per_token(4096) == 6 * active + attention
+    assert active < config.num_params(include_embedding=False) / 8
+    lora = {"rank": 16, "targets": ["q", "k", "v", "o"]}
+    full = DecoderLM(family="moe", preset="qwen3-30b-a3b").flops_per_token
+    adapted = DecoderLM(family="moe", preset="qwen3-30b-a3b", init_from="base", lora=lora).flops_per_token
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    adapters = config.n_layers * 16 * ((config.dim + q) + 2 * (config.dim + kv) + (q + config.dim))
+    assert full - adapted == 2 * active - 6 * adapters
+    assert adapted > 0

@@ -115,14 +115,17 @@ class DecoderLM(LightningModule):
 
     @property
     def flops_per_token(self) -> int:
-        """Training FLOPs per token at the configured context length (the family config's flops_per_token). With LoRA the
-        frozen weights' matmuls run forward and for the input gradients only (4 FLOPs per weight, not 6: no weight
-        gradient), the adapters' all three."""
+        """Training FLOPs per token at the configured context length (the family config's flops_per_token, which
+        counts the weights a token runs through: an MoE model's top-k and shared experts, not all of them). With
+        LoRA the frozen weights' matmuls run forward and for the input gradients only (4 FLOPs per weight, not 6: no
+        weight gradient), the adapters' all three."""
         seq_len = getattr(getattr(self.trainer, "datamodule", None), "seq_len", None) if self._trainer else None
         flops = self.config.flops_per_token(seq_len)
         if self.lora is not None:
             adapters = sum(shape.numel() for shape in adapter_shapes(self.config, self.lora).values())
-            flops += 6 * adapters - 2 * self.config.num_params(include_embedding=False)
+            # A dense family's config has no active_params: every weight is active.
+            active = getattr(self.config, "active_params", self.config.num_params)
+            flops += 6 * adapters - 2 * active(include_embedding=False)
         return flops
 
     def count_tokens(self, batch: dict[str, Tensor]) -> int:
