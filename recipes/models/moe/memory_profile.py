@@ -197,4 +197,4 @@ def lightning_npu_memory_profile(model: Mapping[str, Any]) -> MoEProfile:
     """The profile of the DecoderLM module a config's ``model:`` section (``family: moe``, ``preset``,
     ``config``, ``lora``) builds."""
     preset, config = family_config(model, __name__, MoEConfig)
-    return profile_of(config, f"MoE {preset}", model.get("lora"))
+    return profile_of(config, f"MoE {preset} ({config.n_experts} experts, top-{config.top_k})", model.get("lora"))
