@@ -149,6 +149,9 @@ class DecoderLM(LightningModule):
         # Not on the progress bar: Lightning turns progress-bar values into Python numbers every step, a host sync
         # that stalls the NPU; TokenThroughputMonitor prints the loss at logging steps.
         self.log("train_loss", loss)
+        expert_load = getattr(self.model, "expert_load", None)  # an MoE family's routing balance (max / mean)
+        if expert_load is not None:
+            self.log("expert_load", expert_load())  # a device tensor, written at logging steps as train_loss is
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:

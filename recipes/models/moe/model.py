@@ -40,7 +40,7 @@ from lightning_npu.kernels import grouped_matmul, permute_tokens, rotary_tables,
 from recipes.decoder.layers import INIT_STD, Linear
 from recipes.decoder.transformer import Attention, CausalDecoder, DecoderBlock, FeedForward
 from recipes.models.moe.config import MoEConfig
-from recipes.models.moe.router import Router, load_balancing_loss, route
+from recipes.models.moe.router import Router, expert_load, load_balancing_loss, route
 
 
 class Experts(nn.Module):
@@ -136,3 +136,9 @@ class MoE(CausalDecoder):
             return self.tok_embeddings.weight.new_zeros(())
         logits = [self.layers[i].feed_forward.router_logits for i in self.config.moe_layers]
         return coef * load_balancing_loss(logits, self.config.top_k)
+
+    def expert_load(self) -> Tensor:
+        """The last forward's routing balance (``router.expert_load``: max / mean tokens per expert, worst layer),
+        which ``DecoderLM`` logs as ``expert_load``."""
+        return expert_load([self.layers[i].feed_forward.router_logits for i in self.config.moe_layers],
+                           self.config.top_k)
