@@ -296,22 +296,3 @@ def test_expert_load_is_max_over_mean_tokens_per_expert_in_the_worst_layer():
     assert expert_load([balanced], 1).item() == 1.0
     assert expert_load([balanced, skewed], 2).item() == 2.0  # counts [32, 32, 0, 0] over their mean 16
     assert expert_load([skewed], 1).item() == 4.0 and not expert_load([skewed.requires_grad_()], 1).requires_grad
-
-
-def test_training_logs_the_expert_load_at_logging_steps(tmp_path):
-    """A real Lightning fit of the tiny MoE module on the CPU writes ``expert_load`` next to ``train_loss`` at each
-    logging step (max / mean tokens per expert, between 1 and n_experts / top_k)."""
-    import csv
-
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.loggers import CSVLogger
-
-    module = DecoderLM(family="moe", preset="tiny", config={"n_layers": 2}, warmup_steps=1)
-    ids = tokens(seed=3, batch=8, seq=33) % module.config.vocab_size
-    data = [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
-    trainer = Trainer(accelerator="cpu", max_steps=4, log_every_n_steps=2, logger=CSVLogger(tmp_path),
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=2))
-    rows = list(csv.DictReader(open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")))
-    loads = [float(row["expert_load"]) for row in rows if row.get("expert_load")]
-    assert len(loads) == 2 and all(1.0 <= load <= module.config.n_experts / module.config.top_k for load in loads)
