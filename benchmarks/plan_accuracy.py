@@ -1,6 +1,6 @@
 """How close is ``lightning-npu plan`` to the real peak memory of training? Measured on the CPU.
 
-    python benchmarks/plan_accuracy.py                 # all 17 cases, ~7 min on 2 cores
+    python benchmarks/plan_accuracy.py                 # all 22 cases, ~9 min on 2 cores
     python benchmarks/plan_accuracy.py --cases base,ac1 --out /tmp/plan_accuracy.json
 
 Each case trains the recipe's DecoderLM LightningModule for a few steps with
@@ -77,17 +77,37 @@ CASES: dict[str, dict[str, Any]] = {
     "mha_eager_ac1": dict(model=dict(dim=256, n_kv_heads=4, ffn_hidden_dim=688, max_seq_len=512), seq=512, batch=2,
                           devices=2, zero=3, ac=1.0, kernels="eager", holdout=True),
     "deep_zero2": dict(model=dict(n_layers=12), seq=256, batch=2, devices=2, zero=2, ac=0.25, holdout=True),
+    # The MoE family (``family: moe``; its tiny preset: Qwen3-MoE q/k norms, 8 experts, top-2, load-balancing loss):
+    # stacked experts, permuted rows, router tensors; a Qwen2-MoE with a shared expert, a dense layer and qkv biases;
+    # LoRA on attention over frozen experts.
+    "moe_zero3": dict(family="moe", model={}, seq=256, batch=4, devices=2, zero=3, ac=0.0),
+    "moe_zero2_ac05": dict(family="moe", model={}, seq=256, batch=4, devices=2, zero=2, ac=0.5),
+    "moe_qwen2_shared_dense": dict(family="moe", model=dict(
+        architecture="qwen2_moe", shared_expert_hidden_dim=192, dense_layers=[0], dense_hidden_dim=256,
+        qkv_bias=True, norm_topk_prob=False), seq=256, batch=4, devices=2, zero=3, ac=0.0),
+    "moe_lora": dict(family="moe", model={}, seq=256, batch=4, devices=2, zero=3, ac=0.0,
+                     lora=dict(rank=8, targets=["q", "k", "v", "o"])),
+    "moe_bf16_dev4": dict(family="moe", model=dict(n_experts=16, top_k=4), seq=256, batch=4, devices=4, zero=3,
+                          ac=0.0, precision="bf16-mixed", holdout=True),
 }
 STEPS = 4  # optimizer steps per run (a case's "steps" overrides it); the first is excluded (no optimizer states yet)
 
 
-def case_spec(case: dict[str, Any]):
-    """The planner's PlanSpec for a case (its ``lora``, if any, as the recipe's profile reads it), with the CPU's
-    settings."""
-    from lightning_npu.plan import PlanSpec
-    from recipes.models.llama.memory_profile import lightning_npu_memory_profile
+#: Each family's block class, by family name (a case's ``family``, default LLaMA's): the FSDP unit.
+BLOCKS = {"llama": "recipes.models.llama.model.TransformerBlock", "moe": "recipes.models.moe.model.MoEBlock"}
 
-    profile = lightning_npu_memory_profile({"preset": "tiny", "config": case["model"], "lora": case.get("lora")})
+
+def case_spec(case: dict[str, Any]):
+    """The planner's PlanSpec for a case (its family's profile, its ``lora``, if any, as the recipe's profile reads
+    it), with the CPU's settings."""
+    import importlib
+
+    from lightning_npu.plan import PlanSpec
+
+    family = case.get("family", "llama")
+    module = importlib.import_module(BLOCKS[family].rpartition(".model.")[0] + ".memory_profile")
+    profile = module.lightning_npu_memory_profile(
+        {"family": family, "preset": "tiny", "config": case["model"], "lora": case.get("lora")})
     return PlanSpec(
         model=profile.shape,
         profile=profile,
@@ -131,14 +151,18 @@ def worker(case: dict[str, Any], out: Path) -> None:
     from torch.utils.data import DataLoader, Dataset
 
     from benchmarks._memory import calibration, memory_curve
+    import importlib
+
     from lightning_npu import NPUFSDPStrategy
-    from recipes.models.llama.model import TransformerBlock
     from recipes.decoder.module import DecoderLM
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     calibrated = calibration()  # in this process, before the run: the profiler must report known sizes exactly
-    module = DecoderLM(preset="tiny", config=case["model"], warmup_steps=1)
+    family = case.get("family", "llama")
+    module_name, _, block_name = BLOCKS[family].rpartition(".")
+    block = getattr(importlib.import_module(module_name), block_name)
+    module = DecoderLM(family=family, preset="tiny", config=case["model"], warmup_steps=1)
     if case.get("lora"):  # LoRA on a base initialised in place: the same tensors as one loaded from init_from
         from recipes.decoder.lora import LoRAConfig
 
@@ -185,9 +209,9 @@ def worker(case: dict[str, Any], out: Path) -> None:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case["devices"] * case.get("nodes", 1))
         backend = "fake"
     strategy = NPUFSDPStrategy(
-        auto_wrap_policy=[TransformerBlock],
+        auto_wrap_policy=[block],
         zero_stage=case["zero"],
-        activation_checkpointing_policy=[TransformerBlock] if case["ac"] > 0 else None,
+        activation_checkpointing_policy=[block] if case["ac"] > 0 else None,
         activation_checkpointing_ratio=case["ac"] if case["ac"] > 0 else 1.0,
         sharding=case.get("sharding", "full"),
         timeout=600,

@@ -247,3 +247,52 @@ def test_real_size_presets_have_transformers_parameter_count_and_the_published_s
     assert sum(p.numel() for p in hf.parameters()) == config.num_params()
     # The published figures, given to one decimal of a billion (3.35B active is Qwen's "3.3B").
     assert abs(config.num_params() - total) < 0.06e9 and abs(config.active_params() - active) < 0.06e9
+
+
+def test_activation_checkpointing_recompute_keeps_the_forward_s_router_logits(monkeypatch):
+    """The recompute of a checkpointed MoE block inside backward must not replace the layer's ``router_logits``:
+    the recomputed tensor would keep the block's recomputed graph, and every tensor it saved, alive until the next
+    forward (4.6 MiB per tiny layer, the attention half's activations: lightning-npu plan was 21% low on a fully
+    checkpointed tiny MoE before)."""
+    from torch.utils.checkpoint import DefaultDeviceType, checkpoint
+
+    # CPU tensors: checkpoint saves the RNG state of its default device, cached from the first current accelerator
+    # (another test's simulated NPU, whose torch.npu module is gone by now).
+    monkeypatch.setattr(DefaultDeviceType, "_default_device_type", "cpu")
+    config = MoEConfig.from_preset("tiny", n_layers=2)
+    model = MoE(config)
+    for block in model.layers:
+        block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(block.forward)
+    logits = model(tokens(batch=2, seq=16))
+    forward_logits = [layer.feed_forward.router_logits for layer in model.layers]
+    (logits.float().mean() + model.auxiliary_loss()).backward()
+    assert all(layer.feed_forward.router_logits is kept for layer, kept in zip(model.layers, forward_logits))
+    assert model.layers[0].feed_forward.experts.w_gate_up.grad is not None
+
+
+def test_flops_per_token_count_the_active_experts_and_lora_leaves_them_positive():
+    """MFU's FLOPs per token: 6 x the active non-embedding parameters (top_k routed experts, router; not all 128)
+    plus attention, and under LoRA 2 FLOPs less per *active* frozen weight. Catches the LoRA correction subtracting
+    2 x every parameter, which made Qwen3-30B-A3B's FLOPs per token negative (telemetry then reports no MFU)."""
+    config = MoEConfig.from_preset("qwen3-30b-a3b")
+    active = config.active_params(include_embedding=False)
+    attention = 12 * config.n_layers * 4096 * config.n_heads * config.head_dim
+    assert config.flops_per_token(4096) == 6 * active + attention
+    assert active < config.num_params(include_embedding=False) / 8
+    lora = {"rank": 16, "targets": ["q", "k", "v", "o"]}
+    full = DecoderLM(family="moe", preset="qwen3-30b-a3b").flops_per_token
+    adapted = DecoderLM(family="moe", preset="qwen3-30b-a3b", init_from="base", lora=lora).flops_per_token
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    adapters = config.n_layers * 16 * ((config.dim + q) + 2 * (config.dim + kv) + (q + config.dim))
+    assert full - adapted == 2 * active - 6 * adapters
+    assert adapted > 0
+
+
+def test_expert_load_is_max_over_mean_tokens_per_expert_in_the_worst_layer():
+    from recipes.models.moe.router import expert_load
+
+    balanced = torch.eye(4).repeat(8, 1)  # 32 tokens, each expert first for 8 of them: top-1 perfectly even
+    skewed = torch.tensor([[3.0, 2.0, 0.0, 0.0]]).repeat(32, 1)  # top-2 always experts 0 and 1
+    assert expert_load([balanced], 1).item() == 1.0
+    assert expert_load([balanced, skewed], 2).item() == 2.0  # counts [32, 32, 0, 0] over their mean 16
+    assert expert_load([skewed], 1).item() == 4.0 and not expert_load([skewed.requires_grad_()], 1).requires_grad

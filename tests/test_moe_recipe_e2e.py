@@ -30,6 +30,11 @@ def test_tiny_moe_fits_generates_and_exports_what_transformers_decodes_alike(tmp
     assert ckpt.is_dir() and f"checkpoint: {ckpt}" in out.stdout
     metadata = read_recipe_metadata(ckpt)
     assert metadata["global_step"] == 8 and metadata["hyper_parameters"]["family"] == "moe"
+    # Each logging step (every 2nd) logs the expert load, max / mean tokens per expert: 1 (even) .. 8 / 2.
+    rows = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    column = rows[0].split(",").index("expert_load")
+    loads = [float(row.split(",")[column]) for row in rows[1:] if row.split(",")[column]]
+    assert len(loads) == 4 and all(1.0 <= load <= 4.0 for load in loads), loads
 
     generated = run_python([str(REPO / "recipes/generate.py"), str(ckpt), "--prompt", "Return the",
                             "--max-new-tokens", "8", "--temperature", "0"], simulate=None)

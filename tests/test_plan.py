@@ -238,11 +238,10 @@ def test_zero3_and_activation_checkpointing_lower_the_7b_peak():
     assert estimate(_spec_7b(ac_ratio=1.0), 3).total < zero3.total
 
 
-@pytest.mark.parametrize("option", ["tensor_parallel_size", "context_parallel_size", "expert_parallel_size"])
+@pytest.mark.parametrize("option", ["tensor_parallel_size", "context_parallel_size"])
 def test_a_model_parallel_config_is_refused_rather_than_planned_as_plain_sharding(tmp_path, option):
-    """Catches the planner reading tensor_parallel_size, context_parallel_size or expert_parallel_size from a YAML
-    and ignoring it (plain sharding's numbers: no split activations, every expert gathered, no all_to_all
-    buffers)."""
+    """Catches the planner reading tensor_parallel_size or context_parallel_size from a YAML and ignoring it (plain
+    sharding's numbers: no split weights or activations). expert_parallel_size is planned (tests/test_plan_moe.py)."""
     config = tmp_path / "run.yaml"
     config.write_text(
         "model:\n  preset: tiny\n"

@@ -14,6 +14,7 @@ from lightning_npu.plan.decoder import (
     BlockParameters,
     DecoderProfile,
     LowRankAdapters,
+    RankLocalShape,
     RootParameters,
     TrainableParameters,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "PROFILE_MODULE",
     "PlanError",
     "PlanSpec",
+    "RankLocalShape",
     "RootParameters",
     "TrainableParameters",
     "estimate",

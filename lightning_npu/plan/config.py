@@ -77,15 +77,6 @@ def load_spec(
             " planner yet (it would report plain sharding's memory); plan the run with tensor_parallel_size: 1 for"
             " an upper bound on the weights and activations"
         )
-    if int(options["expert_parallel_size"]) != 1:
-        # Each rank stores the same sharded expert weights either way, but gathers only E / N experts per layer and
-        # holds all_to_all buffers (rows received, re-sorted and sent back): neither is modelled yet.
-        raise PlanError(
-            f"config {str(path)!r}: expert_parallel_size={options['expert_parallel_size']} is not modelled by the"
-            " planner yet (the sharded weights are plain sharding's, but it gathers E / expert_parallel_size experts"
-            " per layer and holds all_to_all buffers of about 2 x tokens x top_k x dim per MoE layer, more under"
-            " skewed routing); plan the run with expert_parallel_size: 1 for an upper bound on the gathered experts"
-        )
     if int(options["context_parallel_size"]) != 1:
         # Likewise for CP's terms (activations at seq_len / cp, all-to-all or ring buffers).
         raise PlanError(
@@ -93,6 +84,10 @@ def load_spec(
             " planner yet (it would report plain sharding's memory); plan the run with context_parallel_size: 1 for"
             " an upper bound on the activations"
         )
+    experts = options.get("expert_parallel_size", 1)
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise PlanError(f"config {str(path)!r}: expert_parallel_size={experts!r} must be a positive integer (1: none)")
+    decoder = decoder.with_expert_parallelism(experts)
     notes = []
     if ac_ratio is not None:
         ratio = float(ac_ratio)

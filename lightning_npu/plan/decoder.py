@@ -4,8 +4,10 @@ its forward saves for backward, per token.
 The block is RMSNorm -> wq/wk/wv -> rotary -> causal attention (grouped-query) -> wo -> residual -> RMSNorm ->
 w_gate and w_up (their outputs concatenated) -> SwiGLU -> w_down -> residual; the root unit is the token embedding,
 the final RMSNorm and an untied output projection, and the model returns fp32 logits. That is LLaMA's layout (and
-that of the decoders copied from it); a model that differs subclasses ``DecoderProfile`` and overrides what
-differs (see ``lightning_npu.plan.profile``).
+that of the decoders copied from it), with Qwen's options (qkv biases, per-head q/k norms, a head width other
+than dim / heads); a model that differs subclasses ``DecoderProfile`` and overrides what differs (see
+``lightning_npu.plan.profile``): the MLP half (``mlp_parameters``, ``mlp_saved``, the scratch), or a layer's whole
+profile (``block_profile``), as the MoE recipe's profile does for its experts and dense layers.
 
 What trains is part of the profile: every parameter (full fine-tuning), or, with ``adapters``
 (``LowRankAdapters``: LoRA), a frozen base with trainable low-rank adapters beside some of the block's
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Iterable, Optional
 
 from lightning_npu.plan.spec import ModelShape, PlanError
 
@@ -36,6 +38,20 @@ ATTENTION_PROJECTIONS = ("q", "k", "v", "o")
 #: A dropout mask's bytes per element on the fused (NPU) path: torch's native_dropout keeps a bool mask. The CPU
 #: paths (reference, eager) run torch's unfused dropout, which keeps its scaled noise in the input's dtype.
 FUSED_DROPOUT_MASK_BYTES = 1
+
+
+class RankLocalShape(tuple):
+    """The shape one rank holds of a parameter of which ``replicas`` groups of ranks each hold a different part
+    (an expert-parallel rank's experts, [n_experts / expert_parallel_size, ...]): FSDP2 shards it over the ranks
+    of the shard group that hold the same part (the group divided by ``replicas``), and the model has
+    ``replicas`` x its numel."""
+
+    replicas: int
+
+    def __new__(cls, shape: Shape, replicas: int) -> "RankLocalShape":
+        made = super().__new__(cls, shape)
+        made.replicas = replicas
+        return made
 
 
 @dataclass(frozen=True)
@@ -123,32 +139,62 @@ class DecoderProfile:
 
     ``name`` heads the plan (``"LLaMA 7b"``); ``block_class`` is the block's class name as a config's FSDP
     policies name it (``"TransformerBlock"``), ``None`` when the model comes from shapes alone. ``adapters``:
-    a LoRA run (frozen base, trainable adapters); ``None`` trains every parameter.
+    a LoRA run (frozen base, trainable adapters); ``None`` trains every parameter. ``qkv_bias``: the query, key
+    and value projections have biases (Qwen2); ``qk_norm``: an RMSNorm over each query and key head, before
+    rotary (Qwen3).
+
+    Every block is alike unless a subclass says otherwise in ``block_profile(layer)`` (an MoE model's dense
+    layers); the replay asks it for each layer's parameters, saved tensors and scratch.
     """
 
     shape: ModelShape
     name: str = "decoder"
     block_class: Optional[str] = None
     adapters: Optional[LowRankAdapters] = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    def block_profile(self, layer: int) -> "DecoderProfile":
+        """The profile whose block methods describe layer ``layer``: this one, for a decoder of identical blocks."""
+        return self
+
+    def with_expert_parallelism(self, size: int) -> "DecoderProfile":
+        """This profile with its experts split over ``size`` ranks (``expert_parallel_size``); a decoder without
+        experts takes only 1."""
+        if size != 1:
+            raise PlanError(f"expert_parallel_size={size}: {self.name} has no experts to split; use 1")
+        return self
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks each layer's experts are split over; 1 for a decoder without experts."""
+        return 1
 
     # ------------------------------------------------------------------------------------------- parameters
 
     def projection_shapes(self) -> dict[str, Shape]:
         """Each projection's [rows, in]."""
         m = self.shape
-        q, kv, f = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_hidden_dim
+        q, kv, f = m.q_dim, m.n_kv_heads * m.head_dim, m.ffn_hidden_dim
         return {"q": (q, m.dim), "k": (kv, m.dim), "v": (kv, m.dim), "o": (m.dim, q), "gate": (f, m.dim),
                 "up": (f, m.dim), "down": (m.dim, f)}
 
     def base_block_parameters(self) -> BlockParameters:
         """The block's own parameters (without adapters)."""
-        m = self.shape
         p = self.projection_shapes()
+        biases = tuple((p[name][0],) for name in ("q", "k", "v")) if self.qkv_bias else ()
+        head_norms = ((self.shape.head_dim,),) * 2 if self.qk_norm else ()
+        mlp_input, mlp_output = self.mlp_parameters()
         return BlockParameters(
-            attention=((m.dim,), p["q"], p["k"], p["v"], p["o"]),
-            mlp_input=((m.dim,), p["gate"], p["up"]),
-            mlp_output=(p["down"],),
+            attention=((self.shape.dim,), p["q"], p["k"], p["v"], p["o"], *biases, *head_norms),
+            mlp_input=mlp_input,
+            mlp_output=mlp_output,
         )
+
+    def mlp_parameters(self) -> tuple[tuple[Shape, ...], tuple[Shape, ...]]:
+        """The MLP half's (mlp_input, mlp_output) parameters: ffn_norm, w_gate and w_up, then w_down."""
+        p = self.projection_shapes()
+        return ((self.shape.dim,), p["gate"], p["up"]), (p["down"],)
 
     def adapter_parameters(self) -> BlockParameters:
         """One block's adapter shapes (A [rank, in], B [rows, rank] per adapted projection), in backward's groups;
@@ -181,13 +227,13 @@ class DecoderProfile:
                                    embedding=math.prod(root.embedding))
 
     def num_params(self) -> int:
-        block = sum(math.prod(shape) for shape in self.block_parameters().shapes)
-        return sum(math.prod(shape) for shape in self.root_parameters().shapes) + self.shape.n_layers * block
+        blocks = sum(_numel(self.block_profile(i).block_parameters().shapes) for i in range(self.shape.n_layers))
+        return _numel(self.root_parameters().shapes) + blocks
 
     def num_trainable_params(self) -> int:
-        trainable = self.trainable_parameters()
-        block = sum(math.prod(shape) for shape in trainable.block.shapes)
-        return sum(math.prod(shape) for shape in trainable.root) + self.shape.n_layers * block
+        blocks = sum(_numel(self.block_profile(i).trainable_parameters().block.shapes)
+                     for i in range(self.shape.n_layers))
+        return _numel(self.trainable_parameters().root) + blocks
 
     # ------------------------------------------------------------------------------------------ activations
 
@@ -222,78 +268,104 @@ class DecoderProfile:
 
     def _saved(self, kernels: str, a: int, seq_len: int, input_grad: bool) -> BlockActivations:
         m = self.shape
-        d, f, n = m.dim, m.ffn_hidden_dim, m.n_heads
-        kv = m.n_kv_heads * m.head_dim
-        adapters = self.adapters
-        base_trains = adapters is None
-        adapted = set(adapters.projections) if adapters is not None else set()
-
-        def keeps_input(*projections: str) -> bool:  # for a weight gradient of these projections' inputs
-            return base_trains or bool(adapted.intersection(projections)) and not adapters.dropout
-
-        def needs_grad(upstream: bool, *projections: str) -> bool:  # a projection's output
-            return upstream or base_trains or bool(adapted.intersection(projections))
-
+        n, q, kv = m.n_heads, m.q_dim, m.n_kv_heads * m.head_dim
+        base_trains = self.adapters is None
         fused = kernels == "fused"
         attention: dict[str, float] = {}
-        mlp: dict[str, float] = {}
         # Attention half.
         if input_grad:
             attention.update(self._norm_saved("attention_norm", kernels, a, base_trains))
         normed_grad = input_grad or base_trains
-        if keeps_input("q", "k", "v"):
-            attention["wq/wk/wv input"] = a * d
-        q_grad, k_grad, v_grad = (needs_grad(normed_grad, p) for p in ("q", "k", "v"))
+        if self._keeps_input("q", "k", "v"):
+            attention["wq/wk/wv input"] = a * m.dim
+        q_grad, k_grad, v_grad = (self._needs_grad(normed_grad, p) for p in ("q", "k", "v"))
+        if self.qk_norm:  # per-head RMSNorms of the queries and keys, one rstd per head
+            for name, width, heads, grad in (("q_norm", q, n, q_grad), ("k_norm", kv, m.n_kv_heads, k_grad)):
+                if grad:
+                    attention.update(self._norm_saved(name, kernels, a, base_trains, width, heads))
         if fused and (q_grad or k_grad):
-            attention["rotary inputs (q, k)"] = a * (d * q_grad + kv * k_grad)
+            attention["rotary inputs (q, k)"] = a * (q * q_grad + kv * k_grad)
         attention_grad = q_grad or k_grad or v_grad
         if attention_grad:
             if fused:
-                attention["attention q, k, v"] = a * (d + 2 * kv)
+                attention["attention q, k, v"] = a * (q + 2 * kv)
                 attention["attention softmax max + sum"] = SOFTMAX_STATS * SOFTMAX_STAT_LANES * FP32_BYTES * n
             elif kernels == "reference":
-                attention["attention q, k, v (kv expanded to all heads)"] = 3 * a * d
+                attention["attention q, k, v (kv expanded to all heads)"] = 3 * a * q
                 attention["attention log-sum-exp"] = FP32_BYTES * n
             else:  # its matmuls keep q and k (and v) only for the gradients of q or k, the probabilities always
                 if q_grad or k_grad:
-                    attention["attention scaled q, k and v (fp32)"] = 3 * FP32_BYTES * d
+                    attention["attention scaled q, k and v (fp32)"] = 3 * FP32_BYTES * q
                 attention["attention probabilities (fp32, S x S)"] = FP32_BYTES * n * seq_len
         # The fused and SDPA kernels keep their output, which is also wo's input; eager attention's output is kept
         # by wo alone.
-        if keeps_input("o") or (attention_grad and kernels != "eager"):
-            attention["attention output (wo input)"] = a * d
-        residual_grad = input_grad or needs_grad(attention_grad, "o")
-        # MLP half.
-        if residual_grad:
-            mlp.update(self._norm_saved("ffn_norm", kernels, a, base_trains))
-        if keeps_input("gate", "up"):
-            mlp["w_gate/w_up input"] = a * d
-        gate_up_grad = needs_grad(residual_grad, "gate", "up")
-        if gate_up_grad:
-            if fused:
-                mlp["swiglu input (gate, up)"] = 2 * a * f
-            else:
-                mlp["gate/up projection"] = 2 * a * f
-                mlp["silu(gate)"] = a * f
-        if keeps_input("down"):
-            mlp["swiglu output (w_down input)"] = a * f
-        # Whether each adapter's input needs a gradient (its dropout then keeps the mask).
-        input_grads = {"q": normed_grad, "k": normed_grad, "v": normed_grad, "o": attention_grad,
-                       "gate": residual_grad, "up": residual_grad, "down": gate_up_grad}
-        for name in adapters.projections if adapters is not None else ():
-            saved = attention if name in ATTENTION_PROJECTIONS else mlp
-            saved.update(self._adapter_saved(name, kernels, a, input_grads[name]))
-        return BlockActivations(attention, mlp)
+        if self._keeps_input("o") or (attention_grad and kernels != "eager"):
+            attention["attention output (wo input)"] = a * q
+        residual_grad = input_grad or self._needs_grad(attention_grad, "o")
+        # Whether each attention adapter's input needs a gradient (its dropout then keeps the mask).
+        input_grads = {"q": normed_grad, "k": normed_grad, "v": normed_grad, "o": attention_grad}
+        for name in self._adapted(ATTENTION_PROJECTIONS):
+            attention.update(self._adapter_saved(name, kernels, a, input_grads[name]))
+        return BlockActivations(attention, self.mlp_saved(kernels, a, residual_grad))
 
-    def _norm_saved(self, norm: str, kernels: str, a: int, weight_trains: bool) -> dict[str, float]:
-        """What an RMSNorm whose input needs a gradient keeps (the reference path's normalised tensor only for its
-        weight's gradient)."""
-        d = self.shape.dim
+    def mlp_saved(self, kernels: str, a: int, residual_grad: bool) -> dict[str, float]:
+        """Bytes per token the MLP half keeps for backward (ffn_norm, the SwiGLU MLP, its adapters), given
+        whether its input (the residual after attention) needs a gradient."""
+        saved: dict[str, float] = {}
+        if residual_grad:
+            saved.update(self._norm_saved("ffn_norm", kernels, a, self.adapters is None))
+        if self._keeps_input("gate", "up"):
+            saved["w_gate/w_up input"] = a * self.shape.dim
+        gate_up_grad = self._needs_grad(residual_grad, "gate", "up")
+        saved.update(self._swiglu_saved("", kernels, a, self.shape.ffn_hidden_dim, gate_up_grad,
+                                        self._keeps_input("down")))
+        input_grads = {"gate": residual_grad, "up": residual_grad, "down": gate_up_grad}
+        for name in self._adapted(("gate", "up", "down")):
+            saved.update(self._adapter_saved(name, kernels, a, input_grads[name]))
+        return saved
+
+    def _adapted(self, projections: tuple[str, ...]) -> list[str]:
+        """Which of ``projections`` carry adapters."""
+        return [p for p in (self.adapters.projections if self.adapters else ()) if p in projections]
+
+    def _keeps_input(self, *projections: str) -> bool:
+        """Whether these projections' shared input is kept for a weight gradient (theirs, or an adapter's A that
+        reads it undropped)."""
+        adapters = self.adapters
+        return adapters is None or bool(set(adapters.projections).intersection(projections)) and not adapters.dropout
+
+    def _needs_grad(self, upstream: bool, *projections: str) -> bool:
+        """Whether a projection's output needs a gradient: its input does, its weight trains, or it is adapted."""
+        return upstream or self.adapters is None or bool(self._adapted(projections))
+
+    @staticmethod
+    def _swiglu_saved(prefix: str, kernels: str, a: int, width: float, gate_up_grad: bool,
+                      keeps_down_input: bool) -> dict[str, float]:
+        """What a SwiGLU of ``width`` channels per token keeps (``width`` x rows per token for experts): its gate/up
+        input to the gate (fused), or the gate/up projection and silu(gate) (reference paths), when it needs a
+        gradient; the product, w_down's input, when w_down keeps it."""
+        saved: dict[str, float] = {}
+        if gate_up_grad:
+            if kernels == "fused":
+                saved[f"{prefix}swiglu input (gate, up)"] = 2 * a * width
+            else:
+                saved[f"{prefix}gate/up projection"] = 2 * a * width
+                saved[f"{prefix}silu(gate)"] = a * width
+        if keeps_down_input:
+            saved[f"{prefix}swiglu output (w_down input)"] = a * width
+        return saved
+
+    def _norm_saved(self, norm: str, kernels: str, a: int, weight_trains: bool, width: Optional[int] = None,
+                    rows: int = 1) -> dict[str, float]:
+        """What an RMSNorm over ``width`` channels (default: the model's width) whose input needs a gradient keeps
+        per token, for ``rows`` normalised rows per token (heads, for q/k norms): the reference path's normalised
+        tensor only for its weight's gradient."""
+        d = self.shape.dim if width is None else width
         if kernels == "fused":
-            return {f"{norm} input + rstd": a * d + FP32_BYTES}
+            return {f"{norm} input + rstd": a * d + FP32_BYTES * rows}
         if weight_trains:
-            return {f"{norm} (fp32 input, rstd, normalised)": _upcast_rms_norm_saved(d)}
-        return {f"{norm} (fp32 input, rstd)": FP32_BYTES * d + FP32_BYTES}
+            return {f"{norm} (fp32 input, rstd, normalised)": 2 * FP32_BYTES * d + FP32_BYTES * rows}
+        return {f"{norm} (fp32 input, rstd)": FP32_BYTES * d + FP32_BYTES * rows}
 
     def _adapter_saved(self, name: str, kernels: str, a: int, input_grad: bool) -> dict[str, float]:
         """An adapter's B keeps the rank-r intermediate; with dropout its A keeps the dropped-out input, and the
@@ -330,8 +402,8 @@ class DecoderProfile:
         inputs coexist while the saved output is already released (2 x ffn); in attention the q, k and v gradients
         (plus, for eager attention, the fp32 gradients of the probabilities and scores)."""
         m, a = self.shape, act_bytes
-        kv = m.n_kv_heads * m.head_dim if kernels == "fused" else m.dim  # reference paths expand kv to all heads
-        attention = a * (m.dim + 2 * kv)
+        kv = m.n_kv_heads * m.head_dim if kernels == "fused" else m.q_dim  # reference paths expand kv to all heads
+        attention = a * (m.q_dim + 2 * kv)
         if kernels == "eager":
             attention += 2 * FP32_BYTES * m.n_heads * seq_len
         return 2 * a * m.ffn_hidden_dim, attention
@@ -343,6 +415,6 @@ class DecoderProfile:
         return ROTARY_TABLES * m.max_seq_len * m.head_dim * FP32_BYTES * copies
 
 
-def _upcast_rms_norm_saved(dim: int) -> float:
-    """The reference RMSNorm keeps its fp32 input copy, the fp32 rstd and the fp32 normalised tensor."""
-    return FP32_BYTES * dim + FP32_BYTES + FP32_BYTES * dim
+def _numel(shapes: Iterable[Shape]) -> int:
+    """Parameters of the model with these shapes (a rank-local one counts each part)."""
+    return sum(math.prod(shape) * getattr(shape, "replicas", 1) for shape in shapes)

@@ -92,26 +92,29 @@ class _Unit:
 def _unit(name: str, shapes: Iterable[tuple[int, ...]], group: int) -> _Unit:
     shard = padded = exact = largest = quantized = 0
     for shape in shapes:
+        # A rank-local tensor (an expert-parallel rank's experts) is sharded over the ranks that hold the same part.
+        shape_group = group // getattr(shape, "replicas", 1)
         rows, rest = shape[0], math.prod(shape[1:])
-        local = -(-rows // group) * rest  # FSDP2 pads dim 0 to a multiple of the group size
-        shard, padded, exact = shard + local, padded + local * group, exact + rows * rest
+        local = -(-rows // shape_group) * rest  # FSDP2 pads dim 0 to a multiple of the group size
+        shard, padded, exact = shard + local, padded + local * shape_group, exact + rows * rest
         largest = max(largest, local)
-        quantized += local if optim8bit.quantizes(tuple(shape), group) else 0
+        quantized += local if optim8bit.quantizes(tuple(shape), shape_group) else 0
     return _Unit(name, shard, padded, exact, largest, quantized)
 
 
 def _units(spec: PlanSpec, trainable: bool = False) -> tuple[_Unit, list[_Unit]]:
     """(root unit, block units): all their parameters, or (``trainable``) those that get gradients. Without an
     auto-wrap policy the whole model is the root unit."""
-    group, layers, profile = spec.shard_group, spec.model.n_layers, spec.profile
+    group, profile = spec.shard_group, spec.profile
     if trainable:
-        train = profile.trainable_parameters()
-        root, block = list(train.root), train.block.shapes
+        root = list(profile.trainable_parameters().root)
+        blocks = [profile.block_profile(i).trainable_parameters().block.shapes for i in range(spec.model.n_layers)]
     else:
-        root, block = profile.root_parameters().shapes, profile.block_parameters().shapes
+        root = profile.root_parameters().shapes
+        blocks = [profile.block_profile(i).block_parameters().shapes for i in range(spec.model.n_layers)]
     if spec.wrap_blocks:
-        return _unit("root", root, group), [_unit("block", block, group)] * layers
-    return _unit("root", root + block * layers, group), []
+        return _unit("root", root, group), [_unit("block", block, group) for block in blocks]
+    return _unit("root", root + [shape for block in blocks for shape in block], group), []
 
 
 def state_bytes(spec: PlanSpec) -> dict[str, float]:
@@ -150,11 +153,14 @@ class _StepReplay:
         self.residual = self.act * shape.dim * self.tokens  # one [batch, seq, dim] activation
         self.logits = self.act * shape.vocab_size * self.tokens
         self.logits_fp32 = FP32_BYTES * shape.vocab_size * self.tokens
-        saved = self.profile.saved_by_block(spec.kernels, self.act, spec.seq_len)
-        first = self.profile.saved_by_first_block(spec.kernels, self.act, spec.seq_len)
-        #: (all, MLP half) of what block 0 and what every later block saves, in bytes.
-        self.saved = [(sum(kept.all.values()) * self.tokens, sum(kept.mlp.values()) * self.tokens)
-                      for kept in (first, saved)]
+        #: Each layer's profile (``DecoderProfile.block_profile``).
+        self.layers = [self.profile.block_profile(i) for i in range(shape.n_layers)]
+        #: (all, MLP half) of what each block saves, in bytes.
+        self.saved = []
+        for i, layer in enumerate(self.layers):
+            count = layer.saved_by_first_block if i == 0 else layer.saved_by_block
+            kept = count(spec.kernels, self.act, spec.seq_len)
+            self.saved.append((sum(kept.all.values()) * self.tokens, sum(kept.mlp.values()) * self.tokens))
         self.final_saved = self.profile.saved_by_final_norm(spec.kernels, self.act) * self.tokens
         #: The flat all-gather buffer of the last unit gathered in forward (freed after the next copy-out).
         self.retained_gather = 0.0
@@ -189,6 +195,7 @@ class _StepReplay:
         if spec.world_size > 1:
             hybrid = spec.sharding == "hybrid" and spec.nodes > 1
             communicators = COMMUNICATORS_HYBRID if hybrid else COMMUNICATORS_FULL
+            communicators += self.profile.expert_parallel_size > 1  # the expert group's all-to-alls
             t.alloc("comm", communicators * HCCL_BUFFERS_PER_COMMUNICATOR * spec.hccl_buffsize_mb * MIB, "start")
         batches = BATCHES_HELD * TENSORS_PER_BATCH * self.tokens * INT64_BYTES
         t.alloc("inputs", batches + self.profile.rotary_table_bytes(self.act), "start")
@@ -207,7 +214,7 @@ class _StepReplay:
             t.free("gathered", nbytes)
 
     def forward(self) -> None:
-        spec, t, profile = self.spec, self.timeline, self.profile
+        spec, t = self.spec, self.timeline
         self.gather(self.root, "forward: root")
         t.alloc("temporaries", self.residual, "forward: embedding")  # the residual stream
         for i in range(spec.model.n_layers):
@@ -216,7 +223,7 @@ class _StepReplay:
                 self.gather(self.blocks[i], phase)
             checkpointed = i in self.checkpointed
             saved = self.saved_by(i)[0]
-            scratch = profile.forward_scratch(spec.kernels, self.act, spec.seq_len, checkpointed) * self.tokens
+            scratch = self.layers[i].forward_scratch(spec.kernels, self.act, spec.seq_len, checkpointed) * self.tokens
             t.moment("temporaries", scratch + (0 if checkpointed else saved), phase)
             t.alloc("activations", self.residual if checkpointed else saved, phase)
             if self.blocks and self.stage == 3:
@@ -238,7 +245,7 @@ class _StepReplay:
 
     def saved_by(self, i: int) -> tuple[float, float]:
         """(all, MLP half) of the bytes block ``i`` saves for backward."""
-        return self.saved[min(i, 1)]
+        return self.saved[i]
 
     def reduce(self, unit: _Unit, phase: str) -> None:
         """Copy the unit's unsharded gradients (``unit``: its trainable parameters) into an fp32 reduce-scatter
@@ -287,7 +294,7 @@ class _StepReplay:
     def block_backward(self, i: int) -> None:
         """Block ``i``'s backward: regather (ZeRO-3) and prefetch the next, recompute if checkpointed, the MLP's
         gradients (w_down's first), then attention's, then the reduce-scatter."""
-        spec, t, profile = self.spec, self.timeline, self.profile
+        spec, t, layer = self.spec, self.timeline, self.layers[i]
         phase = f"backward: layer {i}"
         if self.blocks and self.stage == 3:
             self.gather(self.blocks[i], phase, flat_ready=True)
@@ -297,9 +304,9 @@ class _StepReplay:
         saved, mlp_saved = self.saved_by(i)
         if checkpointed:
             t.alloc("activations", saved, phase + " recompute")
-        params = self.trainable.block
+        params = layer.trainable_parameters().block
         mlp_scratch, attention_scratch = (
-            per_token * self.tokens for per_token in profile.backward_scratch(spec.kernels, self.act, spec.seq_len))
+            per_token * self.tokens for per_token in layer.backward_scratch(spec.kernels, self.act, spec.seq_len))
         t.alloc("unsharded_grads", _numel(params.mlp_output) * self.param, phase + " (MLP)")
         t.moment("temporaries", mlp_scratch, phase + " (MLP)")
         t.alloc("unsharded_grads", _numel(params.mlp_input) * self.param, phase + " (MLP)")

@@ -101,7 +101,10 @@ SHAPE_KEYS = {
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The decoder dimensions the estimate needs (any object with these attribute names provides them)."""
+    """The decoder dimensions the estimate needs (any object with these attribute names provides them).
+
+    ``head_dim`` is each attention head's width; left out it is ``dim // n_heads`` (LLaMA), given it may differ
+    (Qwen3: 32 heads of 128 on a 2048-wide residual stream, so the queries are wider than the stream)."""
 
     vocab_size: int
     dim: int
@@ -110,18 +113,23 @@ class ModelShape:
     n_kv_heads: int
     ffn_hidden_dim: int
     max_seq_len: int
+    head_dim: Optional[int] = None
 
     def __post_init__(self) -> None:
+        free_head_dim = self.head_dim is not None
+        if not free_head_dim and isinstance(self.dim, int) and isinstance(self.n_heads, int) and self.n_heads > 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         _check_positive_ints(self, [f.name for f in dataclasses.fields(self)], "model ")
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+        if (self.dim % self.n_heads and not free_head_dim) or self.n_heads % self.n_kv_heads:
             raise PlanError(
                 f"model dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads} do not divide: heads"
-                " must divide dim and kv_heads must divide heads"
+                " must divide dim (unless head_dim is given) and kv_heads must divide heads"
             )
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def q_dim(self) -> int:
+        """The width of the queries (and of the attention's output): heads x head_dim."""
+        return self.n_heads * self.head_dim
 
     @classmethod
     def of(cls, config: Any) -> "ModelShape":
@@ -197,6 +205,13 @@ class PlanSpec:
             raise PlanError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.device_memory_gib <= 0:
             raise PlanError(f"device memory {self.device_memory_gib!r} GiB must be positive")
+        experts = self.profile.expert_parallel_size
+        if self.shard_group % experts:
+            raise PlanError(
+                f"expert_parallel_size={experts} does not divide the {self.shard_group} devices parameters are sharded"
+                f" over ({self.nodes} nodes x {self.devices} devices{', hybrid' if self.sharding == 'hybrid' else ''});"
+                " choose a divisor"
+            )
         if self.seq_len > self.model.max_seq_len:
             raise PlanError(
                 f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}; lower data.seq_len"

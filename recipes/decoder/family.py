@@ -3,7 +3,9 @@ registered by name in ``recipes/families.py``.
 
 A family's config class is a dataclass with ``from_preset(name, **overrides)`` (a ``tiny`` preset among them:
 ``DecoderLM``'s default), ``from_dict`` / ``to_dict`` (what checkpoints store), ``vocab_size``, ``max_seq_len``,
-``n_layers``, ``tie_embeddings``, ``num_params(include_embedding)`` and ``flops_per_token(seq_len)``. Its model class is built from that config alone and is a causal decoder:
+``n_layers``, ``tie_embeddings``, ``num_params(include_embedding)`` and ``flops_per_token(seq_len)`` (a sparse family
+also ``active_params(include_embedding)``: the parameters one token runs through, which its FLOPs count). Its model
+class is built from that config alone and is a causal decoder:
 ``model(input_ids, cu_seqlens=None, position_ids=None, cache=None, start_pos=0)`` gives logits, ``new_cache(batch,
 capacity)`` a key/value cache, ``tok_embeddings`` the input embedding and ``layers`` the blocks (what configs
 shard and checkpoint by, and where LoRA adds its adapters).

@@ -126,14 +126,17 @@ class DecoderLM(LightningModule):
 
     @property
     def flops_per_token(self) -> int:
-        """Training FLOPs per token at the configured context length (the family config's flops_per_token). With LoRA the
-        frozen weights' matmuls run forward and for the input gradients only (4 FLOPs per weight, not 6: no weight
-        gradient), the adapters' all three."""
+        """Training FLOPs per token at the configured context length (the family config's flops_per_token, which
+        counts the weights a token runs through: an MoE model's top-k and shared experts, not all of them). With
+        LoRA the frozen weights' matmuls run forward and for the input gradients only (4 FLOPs per weight, not 6: no
+        weight gradient), the adapters' all three."""
         seq_len = getattr(getattr(self.trainer, "datamodule", None), "seq_len", None) if self._trainer else None
         flops = self.config.flops_per_token(seq_len)
         if self.lora is not None:
             adapters = sum(shape.numel() for shape in adapter_shapes(self.config, self.lora).values())
-            flops += 6 * adapters - 2 * self.config.num_params(include_embedding=False)
+            # A dense family's config has no active_params: every weight is active.
+            active = getattr(self.config, "active_params", self.config.num_params)
+            flops += 6 * adapters - 2 * active(include_embedding=False)
         return flops
 
     def count_tokens(self, batch: dict[str, Tensor]) -> int:
@@ -175,6 +178,9 @@ class DecoderLM(LightningModule):
         # Not on the progress bar: Lightning turns progress-bar values into Python numbers every step, a host sync
         # that stalls the NPU; TokenThroughputMonitor prints the loss at logging steps.
         self.log("train_loss", loss)
+        expert_load = getattr(self.model, "expert_load", None)  # an MoE family's routing balance (max / mean)
+        if expert_load is not None:
+            self.log("expert_load", expert_load())  # a device tensor, written at logging steps as train_loss is
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:

@@ -12,17 +12,14 @@ the targeted projections, which are the decoder's projections of the same names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
-from lightning_npu.plan import DecoderProfile, LowRankAdapters, ModelShape, RootParameters
-from recipes import families
+from lightning_npu.plan import DecoderProfile, ModelShape, RootParameters
+from recipes.decoder.plan_profile import adapters, family_config
 from recipes.models.llama.config import LLaMAConfig
-from recipes.decoder.lora_config import LoRAConfig
 
 #: The class the recipe's configs shard and checkpoint by (auto_wrap_policy / activation_checkpointing_policy).
 BLOCK_CLASS = "recipes.models.llama.model.TransformerBlock"
-#: DecoderLM's default preset (module.py), used when a config's model: section names none.
-DEFAULT_PRESET = "tiny"
 
 
 @dataclass(frozen=True)
@@ -46,27 +43,10 @@ class TiedDecoderProfile(DecoderProfile):
         return TiedRootParameters(embedding=(m.vocab_size, m.dim), final_norm=(m.dim,), output=(m.vocab_size, m.dim))
 
 
-def adapters(lora: Any) -> Optional[LowRankAdapters]:
-    """The planner's adapters for a config's ``model.lora`` value (None: full fine-tuning)."""
-    config = LoRAConfig.from_value(lora)
-    if config is None:
-        return None
-    return LowRankAdapters(rank=config.rank, projections=config.targets, dropout=config.dropout > 0)
-
-
 def lightning_npu_memory_profile(model: Mapping[str, Any]) -> DecoderProfile:
     """The profile of the DecoderLM module a config's ``model:`` section (``family``, ``preset``, ``config``,
     ``lora``) builds, for a section of this family."""
-    family = str(model.get("family", families.DEFAULT_FAMILY))
-    if families.FAMILIES.get(family) != f"{__package__}.family":
-        raise ValueError(
-            f"model.family={family!r} is not the family of {__name__} (the families: {sorted(families.FAMILIES)})"
-        )
-    preset = str(model.get("preset", DEFAULT_PRESET))
-    overrides = model.get("config") or {}
-    if not isinstance(overrides, Mapping):
-        raise ValueError(f"model.config must be a mapping of LLaMAConfig fields, not {overrides!r}")
-    config = LLaMAConfig.from_preset(preset, **dict(overrides))
+    preset, config = family_config(model, __name__, LLaMAConfig)
     profile = TiedDecoderProfile if config.tie_embeddings else DecoderProfile
     return profile(ModelShape.of(config), name=f"LLaMA {preset}", block_class=BLOCK_CLASS,
                    adapters=adapters(model.get("lora")))

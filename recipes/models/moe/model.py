@@ -43,7 +43,7 @@ from lightning_npu.strategies.expert_parallel import StackedExperts
 from recipes.decoder.layers import INIT_STD, Linear
 from recipes.decoder.transformer import Attention, CausalDecoder, DecoderBlock, FeedForward
 from recipes.models.moe.config import MoEConfig
-from recipes.models.moe.router import Router, load_balancing_loss, route
+from recipes.models.moe.router import Router, expert_load, load_balancing_loss, route
 
 
 class Experts(StackedExperts):
@@ -86,8 +86,12 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        self.router_logits = self.router(tokens)
-        probs, expert_ids = route(self.router_logits, self.top_k, normalise=self.norm_topk_prob)
+        logits = self.router(tokens)
+        # Not when activation checkpointing recomputes this forward inside backward: the recomputed logits would
+        # keep the block's recomputed graph, and its saved tensors, alive until the next forward.
+        if torch._C._current_graph_task_id() == -1:
+            self.router_logits = logits
+        probs, expert_ids = route(logits, self.top_k, normalise=self.norm_topk_prob)
         # The probs go in the tokens' dtype: the fused unpermute's backward gives NaN for mixed dtypes (moe-facts.md).
         permuted, counts, permutation = permute_tokens(tokens, expert_ids, probs.to(tokens.dtype), self.n_experts)
         out = unpermute_tokens(self.experts(permuted, counts), permutation)
@@ -136,3 +140,9 @@ class MoE(CausalDecoder):
             return self.tok_embeddings.weight.new_zeros(())
         logits = [self.layers[i].feed_forward.router_logits for i in self.config.moe_layers]
         return coef * load_balancing_loss(logits, self.config.top_k)
+
+    def expert_load(self) -> Tensor:
+        """The last forward's routing balance (``router.expert_load``: max / mean tokens per expert, worst layer),
+        which ``DecoderLM`` logs as ``expert_load``."""
+        return expert_load([self.layers[i].feed_forward.router_logits for i in self.config.moe_layers],
+                           self.config.top_k)

@@ -52,3 +52,18 @@ def load_balancing_loss(router_logits: Sequence[Tensor], top_k: int) -> Tensor:
     chosen = torch.topk(scores, top_k, dim=-1).indices.flatten()
     counts = torch.zeros(n_experts, device=logits.device).scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
     return n_experts * torch.sum(counts / tokens * scores.mean(dim=0))
+
+
+def expert_load(router_logits: Sequence[Tensor], top_k: int) -> Tensor:
+    """How unevenly the tokens were routed: in the worst-balanced layer, the most loaded expert's share of the top_k
+    choices over the mean share (1 when every expert got as many; n_experts / top_k at most). A 0-d fp32 tensor,
+    counted without a host sync, with no gradient (the top k of the logits are those of their softmax)."""
+    if not router_logits:
+        raise ValueError("expert_load needs the router logits of at least one MoE layer")
+    loads = []
+    for logits in router_logits:
+        chosen = torch.topk(logits.detach(), top_k, dim=-1).indices.flatten()
+        counts = torch.zeros(logits.shape[-1], device=logits.device)
+        counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
+        loads.append(counts.max() / counts.mean())
+    return torch.stack(loads).max()

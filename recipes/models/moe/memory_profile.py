@@ -1,0 +1,200 @@
+"""The MoE recipe's memory profile for ``lightning-npu plan`` (the protocol: ``lightning_npu.plan.profile``).
+
+Torch-free: the planner imports it to read a config. Attention, norms, the root unit and LoRA on attention are the
+decoder ``lightning_npu.plan.decoder`` counts (with Qwen2-MoE's qkv biases and Qwen3-MoE's per-head q/k norms and
+free head_dim); ``MoEProfile`` replaces the MLP half of each MoE layer by what model.py's ``MoEFeedForward`` holds:
+
+- parameters: the router [E, dim], the stacked experts w_gate_up [E, 2F, dim] and w_down [E, dim, F] (two large
+  tensors FSDP2 shards along the expert axis), the shared expert and its gate; dense layers (``dense_layers``,
+  ``sparse_step``) are the decoder's SwiGLU block of ``dense_hidden_dim``;
+- saved for backward, per token: the router's fp32 input (for its weight's gradient) and fp32 logits [E] (which
+  the layer also keeps for the load-balancing loss), the softmax [E], the top-k ids and probabilities; the
+  permuted rows, top_k per token, and the experts' SwiGLU output [k x F] (the grouped matmuls' inputs: torch's
+  ``_grouped_mm`` keeps them for the experts' gradients only, the fused op's Function always), the gate/up
+  [k x 2F] interiors, the rows the unpermute weights (fp32 on the reference path) and its indices; the shared
+  expert's SwiGLU, its gate and output;
+- the load-balancing loss (``router_aux_loss_coef`` > 0) keeps the softmax of every MoE layer's logits and their
+  top-k ids until backward (counted with the final norm's tensors);
+- under expert parallelism (``expert_parallel_size`` N) each rank holds E / N experts, gathered and given
+  gradients as such, sharded over the ranks that hold the same experts; every all-to-all holds a send and a
+  receive buffer of T x k rows, and the expert group is one more HCCL communicator.
+
+A layer's logits live until the next forward in the model, the replay frees them at the layer's backward; at
+T x E x 4 bytes a layer that is well under the tolerance (tiny configs: 4 KiB; Qwen3-30B-A3B at 4096 tokens: 2 MiB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+from lightning_npu.plan import DecoderProfile, ModelShape, PlanError, RankLocalShape
+from lightning_npu.plan.decoder import ATTENTION_PROJECTIONS, FP32_BYTES, Shape
+from recipes.decoder.plan_profile import adapters, family_config
+from recipes.models.moe.config import MoEConfig
+
+#: The class the recipe's configs shard and checkpoint by (auto_wrap_policy / activation_checkpointing_policy).
+BLOCK_CLASS = "recipes.models.moe.model.MoEBlock"
+#: Bytes of an int64 index (torch.topk's ids, the reference permutation) and of the fused permute's int32 one.
+INT64_BYTES, INT32_BYTES = 8, 4
+
+
+@dataclass(frozen=True)
+class MoEProfile(DecoderProfile):
+    """An MoE decoder: the MLP of every layer outside ``dense_layers`` routes each token to ``top_k`` of
+    ``n_experts`` SwiGLU experts of ``expert_hidden_dim`` (softmax, top-k, renormalised with ``norm_topk_prob``),
+    plus a shared expert of ``shared_expert_hidden_dim`` (0: none); the shape's ``ffn_hidden_dim`` is the dense
+    layers' width. ``aux_loss``: the load-balancing loss is trained. ``expert_parallel_size``: ranks the experts
+    of a layer are split over."""
+
+    n_experts: int = 1
+    top_k: int = 1
+    expert_hidden_dim: int = 1
+    shared_expert_hidden_dim: int = 0
+    dense_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = True
+    aux_loss: bool = False
+    expert_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        size = self.expert_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or self.n_experts % size:
+            raise PlanError(
+                f"expert_parallel_size={size!r} must be a positive integer that divides n_experts={self.n_experts}"
+                " (each rank holds n_experts / expert_parallel_size experts)"
+            )
+        mlp = [p for p in (self.adapters.projections if self.adapters else ()) if p not in ATTENTION_PROJECTIONS]
+        if mlp:
+            raise PlanError(
+                f"lora.targets {list(mlp)}: the MoE family adapts attention only (its experts are stacked parameters,"
+                " not Linear layers); target among q, k, v, o"
+            )
+
+    @property
+    def moe_layers(self) -> int:
+        return self.shape.n_layers - len(self.dense_layers)
+
+    def block_profile(self, layer: int) -> DecoderProfile:
+        """A dense layer is the decoder's SwiGLU block (of the shape's ``ffn_hidden_dim``); an MoE layer this."""
+        if layer in self.dense_layers:
+            return DecoderProfile(self.shape, self.name, self.block_class, self.adapters, self.qkv_bias, self.qk_norm)
+        return self
+
+    def with_expert_parallelism(self, size: int) -> "MoEProfile":
+        return replace(self, expert_parallel_size=size)
+
+    # ------------------------------------------------------------------------------------------- parameters
+
+    def mlp_parameters(self) -> tuple[tuple[Shape, ...], tuple[Shape, ...]]:
+        """ffn_norm, the router, the local experts' w_gate_up, the shared expert's w_gate, w_up and gate; then the
+        experts' and the shared expert's w_down."""
+        d, f, shared, ep = self.shape.dim, self.expert_hidden_dim, self.shared_expert_hidden_dim, self.expert_parallel_size
+        local = self.n_experts // ep
+        mlp_input: tuple[Shape, ...] = ((d,), (self.n_experts, d), RankLocalShape((local, 2 * f, d), ep))
+        mlp_output: tuple[Shape, ...] = (RankLocalShape((local, d, f), ep),)
+        if shared:
+            mlp_input += ((shared, d), (shared, d), (1, d))
+            mlp_output += ((d, shared),)
+        return mlp_input, mlp_output
+
+    # ------------------------------------------------------------------------------------------ activations
+
+    def mlp_saved(self, kernels: str, a: int, residual_grad: bool) -> dict[str, float]:
+        """What ``MoEFeedForward`` keeps per token (see the module docstring); nothing when neither its input
+        needs a gradient nor its weights train."""
+        trains = self.adapters is None
+        if not (residual_grad or trains):
+            return {}
+        d, k, experts, shared = self.shape.dim, self.top_k, self.n_experts, self.shared_expert_hidden_dim
+        fused = kernels == "fused"
+        saved: dict[str, float] = {}
+        if residual_grad:
+            saved.update(self._norm_saved("ffn_norm", kernels, a, trains))
+        if trains:  # the router's fp32 copy of the tokens (the tokens themselves in fp32), the shared expert's input
+            if a == FP32_BYTES:
+                saved["router (and shared expert) input"] = a * d
+            else:
+                saved["router input (fp32 copy)"] = FP32_BYTES * d
+                if shared:
+                    saved["shared expert input"] = a * d
+        saved["router logits (fp32) + softmax"] = 2 * FP32_BYTES * experts
+        saved["top-k expert ids (int64)"] = INT64_BYTES * k
+        if self.norm_topk_prob:
+            saved["top-k probabilities + their sum (fp32)"] = FP32_BYTES * (k + 1)
+        if fused:
+            saved["permute sorted_indices (int32)"] = INT32_BYTES * k
+        else:
+            saved["permute gather and unpermute indices (int64)"] = 2 * INT64_BYTES * k
+        # The grouped matmuls keep their inputs for the experts' gradients; the fused op's Function keeps them
+        # whether or not the experts train.
+        keeps_inputs = trains or fused
+        if keeps_inputs:
+            saved["permuted rows (gate/up grouped matmul input)"] = a * k * d
+        saved.update(self._swiglu_saved("experts' ", kernels, a, k * self.expert_hidden_dim, True, keeps_inputs))
+        if fused:
+            saved["unpermute input rows + probs"] = a * k * (d + 1)
+        else:
+            saved["unpermute gathered rows + probs (fp32)"] = FP32_BYTES * k * (d + 1)
+        if shared:
+            saved.update(self._swiglu_saved("shared expert ", kernels, a, shared, True, trains))
+            saved["shared expert output + sigmoid gate"] = a * (d + 1)
+        return saved
+
+    def saved_by_final_norm(self, kernels: str, act_bytes: int) -> float:
+        """The final norm's tensors, plus the load-balancing loss's: the softmax of every MoE layer's logits (fp32)
+        and their top-k ids (int64)."""
+        aux = self.moe_layers * (FP32_BYTES * self.n_experts + INT64_BYTES * self.top_k) if self.aux_loss else 0
+        return super().saved_by_final_norm(kernels, act_bytes) + aux
+
+    def forward_scratch(self, kernels: str, act_bytes: int, seq_len: int, checkpointed: bool) -> float:
+        """The decoder's, with the routed rows in place of a dense MLP: the experts' output rows and (reference
+        path) their fp32 weighted copy exist together before the sum over choices; a checkpointed block holds its
+        routed interiors at once; each all-to-all of expert parallelism its send and receive buffers."""
+        a, d, k = act_bytes, self.shape.dim, self.top_k
+        scratch = a * d + (0 if kernels == "fused" else FP32_BYTES * d)
+        if kernels == "eager":
+            scratch += FP32_BYTES * self.shape.n_heads * seq_len
+        scratch += a * k * d + (0 if kernels == "fused" else FP32_BYTES * k * d)
+        if checkpointed:
+            scratch += 4 * a * (k * self.expert_hidden_dim + self.shared_expert_hidden_dim) + a * k * d
+        return scratch + self.all_to_all_bytes(act_bytes)
+
+    def backward_scratch(self, kernels: str, act_bytes: int, seq_len: int) -> tuple[float, float]:
+        """The MLP half: the gradients of the SwiGLU outputs and inputs (routed rows and shared expert), of the
+        routed rows entering the unpermute and leaving the permute, and the all-to-all buffers; attention's is
+        the decoder's."""
+        a, d, k = act_bytes, self.shape.dim, self.top_k
+        mlp = 2 * a * (k * self.expert_hidden_dim + self.shared_expert_hidden_dim) + 2 * a * k * d
+        return mlp + self.all_to_all_bytes(act_bytes), super().backward_scratch(kernels, act_bytes, seq_len)[1]
+
+    def all_to_all_bytes(self, act_bytes: int) -> float:
+        """Per token, the send and receive buffers of an expert-parallel all-to-all of the routed rows (none
+        without expert parallelism)."""
+        return 2 * act_bytes * self.top_k * self.shape.dim if self.expert_parallel_size > 1 else 0.0
+
+
+def profile_of(config: MoEConfig, name: str, lora: Any = None) -> MoEProfile:
+    """The profile of the recipe's MoE model of ``config`` (``lora``: a config's ``model.lora`` value)."""
+    dense = config.dense_layer_indices
+    shape = ModelShape(
+        vocab_size=config.vocab_size, dim=config.dim, n_layers=config.n_layers, n_heads=config.n_heads,
+        n_kv_heads=config.n_kv_heads, ffn_hidden_dim=config.dense_hidden_dim if dense else config.expert_hidden_dim,
+        max_seq_len=config.max_seq_len, head_dim=config.head_dim,
+    )
+    if config.tie_embeddings:
+        raise ValueError("model.config.tie_embeddings=true is not planned for MoE models yet; plan with false (an"
+                         " upper bound: one more [vocab, dim] matrix)")
+    return MoEProfile(
+        shape, name=name, block_class=BLOCK_CLASS, adapters=adapters(lora), qkv_bias=config.qkv_bias,
+        qk_norm=config.qk_norm, n_experts=config.n_experts, top_k=config.top_k,
+        expert_hidden_dim=config.expert_hidden_dim, shared_expert_hidden_dim=config.shared_expert_hidden_dim,
+        dense_layers=tuple(dense), norm_topk_prob=config.norm_topk_prob,
+        aux_loss=config.router_aux_loss_coef > 0,
+    )
+
+
+def lightning_npu_memory_profile(model: Mapping[str, Any]) -> MoEProfile:
+    """The profile of the DecoderLM module a config's ``model:`` section (``family: moe``, ``preset``,
+    ``config``, ``lora``) builds."""
+    preset, config = family_config(model, __name__, MoEConfig)
+    return profile_of(config, f"MoE {preset} ({config.n_experts} experts, top-{config.top_k})", model.get("lora"))

@@ -1,0 +1,159 @@
+"""The MoE family's memory profile (recipes/models/moe/memory_profile.py) against the recipe's MoE model itself:
+its parameters (stacked experts, router, shared expert, dense layers), what a block's forward leaves saved for
+backward (counted through autograd's saved-tensor hooks), and the expert-parallel terms. The end-to-end check
+against measured training peaks is tests/test_plan_accuracy.py."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_npu.plan import PlanError, estimate, load_spec
+from recipes.models.moe.config import MoEConfig
+from recipes.models.moe.memory_profile import lightning_npu_memory_profile, profile_of
+from recipes.models.moe.model import MoE
+from tests.test_plan import _kernels_context, _saved_bytes_per_token
+
+TINY_MOE = Path(__file__).resolve().parents[1] / "recipes" / "models" / "moe" / "configs" / "tiny_moe.yaml"
+#: Qwen2-MoE on the tiny preset: a shared expert with its gate, a dense first layer, qkv biases, no renormalisation.
+QWEN2 = dict(architecture="qwen2_moe", shared_expert_hidden_dim=48, dense_layers=[0], dense_hidden_dim=80,
+             qkv_bias=True, norm_topk_prob=False)
+#: Mixtral on the tiny preset, with a head_dim other than dim / heads (as Qwen3-30B-A3B's 32 x 128 on 2048).
+MIXTRAL = dict(architecture="mixtral", head_dim=48, router_aux_loss_coef=0.0)
+
+
+@pytest.mark.parametrize("overrides", [{}, QWEN2, MIXTRAL], ids=["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_the_profile_holds_each_layer_s_parameters_as_the_model_does(overrides):
+    """Per layer, the multiset of parameter shapes FSDP2 shards (the experts as two stacked tensors) is the model's;
+    catches the experts as E x 3 small tensors, a missing router or shared-expert gate, the dense layer planned as
+    MoE, q/k norms or biases left out, and the queries' width taken as dim."""
+    config = MoEConfig.from_preset("tiny", **overrides)
+    with torch.device("meta"):
+        model = MoE(config)
+    profile = profile_of(config, "tiny")
+    for i, layer in enumerate(model.layers):
+        planned = Counter(tuple(shape) for shape in profile.block_profile(i).block_parameters().shapes)
+        assert planned == Counter(tuple(p.shape) for p in layer.parameters()), f"layer {i}"
+    assert profile.num_params() == sum(p.numel() for p in model.parameters()) == config.num_params()
+
+
+def _moe_block(overrides, layer=1, lora=None):
+    from recipes.decoder.lora import LoRAConfig, add_lora
+
+    config = MoEConfig.from_preset("tiny", n_layers=2, **overrides)
+    torch.manual_seed(0)
+    model = MoE(config)
+    if lora is not None:
+        add_lora(model, LoRAConfig.from_value(lora))
+    return config, model.layers[layer]
+
+
+@pytest.mark.parametrize(("overrides", "layer", "lora"), [
+    ({}, 1, None), (QWEN2, 1, None), (QWEN2, 0, None), (MIXTRAL, 1, None),
+    ({}, 1, dict(rank=8, targets=["q", "k", "v", "o"])),
+], ids=["qwen3_moe", "qwen2_moe_shared_expert", "qwen2_moe_dense_layer", "mixtral_head_dim", "lora_frozen_experts"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_moe_block_activation_count_matches_the_tensors_autograd_saves(overrides, layer, lora, precision):
+    """What one MoE (or dense) block keeps for backward on the reference path is the profile's count exactly, plus
+    nothing: the router's input and softmax, the top-k ids and probabilities, the permutation's indices, the
+    permuted rows and the experts' SwiGLU interiors (top_k rows per token), the unpermute's fp32 rows, the shared
+    expert. The router logits are not saved by autograd; the layer keeps them (``router_logits``) and the profile
+    counts them with the saved tensors, so they are added to the measurement. Catches the routed rows counted once
+    per token instead of top_k times, the frozen experts' inputs counted under LoRA (torch._grouped_mm keeps them
+    only for the experts' gradients), a shared expert or the int64 indices left out."""
+    config, block = _moe_block(overrides, layer, lora)
+    dtype = torch.float32
+    if precision == "bf16-mixed":
+        block = block.to(torch.bfloat16)
+        dtype = torch.bfloat16
+    seq, batches = 32, (2, 4)
+    measured = _saved_bytes_per_token(block, dtype, _kernels_context(precision, "reference"), batches, seq)
+    if layer in config.moe_layers:
+        measured += 4 * config.n_experts  # block.feed_forward.router_logits, fp32 [tokens, n_experts]
+    act_bytes = 4 if precision == "32-true" else 2
+    profile = lightning_npu_memory_profile({"family": "moe", "preset": "tiny", "lora": lora,
+                                            "config": dict(n_layers=2, **overrides)})
+    assert measured == sum(profile.block_profile(layer).saved_by_block("reference", act_bytes, seq).all.values())
+
+
+def _tiny_moe_config(tmp_path, devices=4, **strategy):
+    """tiny_moe.yaml on ``devices`` with more strategy options, written where it names its block by import path."""
+    document = yaml.safe_load(TINY_MOE.read_text())
+    document["trainer"]["strategy"]["init_args"].update(
+        auto_wrap_policy=["recipes.models.moe.model.MoEBlock"], activation_checkpointing_policy=None, **strategy)
+    document["trainer"]["devices"] = devices
+    path = tmp_path / "tiny_moe_ep.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def _tiny_moe_spec(tmp_path, **strategy):
+    return load_spec(_tiny_moe_config(tmp_path, **strategy))
+
+
+def test_expert_parallelism_gathers_the_local_experts_and_adds_all_to_all_buffers(tmp_path):
+    """expert_parallel_size=2 on 4 devices: each rank holds 4 of the 8 experts, sharded over the 2 ranks that hold
+    the same ones, so the sharded states are unchanged, the gathered copy of a block holds half the experts, the
+    experts' all-to-alls hold a send and a receive buffer of the routed rows, and the expert group is one more
+    HCCL communicator."""
+    plain, ep = _tiny_moe_spec(tmp_path), _tiny_moe_spec(tmp_path, expert_parallel_size=2)
+    assert (plain.profile.expert_parallel_size, ep.profile.expert_parallel_size) == (1, 2)
+    assert ep.profile.num_params() == plain.profile.num_params() == MoEConfig.from_preset("tiny").num_params()
+    plain_items, ep_items = estimate(plain, zero_stage=2).items, estimate(ep, zero_stage=2).items
+    assert ep_items["parameters"] == plain_items["parameters"]
+    config = MoEConfig.from_preset("tiny")
+    experts = 3 * config.expert_hidden_dim * config.dim * config.n_experts * len(config.moe_layers)
+    # ZeRO-2 keeps every block gathered (fp32 here): half the experts fewer per rank.
+    assert plain_items["gathered"] - ep_items["gathered"] == experts // 2 * 4
+    assert ep_items["comm"] == 2 * plain_items["comm"]
+    tokens = config.dim * config.top_k * 4 * 2  # the send and receive buffers, fp32 rows, per token
+    assert ep.profile.forward_scratch("fused", 4, 128, False) - plain.profile.forward_scratch("fused", 4, 128, False) \
+        == tokens
+
+
+@pytest.mark.parametrize(("strategy", "message"), [
+    (dict(expert_parallel_size=3), r"expert_parallel_size=3 must be a positive integer that divides n_experts=8"),
+    (dict(expert_parallel_size=0), r"expert_parallel_size=0 must be a positive integer"),
+])
+def test_an_expert_parallel_size_that_does_not_split_the_experts_is_refused(tmp_path, strategy, message):
+    with pytest.raises(PlanError, match=message):
+        _tiny_moe_spec(tmp_path, **strategy)
+
+
+def test_an_expert_parallel_size_that_does_not_divide_the_devices_is_refused(tmp_path):
+    with pytest.raises(PlanError, match=r"expert_parallel_size=8 does not divide the 4 devices"):
+        load_spec(_tiny_moe_config(tmp_path, devices=4, expert_parallel_size=8))
+
+
+def test_a_dense_decoder_refuses_expert_parallelism(tmp_path):
+    llama = Path(__file__).resolve().parents[1] / "recipes" / "models" / "llama" / "configs" / "llama2_7b.yaml"
+    document = yaml.safe_load(llama.read_text())
+    document["trainer"]["strategy"]["init_args"]["expert_parallel_size"] = 2
+    path = tmp_path / "llama_ep.yaml"
+    path.write_text(yaml.safe_dump(document))
+    with pytest.raises(PlanError, match=r"expert_parallel_size=2: LLaMA 7b has no experts to split; use 1"):
+        load_spec(path)
+
+
+def test_lora_on_the_experts_is_refused_as_the_family_refuses_it():
+    with pytest.raises(ValueError, match=r"the MoE family adapts attention only"):
+        lightning_npu_memory_profile({"family": "moe", "lora": dict(rank=8, targets=["q", "gate"])})
+
+
+def test_mixtral_planned_fully_fine_tuned_beyond_8_devices_shows_the_padded_experts():
+    """FSDP2 shards a stacked [8, ...] expert tensor along dim 0: over 16 ranks each holds one expert's rows (half
+    of them padding), so the sharded states are those of 16 experts, not 8 (why mixtral_8x7b_lora.yaml is LoRA)."""
+    from lightning_npu.plan import PlanSpec, state_bytes
+
+    profile = profile_of(MoEConfig.from_preset("mixtral-8x7b"), "mixtral-8x7b")
+    shards = {n: state_bytes(PlanSpec(model=profile.shape, profile=profile, seq_len=4096, micro_batch=1, devices=8,
+                                      nodes=n))["parameters"] for n in (1, 2)}
+    config = MoEConfig.from_preset("mixtral-8x7b")
+    one_expert = 3 * config.dim * config.expert_hidden_dim * config.n_layers * 4  # one expert per layer, fp32
+    rest = profile.num_params() * 4 - config.n_experts * one_expert
+    assert shards[1] == pytest.approx((rest + config.n_experts * one_expert) / 8, rel=1e-6)
+    assert shards[2] == pytest.approx(rest / 16 + one_expert, rel=1e-4)  # not (rest + 8 experts) / 16; the router pads too
