@@ -65,17 +65,19 @@ class GatheredDtypes(Callback):
 
 
 def quantized_bytes(model) -> dict:
-    """This rank's bytes of the quantized weights' local shards, and the bf16 bytes of those weights' shards."""
-    codes = scales = bf16 = 0
+    """This rank's bytes of the quantized weights' local shards, the bf16 bytes of those weights' shards, and the
+    bytes of all its parameter shards."""
+    codes = scales = bf16 = every = 0
     for name, param in model.named_parameters():
         local = param.to_local() if hasattr(param, "to_local") else param
+        every += local.numel() * local.element_size()
         if name.endswith(".weight_codes"):
             codes += local.numel() * local.element_size()
             columns = param.shape[1] * (2 if local.dtype == torch.uint8 else 1)  # nf4: two codes per byte
             bf16 += local.shape[0] * columns * 2
         elif name.endswith(".weight_scales"):
             scales += local.numel() * local.element_size()
-    return {"codes": codes, "scales": scales, "bf16": bf16}
+    return {"codes": codes, "scales": scales, "bf16": bf16, "all": every}
 
 
 def fit(out: Path, base: str, strategy: str, quantization=None, ckpt_path=None):

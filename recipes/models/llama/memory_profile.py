@@ -7,7 +7,8 @@ logits: see model.py), so the profile is that decoder at the preset's shape: LLa
 [vocab, dim] matrix where the generic decoder has two (``TiedDecoderProfile``). With ``lora`` (validated by the
 recipe's own ``LoRAConfig``) the profile is a LoRA run: the base frozen, adapters of the configured rank beside
 the targeted projections, which are the decoder's projections of the same names (gate and up: the halves of the
-fused w_gate_up, each with its own adapter, as lora.py builds them).
+fused w_gate_up, each with its own adapter, as lora.py builds them), and with ``lora.base_quantization`` every
+projection of the blocks is counted at its quantized bytes, as lora.py stores them.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def adapters(lora: Any) -> Optional[LowRankAdapters]:
     config = LoRAConfig.from_value(lora)
     if config is None:
         return None
-    return LowRankAdapters(rank=config.rank, projections=config.targets, dropout=config.dropout > 0)
+    return LowRankAdapters(rank=config.rank, projections=config.targets, dropout=config.dropout > 0,
+                           base_quantization=config.base_quantization)
 
 
 def lightning_npu_memory_profile(model: Mapping[str, Any]) -> DecoderProfile:
