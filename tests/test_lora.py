@@ -156,7 +156,7 @@ def test_lora_on_a_quantized_base_trains_shards_the_codes_and_resumes_exactly(tm
                                   "weight_scales": ["bfloat16", [128 if scheme == "int8" else 256]]}
     expected_ratio = {"int8": 0.5, "nf4": 0.28}[scheme]
     document = {"model": {"family": "llama", "preset": "tiny", "lora": result["checkpoint_lora"]},
-                "trainer": {"devices": 2, "precision": "bf16-mixed"}}
+                "trainer": {"devices": 2, "precision": "bf16-mixed", "strategy": "npu_fsdp"}}
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(document))
     planned = state_bytes(load_spec(tmp_path / "plan.yaml", profile="recipes.models.llama.memory_profile"))
     for rank in result["shard_bytes"]:
