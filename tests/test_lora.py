@@ -95,6 +95,15 @@ def test_lora_resume_with_other_adapters_is_refused(tmp_path):
         other.load_state_dict(state)
 
 
+def test_a_base_nf4_cannot_pack_is_refused_when_the_module_is_built_naming_the_weight():
+    """Catches a shape NF4 cannot store (an odd row length) failing only in the workers, or without the fix."""
+    with pytest.raises(ValueError, match=r"cannot quantize feed_forward.w_down.weight to nf4: .*\(128, 99\).*use int8"):
+        DecoderLM(preset="tiny", config={"ffn_hidden_dim": 99}, init_from="base.ckpt",
+                  lora={"rank": 4, "targets": ["q"], "base_quantization": "nf4"})
+    DecoderLM(preset="tiny", config={"ffn_hidden_dim": 99}, init_from="base.ckpt",
+              lora={"rank": 4, "targets": ["q"], "base_quantization": "int8"})
+
+
 def _base_checkpoint(path, config):
     torch.manual_seed(0)
     return save_recipe_checkpoint(path, config, LLaMA(config).state_dict())

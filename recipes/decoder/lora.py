@@ -40,6 +40,7 @@ from torch.nn import functional as F
 from lightning_npu.kernels import quantized_linear
 from lightning_npu.quant import QuantizedLinear, dequantize, quantized_state
 from lightning_npu.quant.linear import CODES, SCALES
+from lightning_npu.quant.weights import check_quantizable
 from recipes import families
 from recipes.decoder.family import LoRASite
 from recipes.decoder.layers import Linear
@@ -139,7 +140,9 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
         for path in quantized_paths(model.config, config):
             parent_path, _, leaf = path.rpartition(".")
             parent = layer.get_submodule(parent_path)
-            setattr(parent, leaf, QuantizedLinear.from_linear(getattr(parent, leaf), config.base_quantization))
+            linear = getattr(parent, leaf)
+            check_quantizable(tuple(linear.weight.shape), config.base_quantization, f"{path}.weight")
+            setattr(parent, leaf, QuantizedLinear.from_linear(linear, config.base_quantization))
         for path, (blocks, adapted) in sites.items():
             parent_path, _, leaf = path.rpartition(".")
             parent = layer.get_submodule(parent_path)

@@ -94,6 +94,8 @@ class DecoderLM(LightningModule):
                 "must come from init_from at every start, a resume included. Pass --model.init_from with the base "
                 "(a Hugging Face directory or a recipe checkpoint), the same one the run started from."
             )
+        if self.lora is not None:  # builds the adapted model on the meta device: a weight nf4 cannot pack fails here
+            adapter_shapes(self.config, self.lora)
         if init_from:  # recorded absolute, so a LoRA checkpoint finds its base from any working directory
             init_from = os.path.abspath(init_from)
         if not 0.0 <= min_lr_ratio <= 1.0:
