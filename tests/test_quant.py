@@ -175,7 +175,8 @@ def test_int8_forward_calls_npu_weight_quant_batchmatmul_as_documented(monkeypat
 @pytest.mark.parametrize(
     ("wrong_call", "error", "match"),
     [
-        (lambda npu, x, c, s: npu.npu_weight_quant_batchmatmul(x, c, s.to(x.dtype)), ValueError, r"\(M, K\) and \(K, N\)"),
+        (lambda npu, x, c, s: npu.npu_weight_quant_batchmatmul(x, c, s.to(x.dtype)), ValueError,
+         r"\(M, K\) and \(K, N\)"),
         (lambda npu, x, c, s: npu.npu_weight_quant_batchmatmul(x, c.t(), s), TypeError, "must have x's dtype"),
         (lambda npu, x, c, s: npu.npu_weight_quant_batchmatmul(x, c.t().float(), s.to(x.dtype)), TypeError, "int8"),
         (lambda npu, x, c, s: npu.npu_weight_quant_batchmatmul(x.float(), c.t(), s), TypeError, "float16/bfloat16"),

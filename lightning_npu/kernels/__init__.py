@@ -1,4 +1,5 @@
-"""Fused kernels for LLaMA-style and MoE models (and matmuls with a frozen quantized weight): torch_npu kernels on NPU tensors, exact PyTorch paths elsewhere.
+"""Fused kernels for LLaMA-style and MoE models, and matmuls with a frozen quantized weight: torch_npu kernels on NPU
+tensors, exact PyTorch paths elsewhere.
 
 Every function takes BSND tensors ([batch, seq, heads, head_dim]) where it takes attention heads, picks
 its path from the input tensor's device (see ``_dispatch``), and logs once whenever an NPU input has to use the

@@ -260,7 +260,8 @@ def load_pretrained(
     """Copy weights from a Hugging Face directory or a recipe checkpoint into ``model`` (sharded or not).
 
     With ``lora`` (a model with adapters) only the base weights are loaded (quantized first if
-    ``lora.base_quantization`` says so), and with ``fresh_adapters`` the adapters get their first values too (``lora.initial_adapter_state`` from rank 0's seed).
+    ``lora.base_quantization`` says so), and with ``fresh_adapters`` the adapters get their first values too
+    (``lora.initial_adapter_state`` from rank 0's seed).
 
     Only rank 0 reads the weights (a full host copy: 13.5 GB for 7B in bf16); every rank receives its shard from
     rank 0. Rank 0's checks (shapes, config) reach every rank, so all fail together with the same message.

@@ -667,21 +667,25 @@ def npu_weight_quant_batchmatmul(x: Tensor, weight: Tensor, antiquant_scale: Ten
     if weight.dtype == torch.int32:
         raise NotImplementedError("the fake does not model int4 weights packed in int32")
     if weight.dtype != torch.int8:
-        raise TypeError(f"npu_weight_quant_batchmatmul takes an int8 weight (or int4 packed in int32), got {weight.dtype}")
+        raise TypeError(f"npu_weight_quant_batchmatmul takes an int8 weight (or int4 packed in int32), got"
+                        f" {weight.dtype}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[0]:
-        raise ValueError(f"x and weight must be (M, K) and (K, N); got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+        raise ValueError(f"x and weight must be (M, K) and (K, N); got x {tuple(x.shape)} and weight"
+                         f" {tuple(weight.shape)}")
     if x.numel() == 0 or weight.numel() == 0:
         raise ValueError("npu_weight_quant_batchmatmul does not take empty tensors ('不支持空Tensor输入')")
     k, n = weight.shape
     if max(k, n) > _WQBMM_MAX_INNER:
         raise ValueError(f"K and N must lie in [1, {_WQBMM_MAX_INNER}], got K={k}, N={n}")
     if antiquant_scale.dtype != x.dtype:
-        raise TypeError(f"antiquant_scale in float16/bfloat16 must have x's dtype {x.dtype}, got {antiquant_scale.dtype}"
-                        " (int64 scales are the fp16-only npu_trans_quant_param form, not modelled)")
+        raise TypeError(f"antiquant_scale in float16/bfloat16 must have x's dtype {x.dtype}, got"
+                        f" {antiquant_scale.dtype} (int64 scales, the fp16-only npu_trans_quant_param form, are not"
+                        " modelled)")
     shape = tuple(antiquant_scale.shape)
     if antiquant_group_size:
         if antiquant_group_size % 32 or not 32 <= antiquant_group_size <= k - 1:
-            raise ValueError(f"antiquant_group_size must be a multiple of 32 in [32, K - 1], got {antiquant_group_size}")
+            raise ValueError(f"antiquant_group_size must be a multiple of 32 in [32, K - 1], got"
+                             f" {antiquant_group_size}")
         groups = -(-k // antiquant_group_size)
         if shape != (groups, n):
             raise ValueError(f"per-group antiquant_scale must be (ceil(K / group), N) = {(groups, n)}, got {shape}")

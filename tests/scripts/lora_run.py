@@ -88,7 +88,8 @@ def fit(out: Path, base: str, strategy: str, quantization=None, ckpt_path=None):
     checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", every_n_epochs=1, save_top_k=-1)
     trainer = Trainer(
         accelerator="npu", devices=2, strategy=strategy, precision="bf16-mixed" if quantization else "32-true",
-        max_epochs=2, callbacks=[losses, checkpoints, gathered], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        max_epochs=2, callbacks=[losses, checkpoints, gathered], logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     trainer.fit(model, train_dataloaders=batches(model.config.vocab_size), ckpt_path=ckpt_path)
