@@ -38,7 +38,7 @@ def unsupported_reason(shape: tuple[int, ...], scheme: str) -> Optional[str]:
         return f"only 2-D Linear weights are quantized, not shape {tuple(shape)}"
     if scheme == "nf4" and (shape[1] % 2 or math.prod(shape) % NF4_BLOCK_SIZE):
         return (f"nf4 packs two codes per byte along a row and scales blocks of {NF4_BLOCK_SIZE} elements, so a weight"
-                f" needs an even row length and a multiple of {NF4_BLOCK_SIZE} elements; {tuple(shape)} has neither"
+                f" needs an even row length and a multiple of {NF4_BLOCK_SIZE} elements; {tuple(shape)} does not"
                 " (use int8 for this model)")
     return None
 
