@@ -36,8 +36,9 @@ swiglu_mod = importlib.import_module("lightning_npu.kernels.swiglu")
 packed_attention_mod = importlib.import_module("lightning_npu.kernels.packed_attention")
 grouped_matmul_mod = importlib.import_module("lightning_npu.kernels.grouped_matmul")
 token_permute_mod = importlib.import_module("lightning_npu.kernels.token_permute")
+quantized_matmul_mod = importlib.import_module("lightning_npu.kernels.quantized_matmul")
 KERNEL_MODULES = (attention_mod, rms_norm_mod, rotary_mod, swiglu_mod, packed_attention_mod, grouped_matmul_mod,
-                  token_permute_mod)
+                  token_permute_mod, quantized_matmul_mod)
 
 # fp32 paths must agree with fp64 plain math to float32 round-off.
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}

@@ -14,7 +14,7 @@ from recipes import convert
 from recipes.decoder.checkpoint_layout import read_model_tensors, save_recipe_checkpoint
 from recipes.models.llama.config import LLaMAConfig
 from recipes.decoder.data import DEFAULT_TOKENIZER
-from recipes.decoder.lora import LoRAConfig, add_lora, is_adapter_name
+from recipes.decoder.lora import LoRAConfig, add_lora, is_adapter_name, quantized_base_state
 from recipes.models.llama.model import LLaMA
 from recipes.decoder.module import DecoderLM
 from tests.helpers import SCRIPTS, read_json, run_python
@@ -33,6 +33,8 @@ TINY_TENSORS = len(LLaMA(LLaMAConfig.from_preset("tiny")).state_dict())
         ({"rank": 0}, "rank=0 must be an integer >= 1"),
         ({"alpha": 0}, "alpha=0 must be a number > 0"),
         ({"dropout": 1.0}, r"dropout=1.0 must lie in \[0, 1\)"),
+        ({"base_quantization": "int4"}, r"lora.base_quantization='int4' is not a base quantization: use one of int8,"
+                                        " nf4, or null"),
     ],
 )
 def test_lora_config_rejects_bad_values_naming_them(fields, message):
@@ -112,6 +114,15 @@ def test_lora_resume_with_other_adapters_is_refused(tmp_path):
         other.load_state_dict(state)
 
 
+def test_a_base_nf4_cannot_pack_is_refused_when_the_module_is_built_naming_the_weight():
+    """Catches a shape NF4 cannot store (an odd row length) failing only in the workers, or without the fix."""
+    with pytest.raises(ValueError, match=r"cannot quantize feed_forward.w_down.weight to nf4: .*\(128, 99\).*use int8"):
+        DecoderLM(preset="tiny", config={"ffn_hidden_dim": 99}, init_from="base.ckpt",
+                  lora={"rank": 4, "targets": ["q"], "base_quantization": "nf4"})
+    DecoderLM(preset="tiny", config={"ffn_hidden_dim": 99}, init_from="base.ckpt",
+              lora={"rank": 4, "targets": ["q"], "base_quantization": "int8"})
+
+
 def _base_checkpoint(path, config):
     torch.manual_seed(0)
     return save_recipe_checkpoint(path, config, LLaMA(config).state_dict())
@@ -143,12 +154,85 @@ def test_lora_trains_only_adapters_equally_under_ddp_and_fsdp_and_resumes_exactl
     assert fsdp == pytest.approx(ddp, abs=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["int8", "nf4"])
+def test_lora_on_a_quantized_base_trains_shards_the_codes_and_resumes_exactly(tmp_path, scheme):
+    """The tiny SFT-style LoRA run on 2 simulated NPUs (npu_fsdp, bf16-mixed) on an int8 and an NF4 base: the loss
+    falls; the base stays the codes ``quantized_base_state`` makes of init_from (checkpoints hold adapters only, and a
+    resume rebuilds the same codes: the resumed losses are the uninterrupted ones); each rank's shard of the quantized
+    weights is about 0.5x (int8) or 0.28x (nf4) of their bf16 bytes, and all its parameter bytes are the planner's;
+    inside forward the codes are gathered whole and never cast (FSDP2's mixed precision gathers only the scales in
+    bf16). Breakage seen: FSDP2 casting int8 codes to bf16 (codes dtype), a quantized base saved in checkpoints."""
+    import yaml
+
+    from lightning_npu.plan import load_spec, state_bytes
+
+    base = _base_checkpoint(tmp_path / "base.ckpt", LLaMAConfig.from_preset("tiny"))
+    out = tmp_path / scheme
+    run_python([str(SCRIPTS / "lora_run.py"), str(out), str(base), "npu_fsdp", scheme], timeout=300)
+    result = read_json(out / "result.json")
+    losses = result["losses"]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.05, losses
+    resumed = [result["resumed_losses"][str(step)] for step in (3, 4, 5)]
+    assert resumed == pytest.approx(losses[3:], abs=1e-6)
+    assert result["base_identical"] and result["base_keys"] == TINY_TENSORS + 7 * 4  # each of 7 projections: codes + scales
+    assert result["adapters_moved"] and result["optimizer_holds_only_adapters"]
+    assert all(is_adapter_name(k) for k in result["checkpoint_keys"])
+    assert result["checkpoint_lora"]["base_quantization"] == scheme
+    codes_dtype = {"int8": "int8", "nf4": "uint8"}[scheme]
+    assert result["gathered"] == {"weight_codes": [codes_dtype, [128, 128 if scheme == "int8" else 64]],
+                                  "weight_scales": ["bfloat16", [128 if scheme == "int8" else 256]]}
+    expected_ratio = {"int8": 0.5, "nf4": 0.28}[scheme]
+    document = {"model": {"family": "llama", "preset": "tiny", "lora": result["checkpoint_lora"]},
+                "trainer": {"devices": 2, "precision": "bf16-mixed", "strategy": "npu_fsdp"}}
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(document))
+    planned = state_bytes(load_spec(tmp_path / "plan.yaml", profile="recipes.models.llama.memory_profile"))
+    for rank in result["shard_bytes"]:
+        ratio = (rank["codes"] + rank["scales"]) / rank["bf16"]
+        assert ratio == pytest.approx(expected_ratio, rel=0.03), rank
+        assert rank["all"] == planned["parameters"], rank
+
+
+def test_merged_export_of_a_quantized_base_run_gives_the_recipe_logits_and_peft_loads_the_adapter(tmp_path,
+                                                                                                monkeypatch):
+    """The merged export adds the adapters to the decoded quantized base (the recipe's logits within 1e-5, fp32), not
+    to the full-precision one (whose logits differ); the PEFT adapter loads into peft.PeftModel with every adapter
+    weight, and its README says it was trained on a quantized base."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    config = LLaMAConfig.from_preset("tiny", n_layers=2)
+    lora = {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "down"], "base_quantization": "nf4"}
+    base, checkpoint, recipe = _lora_checkpoint(tmp_path, config, lora)
+    for argv in (["to-hf", str(base), str(tmp_path / "hf_base")], ["to-peft", str(checkpoint), str(tmp_path / "peft")],
+                 ["to-hf", str(checkpoint), str(tmp_path / "merged"), "--merge-lora"]):
+        assert convert.main(argv) == 0, argv
+    assert "**quantized** during training" in (tmp_path / "peft" / "README.md").read_text()
+    assert "NF4" in (tmp_path / "peft" / "README.md").read_text()
+    tokens = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    recipe.eval()
+    with torch.no_grad():
+        expected = recipe(tokens)
+        merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32).eval()
+        hf_base = LlamaForCausalLM.from_pretrained(tmp_path / "hf_base", torch_dtype=torch.float32).eval()
+        peft_model = PeftModel.from_pretrained(hf_base, tmp_path / "peft").eval()
+        on_full_precision_base = peft_model(tokens).logits
+    assert (merged(tokens).logits - expected).abs().max() < 1e-5
+    assert (on_full_precision_base - expected).abs().max() > 1e-3  # the quantization matters
+    loaded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
+    assert len(loaded) == 2 * 2 * 3
+    layer = recipe.layers[1].feed_forward.w_down
+    peft_a = loaded["base_model.model.model.layers.1.mlp.down_proj.lora_A.default.weight"]
+    assert torch.equal(peft_a, layer.lora_a["down"].weight.detach())
+
+
 def _lora_checkpoint(tmp_path, config, lora):
     """A LoRA checkpoint as the LightningModule writes it (its state_dict: adapters only), with nonzero adapters."""
     base = _base_checkpoint(tmp_path / "base.ckpt", config)
     module = DecoderLM(preset="tiny", config=config.to_dict(), init_from=str(base), lora=lora)
     module.configure_model()
-    module.model.load_state_dict(read_model_tensors(base)[1], strict=False)
+    module.model.load_state_dict(quantized_base_state(read_model_tensors(base)[1], config, module.lora), strict=False)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in module.model.named_parameters():

@@ -205,6 +205,52 @@ def test_lora_plan_says_it_is_a_lora_run_and_marks_its_gradient_rows_trainable_o
     assert "trainable" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("scheme", ["int8", "nf4"])
+def test_a_quantized_lora_base_is_planned_at_its_codes_and_scales(lora_7b_config, scheme):
+    """Breakage caught: a quantized base planned at fp32 (or bf16) bytes, scales forgotten, or codes gathered at the
+    working dtype's size. LLaMA-2 7B on 8 devices: every block projection at its codes plus fp32 scales
+    (``facts.weight_quant``), the rest (embeddings, norms, adapters) fp32; gathered, the codes as they are and the
+    scales in bf16."""
+    from lightning_npu.facts import weight_quant
+
+    plain, spec = load_spec(lora_7b_config, devices=8), load_spec(lora_7b_config, devices=8, lora_base=scheme)
+    assert spec.profile.adapters.base_quantization == scheme and plain.profile.adapters.base_quantization is None
+    projections = [shape for shape, stored in spec.profile.block_storage() if stored == scheme]
+    assert len(projections) == 7  # wq, wk, wv, wo, w_gate, w_up, w_down
+    quantized = 32 * sum(weight_quant.sharded_bytes(shape, scheme, 8) for shape in projections)
+    projection_numel = 32 * sum(rows * columns for rows, columns in projections)
+    assert state_bytes(spec)["parameters"] == state_bytes(plain)["parameters"] - projection_numel * 4 // 8 + quantized
+    ratio = quantized / (projection_numel * 2 / 8)  # against the same weights' bf16 shards
+    assert ratio == pytest.approx({"int8": 0.5, "nf4": 0.28125}[scheme], rel=0.01)
+    for stage in (2, 3):
+        assert estimate(spec, stage).total < estimate(plain, stage).total
+
+
+def test_the_plan_table_names_a_quantized_base_and_lora_base_needs_a_lora_run(lora_7b_config, capsys):
+    assert main(["plan", "--config", str(lora_7b_config), "--devices", "8", "--lora-base", "nf4"]) == 0
+    out = capsys.readouterr().out
+    assert "block projections stored nf4 (codes + fp32 scales)" in out
+    assert "parameters (fp32 shards; base nf4 codes + fp32 scales)" in out
+    assert "gathered parameters (bf16 copy, base nf4 codes + bf16 scales)" in out
+    assert main(["plan", "--config", str(CONFIG_7B), "--devices", "8", "--lora-base", "int8"]) == 2
+    assert "--lora-base int8 sets how a LoRA run stores its frozen base, but LLaMA 7b trains every weight" in (
+        capsys.readouterr().err)
+
+
+def test_a_config_with_base_quantization_is_planned_so_and_a_bad_value_is_named(tmp_path):
+    import yaml
+
+    document = yaml.safe_load(CONFIG_7B.read_text())
+    document["model"]["lora"] = {**LORA_7B, "base_quantization": "int8"}
+    path = tmp_path / "qlora.yaml"
+    path.write_text(yaml.safe_dump(document))
+    assert load_spec(path, devices=8).profile.adapters.base_quantization == "int8"
+    document["model"]["lora"]["base_quantization"] = "int4"
+    path.write_text(yaml.safe_dump(document))
+    with pytest.raises(PlanError, match="lora.base_quantization='int4' is not a base quantization: use one of int8"):
+        load_spec(path, devices=8)
+
+
 def _spec_7b(**changes):
     return dataclasses.replace(load_spec(CONFIG_7B, devices=8), **changes)
 

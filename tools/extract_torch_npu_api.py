@@ -48,6 +48,7 @@ FUSED_OPS = (
     "npu_grouped_matmul",
     "npu_moe_token_permute",
     "npu_moe_token_unpermute",
+    "npu_weight_quant_batchmatmul",
 )
 SHARDED_SCALER_MODULE = "torch_npu.npu.amp.sharded_grad_scaler"
 SHARDED_SCALER = "_ShardedGradScaler"

@@ -30,6 +30,7 @@ import json
 import sys
 
 from lightning_npu.plan import ModelShape, PlanError, load_spec, render, report
+from lightning_npu.facts import weight_quant
 from lightning_npu.facts.chips import DEFAULT_PLAN_CHIP
 from lightning_npu.plan.spec import KERNELS, OPTIMIZERS
 
@@ -64,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="AdamW's implementation: fused (default; the recipe's on NPUs), foreach (torch's default on"
                         " other accelerators), per-tensor (torch's on CPU tensors), adamw8bit (lightning_npu.optim."
                         "AdamW8bit, 8-bit moments; the default when the config's model says optimizer: adamw8bit)")
+    parser.add_argument("--lora-base", choices=("none", *weight_quant.SCHEMES),
+                        help="how a LoRA config's frozen base is stored (overrides model.lora.base_quantization): none"
+                        " (the master dtype), int8 (per channel) or nf4 (blocks of 64)")
     parser.add_argument("--hccl-buffsize", type=float, help="HCCL_BUFFSIZE in MB (default: the environment's, or 200)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -75,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             profile=args.profile, devices=args.devices, nodes=args.nodes, micro_batch=args.micro_batch,
             seq_len=args.seq_len, precision=args.precision, zero_stage=args.zero_stage, ac_ratio=args.ac_ratio,
             device_memory_gib=args.device_memory, chip=args.chip, kernels=args.kernels, optimizer=args.optimizer,
-            hccl_buffsize_mb=args.hccl_buffsize,
+            hccl_buffsize_mb=args.hccl_buffsize, lora_base=args.lora_base,
         )
         plan = report(spec)
     except PlanError as error:

@@ -50,7 +50,8 @@ INT8_COMPUTE = (
     "torch_npu's int8 matmuls (npu_quant_matmul, npu_weight_quant_batchmatmul) are documented for inference and have"
     " no backward, so int8 compute cannot train. To save memory in training keep a bf16/fp16 precision and store the"
     " optimizer's moments in 8 bits (lightning_npu.optim.AdamW8bit; the LLaMA recipe: --model.optimizer adamw8bit),"
-    " or, for LoRA, quantize the frozen base"
+    " or, for LoRA, quantize the frozen base (lightning_npu.quant; the LLaMA recipe:"
+    " --model.lora.base_quantization int8 or nf4)"
 )
 
 

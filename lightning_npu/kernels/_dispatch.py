@@ -52,6 +52,7 @@ FUSED_OPS = {
         FusedOp("grouped_matmul", "grouped_matmul", "npu_grouped_matmul"),
         # One switch for the pair: permute_tokens decides the path, unpermute_tokens follows it.
         FusedOp("token_permute", "permute_tokens", "npu_moe_token_permute/npu_moe_token_unpermute"),
+        FusedOp("weight_quant_matmul", "quantized_linear", "npu_weight_quant_batchmatmul"),
     )
 }
 

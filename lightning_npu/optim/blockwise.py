@@ -9,6 +9,9 @@ signed map (for ``exp_avg``) holds both signs, the unsigned one (for ``exp_avg_s
 bit on one more fraction bit. Both maps hold 0 and 1; the signed one's most negative entry is -0.993 (as published,
 and as torchao's and bitsandbytes' maps), so a block whose absmax is negative loses up to 0.7% of it.
 
+The same block quantizer serves any table of at most 256 values (``quantize_to`` / ``dequantize_from``): the
+frozen LoRA base's NF4 codes (``lightning_npu.quant.weights``) are its 16-entry table on blocks of 64.
+
 Everything is plain eager torch (no torch.compile, no custom kernels), so it runs on every NPU and on the CPU.
 """
 
@@ -44,27 +47,38 @@ def dynamic_map(signed: bool) -> tuple[float, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _tables(signed: bool, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The map and the midpoints between its neighbours, on ``device`` (built once per device)."""
-    table = torch.tensor(dynamic_map(signed), dtype=torch.float32, device=device)
-    return table, (table[:-1] + table[1:]) / 2.0
+def _tables(signed: bool, device: torch.device) -> Tensor:
+    """The dynamic map on ``device`` (built once per device)."""
+    return torch.tensor(dynamic_map(signed), dtype=torch.float32, device=device)
 
 
 def quantize(values: Tensor, block_size: int, signed: bool) -> tuple[Tensor, Tensor]:
-    """(codes, scales) of ``values`` (any shape, numel divisible by ``block_size``): ``codes`` uint8 shaped like
-    ``values``, ``scales`` fp32 of one absmax per block. Ties round up; an all-zero block gets scale 0 (it decodes
-    to zeros)."""
+    """(codes, scales) of ``values`` (any shape, numel divisible by ``block_size``) on the dynamic map: ``codes``
+    uint8 shaped like ``values``, ``scales`` fp32 of one absmax per block (see ``quantize_to``)."""
+    return quantize_to(values, block_size, _tables(signed, values.device))
+
+
+def dequantize(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
+    """The fp32 values ``codes`` and ``scales`` stand for on the dynamic map (shaped like ``codes``)."""
+    return dequantize_from(codes, scales, _tables(signed, codes.device))
+
+
+def quantize_to(values: Tensor, block_size: int, table: Tensor) -> tuple[Tensor, Tensor]:
+    """(codes, scales) of ``values`` (any shape, numel divisible by ``block_size``) on ``table`` (ascending fp32 values
+    in [-1, 1], at most 256, holding 1 or -1): each block is divided by its absmax (its scale) and each scaled value
+    becomes the uint8 index of the nearest table entry. ``codes`` is shaped like ``values``, ``scales`` fp32 of one
+    absmax per block. Ties round up; an all-zero block gets scale 0 (it decodes to zeros)."""
     blocks = values.detach().float().reshape(-1, block_size)
     scales = blocks.abs().amax(dim=1)
     scaled = blocks / scales.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
-    table, midpoints = _tables(signed, values.device)
+    midpoints = (table[:-1] + table[1:]) / 2.0
     # The count of midpoints <= value: the index of the nearest entry.
     codes = torch.bucketize(scaled, midpoints, out_int32=True, right=True)
     return codes.to(CODES_DTYPE).reshape(values.shape), scales
 
 
-def dequantize(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
-    """The fp32 values ``codes`` and ``scales`` stand for (shaped like ``codes``; block size from their ratio)."""
-    table, _ = _tables(signed, codes.device)
+def dequantize_from(codes: Tensor, scales: Tensor, table: Tensor) -> Tensor:
+    """The fp32 values ``codes`` and ``scales`` stand for on ``table`` (shaped like ``codes``; block size from their
+    ratio)."""
     blocks = table[codes.reshape(scales.numel(), -1).long()] * scales.unsqueeze(1)
     return blocks.reshape(codes.shape)

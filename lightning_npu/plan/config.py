@@ -47,22 +47,28 @@ def load_spec(
     kernels: str = "fused",
     optimizer: Optional[str] = None,
     hccl_buffsize_mb: Optional[float] = None,
+    lora_base: Optional[str] = None,
 ) -> PlanSpec:
     """A PlanSpec from a recipe YAML at ``path`` and/or the decoder shape ``model_shape``; keyword arguments win.
 
     The model's memory profile comes from ``model_shape`` if given, else from the config (``profile``, a module,
     or the config's class paths: see ``lightning_npu.plan.profile``). ``optimizer`` defaults to ``adamw8bit`` when the
-    config's model section says ``optimizer: adamw8bit``, else to ``fused``."""
+    config's model section says ``optimizer: adamw8bit``, else to ``fused``. With both a config and ``model_shape``
+    the shapes replace the config's model, and a LoRA config's adapters sit on them. ``lora_base`` (``none``,
+    ``int8``, ``nf4``) replaces the adapters' ``base_quantization``; it needs a LoRA run."""
     if path is None and model_shape is None:
         raise PlanError("nothing to plan: give a recipe config (--config) or the model's shapes (--model-shape)")
     document = _read_yaml(Path(path)) if path is not None else {}
     model_section, data, trainer = (_section(document, name) for name in ("model", "data", "trainer"))
     data = class_arguments(data)
-    if model_shape is not None:
-        decoder = DecoderProfile(model_shape, name="decoder (--model-shape)")
-    else:
+    if path is not None:
         where, function = find_profile(Path(path), class_paths(document), profile)
         decoder = load_profile(function, where, model_section)
+    if model_shape is not None:
+        adapters = decoder.adapters if path is not None else None
+        decoder = DecoderProfile(model_shape, name="decoder (--model-shape)", adapters=adapters)
+    if lora_base is not None:
+        decoder = _with_lora_base(decoder, lora_base)
     strategy = _strategy(trainer) if path is not None else {}
     options = {**dataclasses.asdict(FSDPChoices()), **strategy}  # npu_fsdp's defaults where the YAML is silent
     ac_policy = _class_names(strategy.get("activation_checkpointing_policy"), "activation_checkpointing_policy",
@@ -126,6 +132,15 @@ def load_spec(
         if isinstance(error, PlanError):
             raise
         raise PlanError(f"config {str(path)!r}: {error}") from None
+
+
+def _with_lora_base(decoder: DecoderProfile, lora_base: str) -> DecoderProfile:
+    """``decoder`` with its adapters' base stored as ``lora_base`` says (``none``: unquantized)."""
+    if decoder.adapters is None:
+        raise PlanError(f"--lora-base {lora_base} sets how a LoRA run stores its frozen base, but {decoder.name} trains"
+                        " every weight: give a config whose model has lora: (llama2_7b_lora.yaml, for one)")
+    scheme = None if lora_base == "none" else lora_base
+    return dataclasses.replace(decoder, adapters=dataclasses.replace(decoder.adapters, base_quantization=scheme))
 
 
 def _read_yaml(path: Path) -> Mapping[str, Any]:

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Iterable, Optional
 
+from lightning_npu.facts import weight_quant
 from lightning_npu.plan.spec import ModelShape, PlanError
 
 Shape = tuple[int, ...]
@@ -100,11 +101,14 @@ class LowRankAdapters:
     """Low-rank adapters (LoRA) on a frozen decoder: every base parameter, embeddings and norms included, is
     frozen, and beside each projection named in ``projections`` (among PROJECTIONS) a trainable A [rank, in] and
     B [rows, rank] add ``B(A(dropout(x)))`` to its output. ``dropout``: whether each adapter drops out its own
-    copy of the input (it then keeps that copy and a mask instead of sharing the projection's input)."""
+    copy of the input (it then keeps that copy and a mask instead of sharing the projection's input).
+    ``base_quantization``: how every projection of the blocks (adapted or not) is stored, ``int8`` or ``nf4``
+    (``lightning_npu.facts.weight_quant``; codes plus scales), or None (the master dtype)."""
 
     rank: int
     projections: tuple[str, ...]
     dropout: bool = False
+    base_quantization: Optional[str] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -114,10 +118,16 @@ class LowRankAdapters:
             raise PlanError(f"adapter projections {list(self.projections)} must name each of some of"
                             f" {', '.join(PROJECTIONS)} once")
         object.__setattr__(self, "projections", tuple(p for p in PROJECTIONS if p in self.projections))
+        try:
+            weight_quant.check_scheme(self.base_quantization, "adapter base_quantization")
+        except ValueError as error:
+            raise PlanError(str(error)) from None
 
     def describe(self) -> str:
         dropout = ", dropout" if self.dropout else ""
-        return f"low-rank adapters (rank {self.rank}{dropout}) on {', '.join(self.projections)}"
+        base = (f"; block projections stored {self.base_quantization} (codes + fp32 scales)"
+                if self.base_quantization else "")
+        return f"low-rank adapters (rank {self.rank}{dropout}) on {', '.join(self.projections)}{base}"
 
 
 @dataclass(frozen=True)
@@ -212,6 +222,17 @@ class DecoderProfile:
         """Every parameter of one block (FSDP shards and gathers them all): its own, then its adapters'."""
         base, adapters = self.base_block_parameters(), self.adapter_parameters()
         return BlockParameters(*(getattr(base, f.name) + getattr(adapters, f.name) for f in fields(BlockParameters)))
+
+    def block_storage(self) -> list[tuple[Shape, Optional[str]]]:
+        """``block_parameters().shapes`` (in that order), each with how it is stored: the adapters'
+        ``base_quantization`` for the base projections (the block's matrices), None (the master dtype) otherwise."""
+        base, adapters = self.base_block_parameters(), self.adapter_parameters()
+        scheme = self.adapters.base_quantization if self.adapters is not None else None
+        storage: list[tuple[Shape, Optional[str]]] = []
+        for group in fields(BlockParameters):
+            storage += [(shape, scheme if len(shape) == 2 else None) for shape in getattr(base, group.name)]
+            storage += [(shape, None) for shape in getattr(adapters, group.name)]
+        return storage
 
     def root_parameters(self) -> RootParameters:
         m = self.shape

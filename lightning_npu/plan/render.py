@@ -80,6 +80,10 @@ def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
     labels = {key: label.format(**names) for key, label in ITEMS.items()}
     if spec.optimizer == "adamw8bit":
         labels["optimizer"] = OPTIMIZER_8BIT_LABEL
+    scheme = spec.profile.adapters.base_quantization if spec.profile.adapters is not None else None
+    if scheme is not None:  # a LoRA base stored quantized: its codes are sharded and gathered as they are
+        labels["parameters"] = f"parameters ({names['m']} shards; base {scheme} codes + {names['m']} scales)"
+        labels["gathered"] = f"gathered parameters ({names['p']} copy, base {scheme} codes + {names['p']} scales)"
     if trainable < params:  # no gradients or AdamW moments for frozen weights: say so in their rows
         for key in FROZEN_FREE_ITEMS:
             labels[key] += ", trainable only"

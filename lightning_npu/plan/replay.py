@@ -5,7 +5,9 @@ autograd and AdamW make, in their order; the peak of the running total is the es
   devices under hybrid sharding), each tensor padded to a multiple of the group size along dim 0, as FSDP2 does;
   they stay in the master dtype (fp32 unless the precision is ``*-true`` half precision); only the parameters the
   profile's ``trainable_parameters`` names get gradients, reduce-scatters and moments (a LoRA run: the adapters),
-  frozen ones are sharded and gathered all the same;
+  frozen ones are sharded and gathered all the same; a LoRA base stored quantized (``block_storage``) is sharded
+  and gathered as its codes (one byte per stored element, never cast) and its scales (like any float parameter),
+  and each matmul decodes one weight at a time into a short-lived copy in the working dtype;
 - each FSDP unit (a block, and the root: embeddings, final norm, output) is all-gathered in the parameter dtype
   (bf16 under ``bf16-mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``); ZeRO-3 frees a block's copy
   after its forward and gathers it again for backward, one unit ahead (prefetch), and the flat all-gather buffer
@@ -30,7 +32,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from lightning_npu.facts import optim8bit
+from lightning_npu.facts import optim8bit, weight_quant
 from lightning_npu.plan.decoder import FP32_BYTES
 from lightning_npu.plan.spec import GIB, ITEMS, MIB, Estimate, PlanSpec, check_zero_stage
 
@@ -87,40 +89,57 @@ class _Unit:
     largest_shard: int
     #: The part of ``shard`` whose AdamW8bit moments are 8-bit (``facts.optim8bit.quantizes``).
     quantized_shard: int
+    #: Bytes of a quantized base's codes: per device, and gathered (their scales count in ``shard`` / ``padded``).
+    code_shard_bytes: int = 0
+    code_padded_bytes: int = 0
+    #: The numel of the unit's largest quantized weight (the copy one matmul decodes).
+    decoded: int = 0
 
 
-def _unit(name: str, shapes: Iterable[tuple[int, ...]], group: int) -> _Unit:
-    shard = padded = exact = largest = quantized = 0
-    for shape in shapes:
+def _unit(name: str, shapes: Iterable[tuple[int, ...]], group: int,
+          schemes: Optional[Iterable[Optional[str]]] = None) -> _Unit:
+    """The unit of ``shapes``, stored as ``schemes`` says (None: the master dtype; ``int8`` / ``nf4``: quantized)."""
+    shard = padded = exact = largest = quantized = codes = decoded = 0
+    shapes = list(shapes)
+    for shape, scheme in zip(shapes, schemes if schemes is not None else [None] * len(shapes)):
         # A rank-local tensor (an expert-parallel rank's experts) is sharded over the ranks that hold the same part.
         shape_group = group // getattr(shape, "replicas", 1)
+        if scheme is not None:
+            code_shape, shape = weight_quant.stored_shapes(shape, scheme)  # the scales count as a float tensor
+            codes += -(-code_shape[0] // shape_group) * code_shape[1]
+            decoded = max(decoded, math.prod(code_shape) * (2 if scheme == "nf4" else 1))
         rows, rest = shape[0], math.prod(shape[1:])
         local = -(-rows // shape_group) * rest  # FSDP2 pads dim 0 to a multiple of the group size
         shard, padded, exact = shard + local, padded + local * shape_group, exact + rows * rest
         largest = max(largest, local)
         quantized += local if optim8bit.quantizes(tuple(shape), shape_group) else 0
-    return _Unit(name, shard, padded, exact, largest, quantized)
+    return _Unit(name, shard, padded, exact, largest, quantized, codes, codes * group, decoded)
 
 
 def _units(spec: PlanSpec, trainable: bool = False) -> tuple[_Unit, list[_Unit]]:
     """(root unit, block units): all their parameters, or (``trainable``) those that get gradients. Without an
     auto-wrap policy the whole model is the root unit."""
     group, profile = spec.shard_group, spec.profile
+    layers = range(spec.model.n_layers)
     if trainable:
         root = list(profile.trainable_parameters().root)
-        blocks = [profile.block_profile(i).trainable_parameters().block.shapes for i in range(spec.model.n_layers)]
+        blocks = [(profile.block_profile(i).trainable_parameters().block.shapes, None) for i in layers]
     else:
         root = profile.root_parameters().shapes
-        blocks = [profile.block_profile(i).block_parameters().shapes for i in range(spec.model.n_layers)]
+        blocks = []
+        for i in layers:
+            shapes, schemes = zip(*profile.block_profile(i).block_storage())
+            blocks.append((list(shapes), list(schemes)))
     if spec.wrap_blocks:
-        return _unit("root", root, group), [_unit("block", block, group) for block in blocks]
-    return _unit("root", root + [shape for block in blocks for shape in block], group), []
+        return _unit("root", root, group), [_unit("block", shapes, group, schemes) for shapes, schemes in blocks]
+    every = None if trainable else [None] * len(root) + [scheme for _, schemes in blocks for scheme in schemes]
+    return _unit("root", root + [shape for shapes, _ in blocks for shape in shapes], group, every), []
 
 
 def state_bytes(spec: PlanSpec) -> dict[str, float]:
     """Per-device bytes of the sharded parameters, and of the gradients and AdamW's two moments of the trainable
     ones (in host memory instead under ``cpu_offload``)."""
-    shards, trainable = (sum(unit.shard for unit in [root] + blocks) * spec.bytes.master
+    shards, trainable = (sum(unit.shard * spec.bytes.master + unit.code_shard_bytes for unit in [root] + blocks)
                          for root, blocks in (_units(spec), _units(spec, trainable=True)))
     optimizer = 2 * trainable
     if spec.optimizer == "adamw8bit":
@@ -200,9 +219,18 @@ class _StepReplay:
         batches = BATCHES_HELD * TENSORS_PER_BATCH * self.tokens * INT64_BYTES
         t.alloc("inputs", batches + self.profile.rotary_table_bytes(self.act), "start")
 
+    def gathered_bytes(self, unit: _Unit) -> float:
+        """The unit's unsharded parameters: the working dtype's, plus a quantized base's codes as they are."""
+        return unit.padded * self.param + unit.code_padded_bytes
+
+    def decoded_bytes(self, i: int) -> float:
+        """The decoded copy of block ``i``'s largest quantized weight, alive during its matmul (0 without one)."""
+        unit = self.blocks[i] if self.blocks else self.root
+        return unit.decoded * self.param
+
     def gather(self, unit: _Unit, phase: str, flat_ready: bool = False) -> None:
         """All-gather ``unit`` into a flat buffer (unless prefetched), copy out into the unsharded parameters."""
-        t, nbytes = self.timeline, unit.padded * self.param
+        t, nbytes = self.timeline, self.gathered_bytes(unit)
         forward = phase.startswith("forward")
         if self.gathers and not flat_ready:
             t.alloc("gathered", nbytes, phase + " all-gather")
@@ -224,10 +252,10 @@ class _StepReplay:
             checkpointed = i in self.checkpointed
             saved = self.saved_by(i)[0]
             scratch = self.layers[i].forward_scratch(spec.kernels, self.act, spec.seq_len, checkpointed) * self.tokens
-            t.moment("temporaries", scratch + (0 if checkpointed else saved), phase)
+            t.moment("temporaries", scratch + (0 if checkpointed else saved) + self.decoded_bytes(i), phase)
             t.alloc("activations", self.residual if checkpointed else saved, phase)
             if self.blocks and self.stage == 3:
-                t.free("gathered", self.blocks[i].padded * self.param)
+                t.free("gathered", self.gathered_bytes(self.blocks[i]))
         t.free("gathered", self.retained_gather)  # the root's post-forward frees the last flat buffer
         self.retained_gather = 0.0
         # The root unit stays gathered until its backward ends (reshard_after_forward=False).
@@ -273,7 +301,7 @@ class _StepReplay:
         t.free("temporaries", self.residual)
         self.reduce(self.train_root, "backward: root reduce-scatter")
         t.free("unsharded_grads", self.retained_reduce)
-        t.free("gathered", self.root.padded * self.param)
+        t.free("gathered", self.gathered_bytes(self.root))
 
     def loss_backward(self) -> None:
         """Cross-entropy's and the output projection's backward; the root's gradients are reduced last."""
@@ -285,7 +313,7 @@ class _StepReplay:
             t.alloc("logits", self.logits, "backward: logits to bf16")
             t.free("logits", self.logits_fp32)
         if self.stage == 3 and self.blocks and self.gathers:  # the root's pre-backward prefetches the last block
-            t.alloc("gathered", self.blocks[-1].padded * self.param, "backward: root prefetch")
+            t.alloc("gathered", self.gathered_bytes(self.blocks[-1]), "backward: root prefetch")
         t.alloc("temporaries", self.residual, "backward: output projection")  # the residual stream's gradient
         t.alloc("unsharded_grads", self.trainable.head * self.param, "backward: output projection")
         t.free("logits", self.logits)
@@ -299,7 +327,7 @@ class _StepReplay:
         if self.blocks and self.stage == 3:
             self.gather(self.blocks[i], phase, flat_ready=True)
             if i > 0 and self.gathers:  # prefetch the next unit of the backward pass
-                t.alloc("gathered", self.blocks[i - 1].padded * self.param, phase + " prefetch")
+                t.alloc("gathered", self.gathered_bytes(self.blocks[i - 1]), phase + " prefetch")
         checkpointed = i in self.checkpointed
         saved, mlp_saved = self.saved_by(i)
         if checkpointed:
@@ -308,7 +336,7 @@ class _StepReplay:
         mlp_scratch, attention_scratch = (
             per_token * self.tokens for per_token in layer.backward_scratch(spec.kernels, self.act, spec.seq_len))
         t.alloc("unsharded_grads", _numel(params.mlp_output) * self.param, phase + " (MLP)")
-        t.moment("temporaries", mlp_scratch, phase + " (MLP)")
+        t.moment("temporaries", mlp_scratch + self.decoded_bytes(i), phase + " (MLP)")
         t.alloc("unsharded_grads", _numel(params.mlp_input) * self.param, phase + " (MLP)")
         t.free("activations", mlp_saved)
         t.alloc("unsharded_grads", _numel(params.attention) * self.param, phase + " (attention)")
@@ -316,7 +344,7 @@ class _StepReplay:
         t.free("activations", saved - mlp_saved + (self.residual if checkpointed else 0))
         if self.blocks:
             self.reduce(self.train_blocks[i], phase + " reduce-scatter")
-            t.free("gathered", self.blocks[i].padded * self.param)
+            t.free("gathered", self.gathered_bytes(self.blocks[i]))
 
     def optimizer_step(self) -> None:
         """Fused AdamW updates in place; foreach holds sqrt(v) for every tensor; the per-tensor loop only for its

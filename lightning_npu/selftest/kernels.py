@@ -21,6 +21,7 @@ from torch import Tensor
 
 from lightning_npu import kernels
 from lightning_npu.kernels import context_parallel, packed_attention
+from lightning_npu.quant import quantize
 from lightning_npu.selftest.report import FAIL, NOT_AVAILABLE, PASS, CheckResult
 
 FAMILY = "kernels"
@@ -143,6 +144,18 @@ def _swiglu_case(name: str, b: int, s: int, ffn: int) -> KernelCase:
     return KernelCase("swiglu", f"{name} b{b} s{s} ffn{ffn}", make, kernels.swiglu, kernels.reference_swiglu)
 
 
+def _quantized_matmul_case(name: str, tokens: int, k: int, n: int) -> KernelCase:
+    """A LoRA base projection stored int8 (``lightning_npu.quant``): the input's gradient is checked too."""
+    def make(dtype: torch.dtype, device: torch.device) -> tuple[Any, ...]:
+        g = torch.Generator().manual_seed(7)
+        codes, scales = quantize(_randn(g, n, k) / k**0.5, "int8")
+        x = _randn(g, tokens, k).to(device=device, dtype=dtype).requires_grad_(True)
+        return x, codes.to(device), scales.to(device), "int8"
+
+    return KernelCase("weight_quant_matmul", f"{name} M{tokens} K{k} N{n} int8", make, kernels.quantized_linear,
+                      kernels.reference_quantized_linear)
+
+
 def _expert_counts(generator: torch.Generator, tokens: int, experts: int) -> list[int]:
     """Tokens per expert for ``tokens`` routed rows: random, with expert 1 receiving none (its weight gradient must
     be zero, which some grouped-matmul backends have got wrong)."""
@@ -201,8 +214,9 @@ def kernel_cases(quick: bool) -> list[KernelCase]:
     """The shapes checked: the tiny recipe's (GQA 4/2 heads of 32, dim 128, ffn 352), LLaMA-2-7B's per-head and
     per-token shapes (32 heads of 128, dim 4096, ffn 11008) at a small batch, and edge shapes (GQA, head_dim 64,
     decoding against a KV cache, rotary far into the sequence, SFT rows of packed samples, a ring-attention step),
-    MoE experts and routing at a tiny and at Qwen3-30B-A3B's shapes (experts of 2048 -> 768, 16 of its 128 with ``quick``; routing over
-    128, top-8), each with an expert that gets no tokens; long sequences in the full run only."""
+    MoE experts and routing at a tiny and at Qwen3-30B-A3B's shapes (experts of 2048 -> 768, 16 of its 128 with
+    ``quick``; routing over 128, top-8), each with an expert that gets no tokens, and int8 LoRA base projections
+    (tiny's; 7B's gate-sized one in the full run); long sequences in the full run only."""
     seq = 512 if quick else 4096
     experts = 16 if quick else 128  # Qwen3-30B-A3B's 128 experts hold 200M weights per projection
     cases = [
@@ -225,9 +239,11 @@ def kernel_cases(quick: bool) -> list[KernelCase]:
         _grouped_matmul_case("qwen3-30b-a3b", seq * 2, experts, 2048, 768),
         _token_permute_case("tiny", 128, 128, 8, 2),
         _token_permute_case("qwen3-30b-a3b", seq, 2048, 128, 8),
+        _quantized_matmul_case("tiny", 2 * 128, 128, 352),
     ]
-    if not quick:
-        cases.append(_attention_case("long", 1, 2 * seq, 2 * seq, 32, 8, 128))
+    if not quick:  # the 7B projection's reference decodes 45M weights, minutes in fp16 on a CPU
+        cases += [_attention_case("long", 1, 2 * seq, 2 * seq, 32, 8, 128),
+                  _quantized_matmul_case("7b", seq, 4096, 11008)]
     return cases
 
 

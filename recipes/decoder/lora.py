@@ -16,6 +16,14 @@ Each adapter is exactly PEFT's adapter on the Hugging Face layer it maps to (``l
 site may also be one row block of a fused weight (``LoRASite``), with one independent adapter per block. Forward, as PEFT's:
 ``base(x) + B(A(dropout(x))) * alpha / rank``; B starts at zero (a fresh adapter changes nothing), A as PEFT
 initialises it (Kaiming uniform, a=sqrt(5)). Base weights are frozen; the model stays free of parallelism.
+
+With ``base_quantization`` (``int8`` or ``nf4``: QLoRA-style) every projection of every block that the family's
+``lora_sites`` name is stored quantized, adapted or not (QLoRA quantizes all of a model's Linear layers; here the
+embedding, the norms and the output projection stay as they are): an adapted one's ``LoRALinear`` holds
+``weight_codes`` and ``weight_scales`` in place of ``weight``, an unadapted one becomes a
+``lightning_npu.quant.QuantizedLinear`` with the same two. ``quantized_base_state`` turns a base state dict
+(``init_from``'s) into those entries; ``merged_state_dict`` adds the adapters to the decoded quantized base, the
+weights they were trained against.
 """
 
 from __future__ import annotations
@@ -27,6 +35,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from lightning_npu.kernels import quantized_linear
+from lightning_npu.quant import QuantizedLinear, dequantize, quantized_state
+from lightning_npu.quant.linear import CODES, SCALES
+from lightning_npu.quant.weights import check_quantizable
 from recipes import families
 from recipes.decoder.family import LoRASite
 from recipes.decoder.layers import Linear
@@ -54,28 +66,48 @@ class LoRALinear(Linear):
     equal row blocks.
 
     ``blocks`` is how many equal row blocks the weight has (2 for the fused gate/up) and ``adapted`` maps a target
-    name to the row block it adapts. The base parameter is the replaced layer's own ``weight`` (not a copy).
+    name to the row block it adapts. The base parameters are the replaced layer's own (not copies): ``weight`` of a
+    ``Linear``, or ``weight_codes`` and ``weight_scales`` of a ``QuantizedLinear`` (``scheme`` then names its format).
     """
 
-    def __init__(self, base: Linear, blocks: int, adapted: Mapping[str, int], config: LoRAConfig) -> None:
+    def __init__(self, base: Linear | QuantizedLinear, blocks: int, adapted: Mapping[str, int],
+                 config: LoRAConfig) -> None:
         nn.Module.__init__(self)  # not Linear.__init__: that would allocate a second weight
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
+        self.scheme = base.scheme if isinstance(base, QuantizedLinear) else None
+        if self.scheme is None:
+            self.weight = base.weight
+            self.weight.requires_grad_(False)
+            like = base.weight
+        else:
+            self.weight_codes, self.weight_scales = base.weight_codes, base.weight_scales
+            like = base.weight_scales  # fp32, as the model's other parameters
         self.bias = base.bias
-        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
         self.rows = base.out_features // blocks
         self.blocks = blocks
         self.scaling = config.scaling
         self.dropout = nn.Dropout(config.dropout) if config.dropout else nn.Identity()
-        factory = {"device": base.weight.device, "dtype": base.weight.dtype}
+        factory = {"device": like.device, "dtype": like.dtype}
         self.block_of = dict(adapted)
         self.lora_a = nn.ModuleDict(
             {name: LoRAA(self.in_features, config.rank, bias=False, **factory) for name in adapted}
         )
         self.lora_b = nn.ModuleDict({name: LoRAB(config.rank, self.rows, bias=False, **factory) for name in adapted})
 
+    def reset_parameters(self) -> None:
+        if self.scheme is None:
+            super().reset_parameters()
+        else:  # the codes' values come from init_from (quantized_base_state)
+            for param in self.parameters(recurse=False):
+                nn.init.zeros_(param)
+
     def forward(self, x: Tensor) -> Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        if self.scheme is None:
+            out = F.linear(x, self.weight, self.bias)
+        else:
+            out = quantized_linear(x, self.weight_codes, self.weight_scales, self.scheme, self.bias)
         by_block = {block: name for name, block in self.block_of.items()}
         pieces = []
         for block in range(self.blocks):
@@ -103,11 +135,39 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
         path, block, blocks = lora_site(model.config, name)
         sites.setdefault(path, (blocks, {}))[1][name] = block
     for layer in model.layers:
+        for path in quantized_paths(model.config, config):
+            parent_path, _, leaf = path.rpartition(".")
+            parent = layer.get_submodule(parent_path)
+            linear = getattr(parent, leaf)
+            check_quantizable(tuple(linear.weight.shape), config.base_quantization, f"{path}.weight")
+            setattr(parent, leaf, QuantizedLinear.from_linear(linear, config.base_quantization))
         for path, (blocks, adapted) in sites.items():
             parent_path, _, leaf = path.rpartition(".")
             parent = layer.get_submodule(parent_path)
             setattr(parent, leaf, LoRALinear(getattr(parent, leaf), blocks, adapted, config))
     return model
+
+
+def quantized_paths(model_config: Any, config: LoRAConfig) -> list[str]:
+    """The block submodules (``attention.wq`` ...) whose weights ``config`` stores quantized: every projection the
+    family's ``lora_sites`` name (adapted or not), or none without ``base_quantization``."""
+    if config.base_quantization is None:
+        return []
+    sites = families.of_config(model_config).lora_sites
+    return list(dict.fromkeys(path for path, _, _ in sites.values()))
+
+
+def quantized_base_state(state_dict: Mapping[str, Tensor], model_config: Any, config: LoRAConfig) -> dict[str, Tensor]:
+    """A base state dict (recipe names, as ``init_from`` gives it) with each quantized projection's ``weight``
+    replaced by its ``weight_codes`` and ``weight_scales`` (unchanged without ``base_quantization``). Deterministic,
+    so every start of a run (a resume included) rebuilds the same codes."""
+    out = dict(state_dict)
+    for layer in range(model_config.n_layers):
+        for path in quantized_paths(model_config, config):
+            prefix = f"layers.{layer}.{path}."
+            for suffix, tensor in quantized_state(out.pop(prefix + "weight"), config.base_quantization).items():
+                out[prefix + suffix] = tensor
+    return out
 
 
 def is_adapter_name(name: str) -> bool:
@@ -174,9 +234,16 @@ def merged_state_dict(
     base: Mapping[str, Tensor], adapters: Mapping[str, Tensor], model_config: Any, config: LoRAConfig
 ) -> dict[str, Tensor]:
     """The base weights with ``alpha / rank * B @ A`` added to each adapted row block (PEFT's
-    ``merge_and_unload``), in the base's layout and dtype; the sum is taken in fp32."""
+    ``merge_and_unload``), in the base's layout and dtype; the sum is taken in fp32. With ``base_quantization`` the
+    base is first quantized and decoded (``quantized_paths``): the weights the adapters were trained on."""
     check_adapter_state(adapters, model_config, config, source="The LoRA checkpoint")
     merged = dict(base)
+    quantized = quantized_base_state(base, model_config, config)
+    for layer in range(model_config.n_layers):
+        for path in quantized_paths(model_config, config):
+            prefix = f"layers.{layer}.{path}."
+            decoded = dequantize(quantized[prefix + CODES], quantized[prefix + SCALES], config.base_quantization)
+            merged[prefix + "weight"] = decoded.to(base[prefix + "weight"].dtype)
     for layer in range(model_config.n_layers):
         for target in config.targets:
             path, block, blocks = lora_site(model_config, target)

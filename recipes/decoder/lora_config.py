@@ -9,21 +9,30 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
+from lightning_npu.facts.weight_quant import check_scheme
+
 #: The projections LoRA can adapt, by the names PEFT configs use for a decoder layer's: attention query, key, value
 #: and output, and the SwiGLU MLP's gate, up and down. Each family says where they sit in its blocks
 #: (``DecoderFamily.lora_sites``).
 TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
 
+#: ``model.lora``'s keys.
+FIELDS = ("rank", "alpha", "dropout", "targets", "base_quantization")
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """LoRA hyper-parameters: ``rank`` (r), ``alpha`` (the update is scaled by alpha / rank), ``dropout`` on the
-    adapters' input, and ``targets`` among ``TARGETS`` (q, k, v, o, gate, up, down)."""
+    adapters' input, ``targets`` among ``TARGETS`` (q, k, v, o, gate, up, down), and ``base_quantization``: how the
+    frozen base's block projections are stored, ``int8`` (per output channel), ``nf4`` (QLoRA's 4-bit NormalFloat,
+    blocks of 64) or None (the model's dtype; see ``lora.py``)."""
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q", "v")
+    base_quantization: Optional[str] = None
 
     def __post_init__(self) -> None:
         targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
@@ -39,6 +48,7 @@ class LoRAConfig:
             raise ValueError(f"lora.targets has unknown name(s) {unknown}; choose among {list(TARGETS)}")
         if not targets:
             raise ValueError(f"lora.targets is empty; name at least one of {list(TARGETS)}")
+        check_scheme(self.base_quantization, "lora.base_quantization")
         if len(set(targets)) != len(targets):
             raise ValueError(f"lora.targets={list(targets)} names a target twice; list each once")
         # Canonical order, so equal configs compare (and are saved) equal.
@@ -59,8 +69,8 @@ class LoRAConfig:
         if value is None or isinstance(value, LoRAConfig):
             return value
         if not isinstance(value, Mapping):
-            raise ValueError(f"model.lora={value!r} must be a mapping {{rank, alpha, dropout, targets}} or null")
-        unknown = set(value) - {"rank", "alpha", "dropout", "targets"}
+            raise ValueError(f"model.lora={value!r} must be a mapping {{{', '.join(FIELDS)}}} or null")
+        unknown = set(value) - set(FIELDS)
         if unknown:
-            raise ValueError(f"model.lora has unknown key(s) {sorted(unknown)}; it takes rank, alpha, dropout, targets")
+            raise ValueError(f"model.lora has unknown key(s) {sorted(unknown)}; it takes {', '.join(FIELDS)}")
         return cls(**value)

@@ -5,6 +5,11 @@ A LoRA checkpoint (see ``module.py``) holds the adapters and ``hyper_parameters[
 for ``peft.PeftModel.from_pretrained`` on the HF export of that base (``convert.py to-hf``); the recipe's
 adapters map one to one onto PEFT's (each half of the fused gate/up has its own, see ``lora.py``), so only names
 change. ``export_merged_hf`` adds ``alpha / rank * B @ A`` to the base and writes a plain HF directory.
+
+Adapters trained on a quantized base (``lora.base_quantization``: int8 or NF4) learned to correct that base, not the
+full-precision one: the merged export adds them to the decoded quantized base (what training saw, so its logits are
+the recipe's), and the PEFT directory's ``README.md`` says which base they were trained on, since PEFT's
+``adapter_config.json`` has no field for it.
 """
 
 from __future__ import annotations
@@ -94,7 +99,22 @@ def export_peft(checkpoint: PathLike, out_dir: PathLike) -> Path:
     save_file(peft_state_dict(adapters, config, lora), out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
     base = (metadata.get("hyper_parameters") or {}).get("init_from")
     (out_dir / "adapter_config.json").write_text(json.dumps(peft_config(lora, config, base), indent=2) + "\n")
+    (out_dir / "README.md").write_text(adapter_readme(lora, base))
     return out_dir
+
+
+def adapter_readme(lora: LoRAConfig, base: Optional[str]) -> str:
+    """The PEFT directory's model card: what the adapters are, and on which base (quantized or not) they trained."""
+    lines = [f"# LoRA adapter (rank {lora.rank}, alpha {lora.alpha:g}) on {', '.join(lora.targets)}", "",
+             f"Trained with lightning-npu's recipe on the base `{base}`."]
+    if lora.base_quantization is not None:
+        how = {"int8": "int8, one scale per output channel",
+               "nf4": "NF4 (QLoRA's 4-bit NormalFloat, blocks of 64 with absmax scales)"}[lora.base_quantization]
+        lines += ["", f"The base was **quantized** during training: every block projection stored {how} and decoded"
+                  " per matmul. On the full-precision base these adapters give slightly different outputs; for the"
+                  " trained model's exact outputs use `convert.py to-hf --merge-lora`, which adds them to the decoded"
+                  " quantized base."]
+    return "\n".join(lines) + "\n"
 
 
 def read_merged(

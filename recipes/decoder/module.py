@@ -35,6 +35,7 @@ from recipes.decoder.lora import (
     check_adapter_state,
     initial_adapter_state,
     is_adapter_name,
+    quantized_base_state,
 )
 from recipes.decoder.tensor_parallel import decoder_plan
 
@@ -58,8 +59,9 @@ class DecoderLM(LightningModule):
         betas, eps: AdamW moments.
         init_from: a local Hugging Face directory or a recipe checkpoint of the family to start from (fine-tuning).
         tokenizer_path: recorded in checkpoints so generation finds the tokenizer.
-        lora: ``{rank, alpha, dropout, targets}`` (see ``lora.LoRAConfig``) to train LoRA adapters on a frozen base
-            loaded from ``init_from``; None trains every weight.
+        lora: ``{rank, alpha, dropout, targets, base_quantization}`` (see ``lora.LoRAConfig``) to train LoRA
+            adapters on a frozen base loaded from ``init_from`` (stored int8 or NF4 with ``base_quantization``);
+            None trains every weight.
         optimizer: ``adamw`` (torch's, fp32 moments: 8 bytes of state per parameter) or ``adamw8bit``
             (``lightning_npu.optim.AdamW8bit``: 8-bit moments, about 2.03 bytes).
     """
@@ -97,6 +99,8 @@ class DecoderLM(LightningModule):
                 "must come from init_from at every start, a resume included. Pass --model.init_from with the base "
                 "(a Hugging Face directory or a recipe checkpoint), the same one the run started from."
             )
+        if self.lora is not None:  # builds the adapted model on the meta device: a weight nf4 cannot pack fails here
+            adapter_shapes(self.config, self.lora)
         if init_from:  # recorded absolute, so a LoRA checkpoint finds its base from any working directory
             init_from = os.path.abspath(init_from)
         if not 0.0 <= min_lr_ratio <= 1.0:
@@ -290,8 +294,9 @@ def load_pretrained(
 ) -> None:
     """Copy weights from a Hugging Face directory or a recipe checkpoint into ``model`` (sharded or not).
 
-    With ``lora`` (a model with adapters) only the base weights are loaded, and with ``fresh_adapters`` the
-    adapters get their first values too (``lora.initial_adapter_state`` from rank 0's seed).
+    With ``lora`` (a model with adapters) only the base weights are loaded (quantized first if
+    ``lora.base_quantization`` says so), and with ``fresh_adapters`` the adapters get their first values too
+    (``lora.initial_adapter_state`` from rank 0's seed).
 
     Only rank 0 reads the weights (a full host copy: 13.5 GB for 7B in bf16); every rank receives its shard from
     rank 0. Rank 0's checks (shapes, config) reach every rank, so all fail together with the same message.
@@ -305,6 +310,8 @@ def load_pretrained(
     if not distributed or dist.get_rank() == 0:
         try:
             state_dict = read_pretrained(path, config)
+            if lora is not None:  # a quantized base's codes, quantized here (rank 0) and sent as they are
+                state_dict = quantized_base_state(state_dict, config, lora)
             if lora is not None and fresh_adapters:
                 state_dict.update(initial_adapter_state(config, lora, seed=torch.initial_seed()))
         except ValueError as error:  # CheckpointError included

@@ -39,4 +39,5 @@ def adapters(lora: Any) -> Optional[LowRankAdapters]:
     config = LoRAConfig.from_value(lora)
     if config is None:
         return None
-    return LowRankAdapters(rank=config.rank, projections=config.targets, dropout=config.dropout > 0)
+    return LowRankAdapters(rank=config.rank, projections=config.targets, dropout=config.dropout > 0,
+                           base_quantization=config.base_quantization)

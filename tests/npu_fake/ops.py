@@ -738,3 +738,76 @@ def npu_moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, pro
     rows = permuted_tokens[index].float().reshape(n // top_k, top_k, permuted_tokens.shape[-1])
     weights = torch.ones(n // top_k, top_k) if probs is None else probs.float()
     return (rows * weights[..., None]).sum(dim=1).to(permuted_tokens.dtype)
+
+
+# ---------------------------------------------------------------- npu_weight_quant_batchmatmul
+# _op_plugin_docs.py of 2.13.0 / 2.14.0 (same text; 2.6.0's schema lacks weight_dtype): x (M, K) fp16/bf16 on A2/A3,
+# weight (K, N) int8 (a transposed view allowed), antiquant_scale (N,) / (1, N) per channel, (1,) / (1, 1) per tensor
+# or (ceil(K / g), N) per group (g in [32, K - 1], a multiple of 32), in x's dtype; K and N in [1, 65535]; a bias
+# fp32 for bf16 x, fp16 for fp16 x. Output x's dtype: (x @ ((weight + offset) * scale)). No autograd node in any
+# release (fake.py strips gradients).
+
+_WQBMM_MAX_INNER = 65535
+
+
+def npu_weight_quant_batchmatmul(x: Tensor, weight: Tensor, antiquant_scale: Tensor,
+                                 antiquant_offset: Optional[Tensor] = None, quant_scale: Optional[Tensor] = None,
+                                 quant_offset: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                                 antiquant_group_size: int = 0, inner_precise: int = 0,
+                                 weight_dtype: Optional[int] = None) -> Tensor:
+    """``x @ dequant(weight)`` (+ bias) for an int8 weight (K, N), per-tensor, per-channel or per-group scales."""
+    for name, value in (("quant_scale", quant_scale), ("quant_offset", quant_offset), ("weight_dtype", weight_dtype)):
+        if value is not None:
+            raise NotImplementedError(f"the fake does not model npu_weight_quant_batchmatmul's {name} argument")
+    if inner_precise != 0:
+        raise NotImplementedError("the fake does not model inner_precise=1 (int32 FRACTAL_NZ weights only)")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"npu_weight_quant_batchmatmul takes x in float16/bfloat16 (A2/A3), got {x.dtype}")
+    if weight.dtype == torch.int32:
+        raise NotImplementedError("the fake does not model int4 weights packed in int32")
+    if weight.dtype != torch.int8:
+        raise TypeError(f"npu_weight_quant_batchmatmul takes an int8 weight (or int4 packed in int32), got"
+                        f" {weight.dtype}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[0]:
+        raise ValueError(f"x and weight must be (M, K) and (K, N); got x {tuple(x.shape)} and weight"
+                         f" {tuple(weight.shape)}")
+    if x.numel() == 0 or weight.numel() == 0:
+        raise ValueError("npu_weight_quant_batchmatmul does not take empty tensors ('不支持空Tensor输入')")
+    k, n = weight.shape
+    if max(k, n) > _WQBMM_MAX_INNER:
+        raise ValueError(f"K and N must lie in [1, {_WQBMM_MAX_INNER}], got K={k}, N={n}")
+    if antiquant_scale.dtype != x.dtype:
+        raise TypeError(f"antiquant_scale in float16/bfloat16 must have x's dtype {x.dtype}, got"
+                        f" {antiquant_scale.dtype} (int64 scales, the fp16-only npu_trans_quant_param form, are not"
+                        " modelled)")
+    shape = tuple(antiquant_scale.shape)
+    if antiquant_group_size:
+        if antiquant_group_size % 32 or not 32 <= antiquant_group_size <= k - 1:
+            raise ValueError(f"antiquant_group_size must be a multiple of 32 in [32, K - 1], got"
+                             f" {antiquant_group_size}")
+        groups = -(-k // antiquant_group_size)
+        if shape != (groups, n):
+            raise ValueError(f"per-group antiquant_scale must be (ceil(K / group), N) = {(groups, n)}, got {shape}")
+        scale = antiquant_scale.float().repeat_interleave(antiquant_group_size, dim=0)[:k]
+    elif shape in ((n,), (1, n)):
+        scale = antiquant_scale.float().reshape(1, n)
+    elif shape in ((1,), (1, 1)):
+        scale = antiquant_scale.float().reshape(1, 1)
+    else:
+        raise ValueError(f"antiquant_scale must be (N,) or (1, N) per channel, (1,) or (1, 1) per tensor (N={n}),"
+                         f" got {shape}")
+    offset = 0.0
+    if antiquant_offset is not None:
+        if antiquant_group_size:
+            raise NotImplementedError("the fake does not model a per-group antiquant_offset")
+        if tuple(antiquant_offset.shape) != shape or antiquant_offset.dtype != antiquant_scale.dtype:
+            raise ValueError("antiquant_offset must have antiquant_scale's shape and dtype")
+        offset = antiquant_offset.float().reshape(scale.shape)
+    out = x.float() @ ((weight.float() + offset) * scale)
+    if bias is not None:
+        wanted = torch.float32 if x.dtype == torch.bfloat16 else torch.float16
+        if bias.dtype != wanted or tuple(bias.shape) not in ((n,), (1, n)) or not bias.is_contiguous():
+            raise ValueError(f"bias must be a contiguous {wanted} (N,) or (1, N) for {x.dtype} x, got {bias.dtype}"
+                             f" {tuple(bias.shape)}")
+        out = out + bias.float().reshape(1, n)
+    return out.to(x.dtype)

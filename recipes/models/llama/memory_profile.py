@@ -6,7 +6,8 @@ logits: see model.py), so the profile is that decoder at the preset's shape: LLa
 (vocabulary 128256, 8 kv heads). With ``tie_embeddings`` (LLaMA-3.2 1B/3B) the root unit holds one
 [vocab, dim] matrix where the generic decoder has two (``TiedDecoderProfile``). With ``lora`` (validated by the
 recipe's own ``LoRAConfig``) the profile is a LoRA run: the base frozen, adapters of the configured rank beside
-the targeted projections, which are the decoder's projections of the same names.
+the targeted projections, which are the decoder's projections of the same names, and with
+``lora.base_quantization`` every projection of the blocks is counted at its quantized bytes, as lora.py stores them.
 """
 
 from __future__ import annotations
