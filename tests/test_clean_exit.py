@@ -75,9 +75,10 @@ def test_a_rank_whose_peer_was_killed_exits_promptly_with_its_own_status(runs):
     must exit 0 within the run's limit with its groups destroyed."""
     run = runs["peer_killed"]
     codes = sorted(run["exit_codes"].values())
-    assert codes == [-9, 0], run
-    assert run["finished_ranks"] == [1], run["output"]
-    assert _teardown(run) == {1: (False, 0)}, run
+    shown = str(run)  # whole, with the run's output: pytest would cut a dict's repr short
+    assert codes == [-9, 0], shown
+    assert run["finished_ranks"] == [1], shown
+    assert _teardown(run) == {1: (False, 0)}, shown
 
 
 def test_an_exit_with_a_collective_in_flight_that_no_peer_joins_ends_after_the_limit_with_status_1(tmp_path):

@@ -93,22 +93,25 @@ def test_the_tiny_recipe_with_tensor_parallelism_trains_with_plain_sharding_loss
     result = recipe_tensor_parallel_runs
     plain = torch.tensor(list(result["dp"]["losses"].values()))
     assert len(plain) == 20 and plain[-1] < plain[0] - 0.5
-    for run in ("tp", "tp_plain", "tp_cp_ulysses", "tp_cp_ring"):
+    for run in ("tp", "tp_plain", "tp_cp_ulysses", "tp_cp_ring", "cp"):
         split = torch.tensor(list(result[run]["losses"].values()))
         assert torch.allclose(split, plain, rtol=0, atol=1e-5), run
-        assert result[run]["placements"] == ["_S(0, 2)", "S(0)"]  # FSDP over dp, columns split over tp
+        if run != "cp":
+            assert result[run]["placements"] == ["_S(0, 2)", "S(0)"]  # FSDP over dp, columns split over tp
     assert result["dp"]["placements"] == ["S(0)"]
 
 
 @pytest.mark.slow
-def test_a_tensor_parallel_checkpoint_resumes_under_plain_sharding(recipe_tensor_parallel_runs):
-    """A sharded checkpoint of the 2 x 2 run at step 10 resumes under plain npu_fsdp on 4 (tp 2 -> 1) with the
-    uninterrupted run's losses for steps 10-19."""
+@pytest.mark.parametrize(("saved", "resumed"), [("tp", "tp_to_dp"), ("cp", "cp_to_dp")])
+def test_a_tensor_or_context_parallel_checkpoint_resumes_under_plain_sharding(recipe_tensor_parallel_runs, saved,
+                                                                             resumed):
+    """A sharded checkpoint of the 2 x 2 (dp x tp) run, and of a dp 2 x cp 2 run (ring), at step 10 resumes under
+    plain npu_fsdp on 4 (tp 2 -> 1, cp 2 -> 1) with the uninterrupted run's losses for steps 10-19."""
     result = recipe_tensor_parallel_runs
-    resumed = result["tp_to_dp"]["losses"]
-    assert sorted(map(int, resumed)) == list(range(10, 20))
-    uninterrupted = result["tp"]["losses"]
-    for step, loss in resumed.items():
+    losses = result[resumed]["losses"]
+    assert sorted(map(int, losses)) == list(range(10, 20))
+    uninterrupted = result[saved]["losses"]
+    for step, loss in losses.items():
         assert abs(loss - uninterrupted[step]) <= 1e-5, step
 
 

@@ -37,6 +37,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_npu.strategies.mesh import TENSOR_PARALLEL_DIMS
+
 
 class MaterializationError(TypeError):
     """A module left on the meta device cannot be initialised: it has no ``reset_parameters``."""
@@ -125,7 +127,7 @@ def apply(model: nn.Module, state: InitialState, device: torch.device) -> None:
             module.to_empty(device=device, recurse=False)
     with torch.no_grad():
         for _, module in _named_owners(model, state.meta_names):
-            if any(isinstance(p, DTensor) and p.device_mesh.ndim > 1 for p in module.parameters(recurse=False)):
+            if any(_split_over_tensor_parallel(p) for p in module.parameters(recurse=False)):
                 _reset_whole_then_distribute(module)
             else:
                 module.reset_parameters()
@@ -141,9 +143,13 @@ def apply(model: nn.Module, state: InitialState, device: torch.device) -> None:
                 dist.broadcast(buffer, src=0)
 
 
+def _split_over_tensor_parallel(param: Tensor) -> bool:
+    return isinstance(param, DTensor) and bool(TENSOR_PARALLEL_DIMS & set(param.device_mesh.mesh_dim_names or ()))
+
+
 def _reset_whole_then_distribute(module: nn.Module) -> None:
-    """``module.reset_parameters()`` for parameters split over a mesh of several dimensions (tensor parallelism next
-    to FSDP): each parameter is initialised whole, then every rank keeps its part of rank 0's values.
+    """``module.reset_parameters()`` for parameters split over tensor-parallel ranks (next to FSDP): each parameter
+    is initialised whole, then every rank keeps its part of rank 0's values.
 
     DTensor's random ops draw a shard's numbers from an offset computed for its placements, and for the strided
     placements of a tensor-parallel split under FSDP that offset is the same on the ranks of a tensor-parallel

@@ -19,6 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lightning_npu import compat
 from lightning_npu.facts.options import MESH_DIM_NAMES, MeshLayout
 
+#: The names a tensor-parallel mesh dimension has: npu_fsdp's, and Lightning ModelParallelStrategy's.
+TENSOR_PARALLEL_DIMS = frozenset({"tp", "tensor_parallel"})
 #: The flattened views of a model-parallel mesh: name -> the dimensions it joins.
 FLATTENED = {
     "dp_shard_cp": ("dp_shard", "cp"),
@@ -61,4 +63,4 @@ def fsdp_mesh(mesh: DeviceMesh, sharding: str) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard_cp"] if sharding == "hybrid" else mesh["dp_shard_cp"]
 
 
-__all__ = ["FLATTENED", "build_expert_mesh", "build_mesh", "fsdp_mesh", "is_model_parallel"]
+__all__ = ["FLATTENED", "TENSOR_PARALLEL_DIMS", "build_expert_mesh", "build_mesh", "fsdp_mesh", "is_model_parallel"]

@@ -94,8 +94,10 @@ def tensor_parallel_parameters(model: nn.Module) -> list[str]:
     """The names of ``model``'s parameters split over tensor-parallel ranks (by a plan or by the user's code)."""
     from torch.distributed.tensor import DTensor
 
+    from lightning_npu.strategies.mesh import TENSOR_PARALLEL_DIMS
+
     return [name for name, param in model.named_parameters()
-            if isinstance(param, DTensor) and {"tp", "tensor_parallel"} & set(param.device_mesh.mesh_dim_names or ())]
+            if isinstance(param, DTensor) and TENSOR_PARALLEL_DIMS & set(param.device_mesh.mesh_dim_names or ())]
 
 
 def resolve_module_classes(spec: MODULE_CLASSES, model: nn.Module, option: str) -> tuple[type, ...]:

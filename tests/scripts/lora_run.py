@@ -48,13 +48,15 @@ def batches(vocab: int) -> DataLoader:
 
 
 class GatheredDtypes(Callback):
-    """The dtype and shape of block 0's wq codes and scales as its forward sees them."""
+    """The dtype and shape of block 0's wq codes and scales as its forward sees them (a quantized base only)."""
 
     def __init__(self) -> None:
         self.seen = {}
 
     def on_train_start(self, trainer, pl_module) -> None:
         wq = pl_module.model.layers[0].attention.wq
+        if not hasattr(wq, "weight_codes"):
+            return
 
         def record(module, args) -> None:
             for name in ("weight_codes", "weight_scales"):

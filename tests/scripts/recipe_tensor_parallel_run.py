@@ -11,7 +11,9 @@ checkpoint of a freshly built tiny LLaMA, loaded into the shards of each layout)
 - ``tp_to_dp``: plain npu_fsdp resumed from ``tp``'s checkpoint (a sharded checkpoint across meshes);
 - ``tp_scratch``: tensor_parallel_size=2 from random weights (no init_from), one step;
 - ``tp_cp_ulysses`` / ``tp_cp_ring``: tensor_parallel_size=2 and context_parallel_size=2 (one data-parallel rank of 8
-  sequences), Ulysses and ring attention.
+  sequences), Ulysses and ring attention;
+- ``cp``: context_parallel_size=2 (ring), a sharded checkpoint at step ``SAVE_AT``; ``cp_to_dp``: plain npu_fsdp
+  resumed from it (cp 2 -> 1).
 
 Rank 0 writes ``<out>/result.json``: each run's per-step losses (averaged over data-parallel ranks), the placements
 of one MLP weight, and for ``tp_scratch`` whether the two tensor-parallel halves of each weight drew the same
@@ -111,6 +113,8 @@ def main() -> None:
     results["tp_scratch"] = fit(out, "tp_scratch", tp=2, init=False, steps=1)
     for algo in ("ulysses", "ring"):
         results[f"tp_cp_{algo}"] = fit(out, f"tp_cp_{algo}", tp=2, cp=2, context_parallel_algo=algo)
+    results["cp"] = fit(out, "cp", cp=2, context_parallel_algo="ring", save=True)
+    results["cp_to_dp"] = fit(out, "cp_to_dp", resume=str(out / f"cp_step{SAVE_AT}"))
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
