@@ -296,3 +296,88 @@ def test_expert_load_is_max_over_mean_tokens_per_expert_in_the_worst_layer():
     assert expert_load([balanced], 1).item() == 1.0
     assert expert_load([balanced, skewed], 2).item() == 2.0  # counts [32, 32, 0, 0] over their mean 16
     assert expert_load([skewed], 1).item() == 4.0 and not expert_load([skewed.requires_grad_()], 1).requires_grad
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Auxiliary-loss-free balancing (router_bias_update_rate)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_a_balancing_bias_changes_which_experts_are_chosen_but_not_their_weights():
+    """Catches a bias that also shifts the gate weights (they must stay the softmax's) or that is ignored."""
+    from recipes.models.moe.router import route
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 0.5]])
+    scores = torch.softmax(logits, dim=-1)
+    bias = torch.tensor([0.0, 0.0, 0.0, 5.0])  # pushes expert 3 into every token's top 2
+    probs, ids = route(logits, 2, normalise=False, bias=bias)
+    assert (ids == 3).any(dim=-1).all()
+    torch.testing.assert_close(probs, scores.gather(-1, ids))
+    plain_probs, plain_ids = route(logits, 2, normalise=False)
+    assert not (plain_ids == 3).any()
+    normalised, _ = route(logits, 2, normalise=True, bias=bias)
+    torch.testing.assert_close(normalised.sum(dim=-1), torch.ones(2))
+
+
+def test_the_bias_moves_by_the_rate_towards_the_mean_load():
+    from recipes.models.moe.router import Router
+
+    router = Router(8, 4, balancing_bias=True)
+    assert torch.equal(router.expert_bias, torch.zeros(4)) and "expert_bias" in router.state_dict()
+    router.balance(torch.tensor([10, 0, 5, 5]), 0.01)
+    torch.testing.assert_close(router.expert_bias, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
+    assert "expert_bias" not in Router(8, 4).state_dict()  # off: checkpoints keep their old layout
+
+
+def test_aux_loss_free_balancing_evens_the_load_of_a_skewed_router():
+    """Training steps with router_bias_update_rate on a router that sends most tokens to one expert: the load
+    (max / mean tokens per expert) falls, and without the rate it does not. Catches an update of the wrong sign, a
+    count from the wrong choices, and a bias the forward ignores."""
+    def loads(rate: float) -> list[float]:
+        torch.manual_seed(0)
+        model = MoE(MoEConfig.from_preset("tiny", n_layers=1, router_aux_loss_coef=0.0, router_bias_update_rate=rate))
+        router = model.layers[0].feed_forward.router
+        with torch.no_grad():
+            router.weight[0] += 0.5 * torch.randn(model.config.dim).sign()  # expert 0 scores high for many tokens
+        ids = tokens(seed=3, batch=4, seq=32) % model.config.vocab_size
+        history = []
+        for _ in range(40):
+            model(ids)
+            history.append(float(model.expert_load()))
+            model.balance_experts(lambda routed: routed)
+        return history
+
+    balanced, plain = loads(0.005), loads(0.0)
+    assert plain[-1] == pytest.approx(plain[0]) and plain[0] > 2.0  # skewed, and nothing moves without the rate
+    assert sum(balanced[-10:]) / 10 < 0.9 * balanced[0]
+
+
+def test_the_balancing_bias_moves_once_per_optimizer_step_and_survives_a_checkpoint(tmp_path):
+    """The recipe's module moves the bias after each optimizer step, with accumulated micro-batches counted
+    together (not once per micro-batch), and the bias is part of the model's state (checkpoints, resume)."""
+    from lightning.pytorch import Trainer
+
+    module = DecoderLM(family="moe", preset="tiny",
+                       config={"n_layers": 2, "router_aux_loss_coef": 0.0, "router_bias_update_rate": 0.01})
+    calls = []
+    module.configure_model()
+    balance = module.model.balance_experts
+    module.model.balance_experts = lambda reduce: (calls.append(module.trainer.global_step), balance(reduce))
+    ids = tokens(seed=4, batch=8, seq=17) % module.config.vocab_size
+    data = [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=1))
+    assert calls == [1, 2, 3]
+    bias = module.model.layers[1].feed_forward.router.expert_bias
+    assert bias.abs().sum() > 0 and torch.allclose((bias / 0.01).round(), bias / 0.01, atol=1e-4)
+    assert torch.equal(module.state_dict()["model.layers.1.feed_forward.router.expert_bias"], bias)
+
+
+def test_a_model_with_a_balancing_bias_is_not_exported_to_hugging_face():
+    config = MoEConfig.from_preset("tiny", router_bias_update_rate=0.001)
+    with pytest.raises(CheckpointError, match=r"router_bias_update_rate=0.001: this model picks its experts by score"
+                                              r" plus a learned balancing bias.*Keep it as a recipe checkpoint"):
+        moe_hf.hf_config_dict(config, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"router_bias_update_rate=-1 is invalid"):
+        MoEConfig.from_preset("tiny", router_bias_update_rate=-1)

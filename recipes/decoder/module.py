@@ -114,6 +114,7 @@ class DecoderLM(LightningModule):
         self.model: Optional[torch.nn.Module] = None
         self._initial_weights_loaded = False
         self._state_restored = False  # set by on_load_checkpoint: the weights (a LoRA run's adapters) are a checkpoint's
+        self._step_before_batch = 0  # the optimizer steps taken before the current training batch
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -186,6 +187,17 @@ class DecoderLM(LightningModule):
         if expert_load is not None:
             self.log("expert_load", expert_load())  # a device tensor, written at logging steps as train_loss is
         return loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_before_batch = self.trainer.global_step
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # After a batch that ended with an optimizer step (not between the micro-batches it accumulates, nor between
+        # a forward and the recompute of its checkpointed blocks): an MoE family's auxiliary-loss-free balancing bias
+        # moves, by the tokens every data-parallel rank routed.
+        balance = getattr(self.model, "balance_experts", None)
+        if balance is not None and self.trainer.global_step > self._step_before_batch:
+            balance(lambda routed: self.trainer.strategy.reduce(routed, reduce_op="sum"))
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)

@@ -27,7 +27,10 @@ class MoEConfig(ConfigDict):
     ``dense_layers`` (HF ``mlp_only_layers``) or ``(i + 1) % sparse_step != 0`` (HF ``decoder_sparse_step``);
     the others are dense SwiGLU MLPs of width ``dense_hidden_dim``. ``router_aux_loss_coef`` > 0 adds that
     multiple of the load-balancing loss to the training loss (HF: ``router_aux_loss_coef`` with
-    ``output_router_logits``).
+    ``output_router_logits``). ``router_bias_update_rate`` > 0 balances the load without a loss instead, or beside it
+    (DeepSeek-V3's auxiliary-loss-free balancing): each MoE layer's router keeps a per-expert bias that is added to
+    the scores for the top-k choice only (the gate weights stay the softmax's), and after every optimizer step moves
+    by that rate towards balance (up for experts that got fewer than the mean tokens, down for the others).
     """
 
     architecture: str = "qwen3_moe"
@@ -51,6 +54,7 @@ class MoEConfig(ConfigDict):
     rope_theta: float = 1000000.0
     tie_embeddings: bool = False
     router_aux_loss_coef: float = 0.0
+    router_bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -74,6 +78,10 @@ class MoEConfig(ConfigDict):
         coef = self.router_aux_loss_coef
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
             raise ValueError(f"{where}.router_aux_loss_coef={coef!r} is invalid: it must be a number >= 0 (0: no loss).")
+        rate = self.router_bias_update_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
+            raise ValueError(f"{where}.router_bias_update_rate={rate!r} is invalid: it must be a number >= 0 (0: no"
+                             " balancing bias; DeepSeek-V3 uses 0.001).")
         for name in ("norm_topk_prob", "qkv_bias", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{where}.{name}={getattr(self, name)!r} is invalid: it must be true or false.")

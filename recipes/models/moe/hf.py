@@ -190,6 +190,13 @@ def hf_config_dict(
     """The ``config.json`` of the ``*ForCausalLM`` of ``config.architecture`` equal to ``MoE(config)``; the rotary
     base and dtype under both the transformers 4 and 5 names."""
     arch = config.architecture
+    if config.router_bias_update_rate:
+        raise CheckpointError(
+            f"router_bias_update_rate={config.router_bias_update_rate}: this model picks its experts by score plus a"
+            f" learned balancing bias, which Hugging Face's {_HF_CLASSES[arch]} has no place for, so an export would"
+            " route tokens to other experts. Keep it as a recipe checkpoint (generate.py reads it), or train without"
+            " the bias (router_aux_loss_coef balances the load and exports)"
+        )
     out: dict[str, Any] = {
         "architectures": [_HF_CLASSES[arch]],
         "model_type": arch,

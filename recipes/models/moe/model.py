@@ -33,7 +33,7 @@ Parameter names (``hf.py`` maps them to Hugging Face's)::
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -77,12 +77,20 @@ class MoEFeedForward(nn.Module):
         self.top_k = config.top_k
         self.n_experts = config.n_experts
         self.norm_topk_prob = config.norm_topk_prob
-        self.router = Router(config.dim, config.n_experts)
+        self.router = Router(config.dim, config.n_experts, balancing_bias=config.router_bias_update_rate > 0)
         self.experts = Experts(config.n_experts, config.dim, config.expert_hidden_dim)
         if config.shared_expert_hidden_dim:
             self.shared_expert = FeedForward(config.dim, config.shared_expert_hidden_dim)
             self.shared_expert_gate = Linear(config.dim, 1)
         self.router_logits: Optional[Tensor] = None
+        #: Tokens routed to each expert [n_experts] by this rank's training forwards since ``take_routed``.
+        self.routed: Optional[Tensor] = None
+
+    def take_routed(self) -> Tensor:
+        """The tokens per expert routed since the last call (zeros if none), and a fresh count."""
+        routed = self.routed if self.routed is not None else self.router.weight.new_zeros(self.n_experts)
+        self.routed = None
+        return routed
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.reshape(-1, x.shape[-1])
@@ -91,9 +99,12 @@ class MoEFeedForward(nn.Module):
         # keep the block's recomputed graph, and its saved tensors, alive until the next forward.
         if torch._C._current_graph_task_id() == -1:
             self.router_logits = logits
-        probs, expert_ids = route(logits, self.top_k, normalise=self.norm_topk_prob)
+        probs, expert_ids = route(logits, self.top_k, normalise=self.norm_topk_prob,
+                                  bias=getattr(self.router, "expert_bias", None))
         # The probs go in the tokens' dtype: the fused unpermute's backward gives NaN for mixed dtypes (moe-facts.md).
         permuted, counts, permutation = permute_tokens(tokens, expert_ids, probs.to(tokens.dtype), self.n_experts)
+        if self.training and torch._C._current_graph_task_id() == -1:  # a forward, not a checkpoint's recompute
+            self.routed = counts.detach() if self.routed is None else self.routed + counts.detach()
         out = unpermute_tokens(self.experts(permuted, counts), permutation)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
@@ -141,8 +152,21 @@ class MoE(CausalDecoder):
         logits = [self.layers[i].feed_forward.router_logits for i in self.config.moe_layers]
         return coef * load_balancing_loss(logits, self.config.top_k)
 
+    def balance_experts(self, reduce: Callable[[Tensor], Tensor]) -> None:
+        """After an optimizer step, with ``router_bias_update_rate``: move each MoE layer's balancing bias towards
+        balance for the tokens routed since the last step, summed over the data-parallel ranks by ``reduce`` (so
+        the biases stay equal on every rank). Without the rate, nothing."""
+        rate = self.config.router_bias_update_rate
+        if not rate:
+            return
+        layers = [self.layers[i].feed_forward for i in self.config.moe_layers]
+        routed = reduce(torch.stack([layer.take_routed().float() for layer in layers]))
+        for layer, counts in zip(layers, routed):
+            layer.router.balance(counts, rate)
+
     def expert_load(self) -> Tensor:
         """The last forward's routing balance (``router.expert_load``: max / mean tokens per expert, worst layer),
         which ``DecoderLM`` logs as ``expert_load``."""
-        return expert_load([self.layers[i].feed_forward.router_logits for i in self.config.moe_layers],
-                           self.config.top_k)
+        layers = [self.layers[i].feed_forward for i in self.config.moe_layers]
+        return expert_load([layer.router_logits for layer in layers], self.config.top_k,
+                           [getattr(layer.router, "expert_bias", None) for layer in layers])
