@@ -381,3 +381,17 @@ def test_a_model_with_a_balancing_bias_is_not_exported_to_hugging_face():
         moe_hf.hf_config_dict(config, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"router_bias_update_rate=-1 is invalid"):
         MoEConfig.from_preset("tiny", router_bias_update_rate=-1)
+
+
+@pytest.mark.slow
+def test_the_balancing_bias_stays_equal_on_every_rank_under_npu_fsdp(tmp_path):
+    """Two ranks route different batches; the bias moves by the tokens both routed (summed over the ranks), so it
+    stays the same on each. Catches a bias moved by each rank's own counts, which would drift apart silently."""
+    from tests.helpers import SCRIPTS, read_json, run_python
+
+    run_python([str(SCRIPTS / "moe_balancing_run.py"), str(tmp_path)], simulate=2)
+    ranks = [read_json(tmp_path / f"rank{r}.json") for r in range(2)]
+    assert ranks[0]["biases"] == ranks[1]["biases"]
+    assert any(value != 0 for layer in ranks[0]["biases"] for value in layer)
+    # The last step's moves were taken on the sum of both ranks' counts, which differ rank by rank.
+    assert ranks[0]["routed"] != ranks[1]["routed"]
