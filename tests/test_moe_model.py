@@ -352,23 +352,36 @@ def test_aux_loss_free_balancing_evens_the_load_of_a_skewed_router():
     assert sum(balanced[-10:]) / 10 < 0.9 * balanced[0]
 
 
-def test_the_balancing_bias_moves_once_per_optimizer_step_and_survives_a_checkpoint(tmp_path):
-    """The recipe's module moves the bias after each optimizer step, with accumulated micro-batches counted
-    together (not once per micro-batch), and the bias is part of the model's state (checkpoints, resume)."""
-    from lightning.pytorch import Trainer
+def test_the_balancing_bias_moves_once_per_optimizer_step_on_the_tokens_of_all_its_micro_batches():
+    """The recipe's module moves the bias after each batch that ended with an optimizer step, with the tokens of the
+    micro-batches it accumulated counted together (not once per micro-batch), and the bias is part of the model's
+    state (checkpoints, resume). The Trainer's hooks are called as its fit loop calls them, two micro-batches a step."""
+    from types import SimpleNamespace
 
     module = DecoderLM(family="moe", preset="tiny",
                        config={"n_layers": 2, "router_aux_loss_coef": 0.0, "router_bias_update_rate": 0.01})
-    calls = []
     module.configure_model()
+    trainer = SimpleNamespace(global_step=0, strategy=SimpleNamespace(reduce=lambda tensor, reduce_op: tensor))
+    module._trainer = trainer
+    moves = []
     balance = module.model.balance_experts
-    module.model.balance_experts = lambda reduce: (calls.append(module.trainer.global_step), balance(reduce))
-    ids = tokens(seed=4, batch=8, seq=17) % module.config.vocab_size
-    data = [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=1))
-    assert calls == [1, 2, 3]
+
+    def counted(reduce):
+        routed = [module.model.layers[i].feed_forward.routed for i in module.config.moe_layers]
+        moves.append((trainer.global_step, [int(r.sum()) for r in routed]))
+        balance(reduce)
+
+    module.model.balance_experts = counted
+    ids = tokens(seed=4, batch=6, seq=17) % module.config.vocab_size
+    for index, row in enumerate(ids):
+        batch = {"input_ids": row[None, :-1], "labels": row[None, 1:]}
+        module.on_train_batch_start(batch, index)
+        module._loss(batch).backward()
+        if index % 2 == 1:  # the second micro-batch of each step ends with the optimizer step
+            trainer.global_step += 1
+        module.on_train_batch_end(None, batch, index)
+    choices = 2 * 16 * module.config.top_k  # two micro-batches of 16 tokens, top_k experts each
+    assert moves == [(1, [choices] * 2), (2, [choices] * 2), (3, [choices] * 2)]
     bias = module.model.layers[1].feed_forward.router.expert_bias
     assert bias.abs().sum() > 0 and torch.allclose((bias / 0.01).round(), bias / 0.01, atol=1e-4)
     assert torch.equal(module.state_dict()["model.layers.1.feed_forward.router.expert_bias"], bias)
