@@ -96,14 +96,16 @@ class MoEFeedForward(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         logits = self.router(tokens)
         # Not when activation checkpointing recomputes this forward inside backward: the recomputed logits would
-        # keep the block's recomputed graph, and its saved tensors, alive until the next forward.
-        if torch._C._current_graph_task_id() == -1:
+        # keep the block's recomputed graph, and its saved tensors, alive until the next forward; the recomputed
+        # routing would count its tokens twice.
+        recompute = torch._C._current_graph_task_id() != -1
+        if not recompute:
             self.router_logits = logits
-        probs, expert_ids = route(logits, self.top_k, normalise=self.norm_topk_prob,
-                                  bias=getattr(self.router, "expert_bias", None))
+        bias = getattr(self.router, "expert_bias", None)
+        probs, expert_ids = route(logits, self.top_k, normalise=self.norm_topk_prob, bias=bias)
         # The probs go in the tokens' dtype: the fused unpermute's backward gives NaN for mixed dtypes (moe-facts.md).
         permuted, counts, permutation = permute_tokens(tokens, expert_ids, probs.to(tokens.dtype), self.n_experts)
-        if self.training and torch._C._current_graph_task_id() == -1:  # a forward, not a checkpoint's recompute
+        if bias is not None and self.training and not recompute:  # what the balancing bias moves by
             self.routed = counts.detach() if self.routed is None else self.routed + counts.detach()
         out = unpermute_tokens(self.experts(permuted, counts), permutation)
         if hasattr(self, "shared_expert"):
