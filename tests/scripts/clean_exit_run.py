@@ -83,7 +83,10 @@ def kill_handshake(rank: int, kill_rank: int, sync_dir: Path) -> None:
     """Rank ``kill_rank`` SIGKILLs itself once every other rank has finished; the others return once it is dead."""
     sync_dir.mkdir(parents=True, exist_ok=True)
     if rank == kill_rank:
-        (sync_dir / "victim.pid").write_text(str(os.getpid()))
+        # Written under another name, then renamed: a peer polling for the file must never read it half-written
+        # (an empty pid failed the survivor with a ValueError: the intermittent exit 1 of the killed-peer case).
+        (sync_dir / "victim.pid.partial").write_text(str(os.getpid()))
+        os.replace(sync_dir / "victim.pid.partial", sync_dir / "victim.pid")
         _wait_for(lambda: (sync_dir / "survivor.done").exists(), "the surviving rank to finish")
         os.kill(os.getpid(), signal.SIGKILL)
     (sync_dir / "survivor.done").touch()
