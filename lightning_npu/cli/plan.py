@@ -32,6 +32,7 @@ import sys
 from lightning_npu.plan import ModelShape, PlanError, load_spec, render, report
 from lightning_npu.facts import weight_quant
 from lightning_npu.facts.chips import DEFAULT_PLAN_CHIP
+from lightning_npu.facts.options import CONTEXT_PARALLEL_ALGOS
 from lightning_npu.plan.spec import KERNELS, OPTIMIZERS
 
 PROG = "lightning-npu plan"
@@ -68,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-base", choices=("none", *weight_quant.SCHEMES),
                         help="how a LoRA config's frozen base is stored (overrides model.lora.base_quantization): none"
                         " (the master dtype), int8 (per channel) or nf4 (blocks of 64)")
+    parser.add_argument("--tp", type=int, help="tensor_parallel_size: devices of a node that split each layer"
+                        " (overrides the strategy's; default 1)")
+    parser.add_argument("--cp", type=int, help="context_parallel_size: devices that split each sequence (overrides the"
+                        " strategy's; default 1)")
+    parser.add_argument("--cp-algo", choices=tuple(CONTEXT_PARALLEL_ALGOS),
+                        help="context_parallel_algo: ulysses (all-to-all over heads; default) or ring (keys and values"
+                        " around the ranks; any head count, long contexts)")
     parser.add_argument("--hccl-buffsize", type=float, help="HCCL_BUFFSIZE in MB (default: the environment's, or 200)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -79,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
             profile=args.profile, devices=args.devices, nodes=args.nodes, micro_batch=args.micro_batch,
             seq_len=args.seq_len, precision=args.precision, zero_stage=args.zero_stage, ac_ratio=args.ac_ratio,
             device_memory_gib=args.device_memory, chip=args.chip, kernels=args.kernels, optimizer=args.optimizer,
-            hccl_buffsize_mb=args.hccl_buffsize, lora_base=args.lora_base,
+            hccl_buffsize_mb=args.hccl_buffsize, lora_base=args.lora_base, tensor_parallel_size=args.tp,
+            context_parallel_size=args.cp, context_parallel_algo=args.cp_algo,
         )
         plan = report(spec)
     except PlanError as error:

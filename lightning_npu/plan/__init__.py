@@ -21,7 +21,7 @@ from lightning_npu.plan.decoder import (
 from lightning_npu.plan.profile import PROFILE_FUNCTION, PROFILE_MODULE, find_profile
 from lightning_npu.plan.render import render, report
 from lightning_npu.plan.replay import estimate, max_micro_batch, state_bytes
-from lightning_npu.plan.spec import GIB, MIB, Estimate, ModelShape, PlanError, PlanSpec
+from lightning_npu.plan.spec import GIB, MIB, Estimate, ModelShape, Parallelism, PlanError, PlanSpec
 
 __all__ = [
     "BlockActivations",
@@ -34,6 +34,7 @@ __all__ = [
     "ModelShape",
     "PROFILE_FUNCTION",
     "PROFILE_MODULE",
+    "Parallelism",
     "PlanError",
     "PlanSpec",
     "RankLocalShape",
