@@ -4,19 +4,23 @@ ZeRO-2 and ZeRO-3, with the verdict against the device memory and the largest mi
     lightning-npu plan --config recipes/models/llama/configs/llama2_7b.yaml --devices 8 --device-memory 64
     lightning-npu plan --model-shape hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab=128256,max_seq_len=8192 \\
         --devices 8 --precision bf16-mixed --seq-len 4096 --micro-batch 1
+    lightning-npu plan --config recipes/models/llama/configs/llama3_8b_128k.yaml --nodes 2 --cp 16
 
 The model comes from what it is given. A recipe config: the YAML is read, never run (no data, tokenizer or weights
 are touched; placeholder paths are fine), and the model's memory profile is the ``memory_profile`` module next to
 the model classes the config names (``recipes/models/llama/memory_profile.py``; the protocol is in
 ``lightning_npu.plan.profile``). Or a decoder given by its shapes (``--model-shape``; keys hidden, layers, heads,
 kv_heads, ffn, vocab, max_seq_len), planned as a LLaMA-style decoder (RMSNorm, grouped-query attention with
-rotary, SwiGLU MLP, untied embeddings, fp32 logits), each block an FSDP unit. Flags override the YAML.
+rotary, SwiGLU MLP, untied embeddings, fp32 logits), each block an FSDP unit. Flags override the YAML; ``--tp``,
+``--cp`` and ``--cp-algo`` plan npu_fsdp's tensor and context parallelism (the strategy's options of those names,
+with its ``sequence_parallel`` and ``loss_parallel`` read from the config): one device's share of the split weights
+and of its part of each sequence, with Ulysses' or ring attention's tensors.
 
 The estimate replays one training step as the allocations and frees FSDP2, autograd and AdamW make
 (``lightning_npu.plan.replay``). ``benchmarks/plan_accuracy.py`` checks it against the measured peak of real
 training steps on the CPU (PyTorch reference kernels, 1 to 8 simulated devices, ZeRO-2/3, checkpointing,
-fp32/bf16): within 5%, except gradient accumulation (6.7% low; probably the unsharded gradients npu_fsdp keeps
-between non-stepping micro-batches). The ``fused`` activation counts (the NPU default) follow from which tensors
+fp32/bf16, tensor and context parallelism): within 5%, except gradient accumulation (6.7% low; probably the
+unsharded gradients npu_fsdp keeps between non-stepping micro-batches). The ``fused`` activation counts (the NPU default) follow from which tensors
 each torch_npu backward takes (``npu_*_backward`` signatures, checked in tests/test_plan.py) and have not been
 measured on an NPU. Nothing here imports torch.
 

@@ -1,6 +1,8 @@
-"""The memory planner behind ``lightning-npu plan``: will a model fit in NPU memory under npu_fsdp (FSDP2)?
+"""The memory planner behind ``lightning-npu plan``: will a model fit in NPU memory under npu_fsdp (FSDP2), with its
+tensor and context parallelism if asked?
 
-Torch-free. Modules: ``spec`` (the model's shape, the run's settings with their validation, the estimate),
+Torch-free. Modules: ``spec`` (the model's shape, the run's settings with their validation, ``Parallelism``, the
+estimate),
 ``decoder`` (how a pre-norm decoder on lightning_npu.kernels spends memory, and what trains: ``DecoderProfile``,
 ``LowRankAdapters``), ``profile``
 (the protocol by which a model's package supplies its profile, and finding it from a config), ``replay`` (one

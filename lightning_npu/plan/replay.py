@@ -21,7 +21,14 @@ autograd and AdamW make, in their order; the peak of the running total is the es
   recomputes them;
 - logits are fp32 ``[batch, seq, vocab]``; cross-entropy saves its log-softmax, and its backward briefly holds
   three such tensors;
-- HCCL keeps ``2 x HCCL_BUFFSIZE`` per communicator, and a fixed workspace plus a share of the peak is set aside
+- under tensor and context parallelism (``PlanSpec.parallel``) every count is one rank's: its tensor-parallel slice of
+  each parameter (the profile's shapes), sharded by FSDP over the ``dp_shard x cp`` ranks (``shard_group``); its
+  ``seq_len / cp`` tokens of each sequence; the residual stream split over the tensor-parallel ranks with sequence
+  parallelism; the logits' vocabulary split with loss_parallel, whose log-softmax holds a shifted copy of them and
+  whose fused backward an exp beside its two tensors; the collectives' and attention's buffers the profile names
+  (``DecoderProfile.parallel_scratch``);
+- HCCL keeps ``2 x HCCL_BUFFSIZE`` per communicator (tensor and context parallelism add the tensor-parallel group,
+  FSDP's own group and the context-parallel group), and a fixed workspace plus a share of the peak is set aside
   for operator workspaces and allocator fragmentation.
 """
 
