@@ -6,6 +6,7 @@ Ulysses' and ring attention's own tensors, the errors for sizes that do not divi
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -26,7 +27,7 @@ from lightning_npu.plan import (
 from lightning_npu.plan.decoder import FP32_BYTES
 from lightning_npu.plan.replay import _StepReplay
 from recipes.models.llama.memory_profile import lightning_npu_memory_profile
-from tests.helpers import REPO
+from tests.helpers import REPO, SCRIPTS, run_python
 
 CONFIGS = REPO / "recipes" / "models" / "llama" / "configs"
 CONFIG_70B = CONFIGS / "llama2_70b.yaml"
@@ -194,7 +195,7 @@ def test_the_config_s_strategy_values_are_read_and_the_flags_override_them(tmp_p
     assert (flagged.shard_group, flagged.local_seq_len) == (4, 32)
     assert main(["plan", "--config", str(config), "--tp", "2", "--cp", "2", "--cp-algo", "ulysses", "--json"]) == 0
     printed = capsys.readouterr().out
-    plan = __import__("json").loads(printed)
+    plan = json.loads(printed)
     assert plan["parallel"]["tensor"] == 2 and plan["parallel"]["context"] == 2 and plan["shard_group"] == 2
     assert main(["plan", "--config", str(config), "--cp", "3"]) == 2
     assert "does not divide the world size 4" in capsys.readouterr().err
@@ -230,3 +231,18 @@ def test_the_parallel_configs_fit_on_64_gib_npus_and_pass_the_recipes_checks(con
         assert estimate(plain).total > planned.total + 10 * GIB and not estimate(plain, 2).fits
         assert max_micro_batch(plain) <= 2 < 10 < max_micro_batch(spec)
         assert math.prod((spec.nodes, spec.devices)) == 32
+
+
+@pytest.mark.slow  # starts a process
+def test_a_split_block_keeps_what_the_profile_counts():
+    """The recipe's LLaMA block as rank 0 of a TP or CP pair (tests/scripts/plan_parallel_saved.py: fake process
+    group, the recipe's TP plan or a ContextParallel) keeps exactly the bytes per token the profile counts, tensor by
+    tensor through autograd's saved-tensor hooks: tp 2 with and without sequence parallelism, cp 2 Ulysses and ring.
+    Catches the projections' inputs counted split (they are all-gathered: tp2 -1024 B per token), the norms left
+    whole under sequence parallelism (tp2 +1028), Ulysses' head-split output left out (-512) and ring's fp32 output
+    counted again as wo's input (+512)."""
+    proc = run_python([str(SCRIPTS / "plan_parallel_saved.py")], simulate=None)
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [row["case"] for row in rows] == ["tp2", "tp2_no_sp", "cp2_ulysses", "cp2_ring"]
+    for row in rows:
+        assert row["measured"] == row["predicted"], row
