@@ -175,7 +175,7 @@ class DecoderProfile:
     adapters: Optional[LowRankAdapters] = None
     qkv_bias: bool = False
     qk_norm: bool = False
-    parallel: Parallelism = dataclasses.field(default_factory=lambda: Parallelism())
+    parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
 
     def block_profile(self, layer: int) -> "DecoderProfile":
         """The profile whose block methods describe layer ``layer``: this one, for a decoder of identical blocks."""

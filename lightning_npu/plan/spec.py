@@ -227,7 +227,7 @@ class PlanSpec:
     chip: str = DEFAULT_PLAN_CHIP
     profile: Optional["DecoderProfile"] = None
     #: Tensor and context parallelism (npu_fsdp's mesh beside FSDP); the default is plain sharding.
-    parallel: Parallelism = dataclasses.field(default_factory=lambda: Parallelism())
+    parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
