@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 #: What each supported ZeRO stage means under FSDP2 (``reshard_after_forward``), in order of preference.
 ZERO_STAGES = {
@@ -105,6 +105,13 @@ def check_expert_parallel_size(value: Any, layout: "MeshLayout", sharding: str) 
             f" {layout.data_parallel_size} ({', '.join(map(str, _divisors(layout.data_parallel_size)))})"
         )
     return value
+def indivisible_by_tensor_parallel(tp: int, sizes: Iterable[tuple[str, int]]) -> list[str]:
+    """The ``(name, value)`` sizes of a model that ``tp`` tensor-parallel ranks cannot split evenly, each as a problem
+    with its numbers (empty when all divide): what the recipe checks before workers start, and the planner too."""
+    return [f"{name}={value} is not divisible by tensor_parallel_size={tp}: each rank holds 1/{tp} of them"
+            for name, value in sizes if value % tp]
+
+
 def check_context_parallel_shapes(cp: int, algo: str, *, heads: int, seq_len: int, tp: int = 1) -> None:
     """ValueError, with the numbers and the fix, unless ``cp`` context-parallel ranks can split a model of ``heads``
     query heads (before ``tp``-way tensor parallelism) and ``seq_len``-token sequences by ``algo``: what a recipe
