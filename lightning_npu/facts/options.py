@@ -87,24 +87,28 @@ def check_context_parallel_algo(value: Any) -> str:
 
 
 def check_expert_parallel_size(value: Any, layout: "MeshLayout", sharding: str) -> int:
-    """``value`` if ``layout``'s data-parallel ranks split into expert-parallel groups of that size; ValueError
-    with the numbers and the fix otherwise (before workers start; the experts count is checked at sharding)."""
+    """``value`` if ``layout``'s FSDP shard ranks (``dp_shard x cp``, where expert parallelism borrows its ranks as
+    torchtitan's ParallelDims does) split into expert-parallel groups of that size; ValueError with the numbers and
+    the fix otherwise (before workers start; the experts count is checked at sharding)."""
     check_parallel_size("expert_parallel_size", value)
     if value == 1:
         return value
-    if layout.model_parallel or sharding != "full":
+    if layout.tp > 1 or sharding != "full":
         raise ValueError(
-            f"expert_parallel_size={value} works with sharding='full' and tensor_parallel_size ="
-            f" context_parallel_size = 1 only for now (got sharding={sharding!r}, tensor_parallel_size={layout.tp},"
-            f" context_parallel_size={layout.cp}); drop one of the two"
+            f"expert_parallel_size={value} works with sharding='full' and tensor_parallel_size=1 only for now (got"
+            f" sharding={sharding!r}, tensor_parallel_size={layout.tp}); drop one of the two"
         )
-    if layout.data_parallel_size % value:
+    borrowed = layout.expert_parallel_ranks
+    if borrowed % value:
+        dims = f"dp_shard={layout.dp_shard} x context_parallel_size={layout.cp}" if layout.cp > 1 else "data-parallel"
         raise ValueError(
-            f"expert_parallel_size={value} does not divide the data-parallel size {layout.data_parallel_size}:"
-            " expert-parallel groups are carved out of the data-parallel ranks; use a divisor of"
-            f" {layout.data_parallel_size} ({', '.join(map(str, _divisors(layout.data_parallel_size)))})"
+            f"expert_parallel_size={value} does not divide the {dims} size {borrowed}: expert-parallel groups are"
+            " carved out of the ranks FSDP shards over (dp_shard x cp); use a divisor of"
+            f" {borrowed} ({', '.join(map(str, _divisors(borrowed)))})"
         )
     return value
+
+
 def check_context_parallel_shapes(cp: int, algo: str, *, heads: int, seq_len: int, tp: int = 1) -> None:
     """ValueError, with the numbers and the fix, unless ``cp`` context-parallel ranks can split a model of ``heads``
     query heads (before ``tp``-way tensor parallelism) and ``seq_len``-token sequences by ``algo``: what a recipe
@@ -188,6 +192,12 @@ class MeshLayout:
         """How many different batches each step trains on (the sampler's replicas)."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def expert_parallel_ranks(self) -> int:
+        """How many ranks an expert-parallel group may borrow its members from (``dp_shard x cp``): the ranks FSDP
+        shards over, whose tokens differ (``expert_parallel_size`` must divide it)."""
+        return self.dp_shard * self.cp
+
     def data_parallel_rank(self, global_rank: int) -> int:
         """Which of those batches ``global_rank`` trains on: the same for every rank of a TP or CP group."""
         return global_rank // (self.cp * self.tp)
@@ -220,7 +230,7 @@ class FSDPChoices:
     sequence_parallel: bool = True
     #: Under tensor parallelism: the loss computed on vocabulary-sharded logits (torch's ``loss_parallel``).
     loss_parallel: bool = True
-    #: Ranks (of the data-parallel ones) that split each MoE layer's experts between them.
+    #: Ranks (of the FSDP shard ranks, ``dp_shard x cp``) that split each MoE layer's experts between them.
     expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
