@@ -7,6 +7,13 @@
   dp_shard x cp: a cp pair), a sharded checkpoint after epoch 0;
 - ``cp_ep_to_cp`` / ``cp_ep_to_dp``: that checkpoint resumed under context_parallel_size=2 without expert
   parallelism, and under plain npu_fsdp (cp 2 x ep 2 -> 1 x 1).
+- ``dp_all_experts`` / ``cp_ep_all_experts``: ``dp`` and ``cp_ep`` with every token routed to all 8 experts
+  (top_k = n_experts; still dispatched by all_to_all to both ranks of a pair).
+
+Why the last pair: with top-2 routing, rounding differences of 1e-7 (attention runs on other shapes under context
+parallelism) flip near-tied expert choices once training has moved the weights, so MoE losses under context
+parallelism leave plain sharding's by 1e-4..1e-2 after the first update, with expert_parallel_size=1 as much as with
+2 (measured); routing every token to every expert has no such discontinuity, and there the layouts agree to 1e-6.
 
 The load-balancing loss is off (``router_aux_loss_coef=0``): it is computed on each rank's own tokens, which are
 whole rows under plain sharding and half rows under context parallelism, so it differs with the split of the batch
@@ -40,6 +47,9 @@ def main() -> None:
     resume = str(out / "cp_ep_epoch0")
     results["cp_ep_to_cp"] = fit(out, "cp_ep_to_cp", 1, config=NO_AUX, resume=resume, context_parallel_size=2)
     results["cp_ep_to_dp"] = fit(out, "cp_ep_to_dp", 1, config=NO_AUX, resume=resume)
+    all_experts = {**NO_AUX, "top_k": 8}
+    results["dp_all_experts"] = fit(out, "dp_all_experts", 1, config=all_experts)
+    results["cp_ep_all_experts"] = fit(out, "cp_ep_all_experts", 2, config=all_experts, context_parallel_size=2)
     if dist.get_rank() == 0:
         (out / "result.json").write_text(json.dumps(results))
 
