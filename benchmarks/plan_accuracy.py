@@ -1,13 +1,15 @@
 """How close is ``lightning-npu plan`` to the real peak memory of training? Measured on the CPU.
 
-    python benchmarks/plan_accuracy.py                 # all 22 cases, ~9 min on 2 cores
+    python benchmarks/plan_accuracy.py                 # all 28 cases, ~11 min on 2 cores
     python benchmarks/plan_accuracy.py --cases base,ac1 --out /tmp/plan_accuracy.json
+    python benchmarks/plan_accuracy.py --cases tp2,cp2_ring --update  # re-measure some, keep the other rows
 
 Each case trains the recipe's DecoderLM LightningModule for a few steps with
 ``Trainer(accelerator="npu", strategy=NPUFSDPStrategy(...))`` on the simulated runtime
 (LIGHTNING_NPU_SIMULATE=<devices>), varying width, depth, sequence, micro-batch, ZeRO stage, activation
-checkpointing, precision, attention kernel and gradient accumulation. The planner's estimate for the same
-configuration (its CPU settings: PyTorch reference kernels, per-tensor AdamW, no HCCL buffers, no allowance) is
+checkpointing, precision, attention kernel, gradient accumulation, and tensor and context parallelism (the
+recipe's TP plan with and without sequence parallelism and loss_parallel; Ulysses and ring attention; both
+together). The planner's estimate for the same configuration (its CPU settings: PyTorch reference kernels, per-tensor AdamW, no HCCL buffers, no allowance) is
 compared with the measured peak of the steady-state steps (after the optimizer states exist).
 
 How the peak is measured, and why it can be trusted. PyTorch's CPU allocator reports every allocation and free
@@ -89,6 +91,19 @@ CASES: dict[str, dict[str, Any]] = {
                      lora=dict(rank=8, targets=["q", "k", "v", "o"])),
     "moe_bf16_dev4": dict(family="moe", model=dict(n_experts=16, top_k=4), seq=256, batch=4, devices=4, zero=3,
                           ac=0.0, precision="bf16-mixed", holdout=True),
+    # Tensor and context parallelism (npu_fsdp's tensor_parallel_size / context_parallel_size with the recipe's
+    # plan: sequence parallelism and loss_parallel by default; Ulysses and ring attention), on 2 or 4 ranks.
+    "tp2": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=2, zero=3, ac=0.0, tp=2),
+    "tp2_plain_bf16_ac05": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=4, zero=3, ac=0.5,
+                                tp=2, sequence_parallel=False, loss_parallel=False, precision="bf16-mixed"),
+    "cp2_ulysses": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=2, zero=3, ac=0.0, cp=2,
+                        cp_algo="ulysses"),
+    "cp2_ring": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=2, zero=3, ac=0.0, cp=2,
+                     cp_algo="ring"),
+    "tp2_cp2_ring_zero2": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=4, zero=2, ac=0.0,
+                               tp=2, cp=2, cp_algo="ring"),
+    "tp2_cp2_ulysses_bf16": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=4, zero=3,
+                                 ac=0.0, tp=2, cp=2, cp_algo="ulysses", precision="bf16-mixed"),
 }
 STEPS = 4  # optimizer steps per run (a case's "steps" overrides it); the first is excluded (no optimizer states yet)
 
@@ -102,7 +117,7 @@ def case_spec(case: dict[str, Any]):
     it), with the CPU's settings."""
     import importlib
 
-    from lightning_npu.plan import PlanSpec
+    from lightning_npu.plan import Parallelism, PlanSpec
 
     family = case.get("family", "llama")
     module = importlib.import_module(BLOCKS[family].rpartition(".model.")[0] + ".memory_profile")
@@ -127,6 +142,10 @@ def case_spec(case: dict[str, Any]):
         workspace_gib=0.0,
         fragmentation=0.0,
         device_memory_gib=1024.0,
+        parallel=Parallelism(tensor=case.get("tp", 1), context=case.get("cp", 1),
+                             context_algo=case.get("cp_algo", "ulysses"),
+                             sequence_parallel=case.get("sequence_parallel", True),
+                             loss_parallel=case.get("loss_parallel", True)),
     )
 
 
@@ -174,7 +193,7 @@ def worker(case: dict[str, Any], out: Path) -> None:
 
     class Tokens(Dataset):
         def __len__(self) -> int:
-            return steps * accumulate * batch * case["devices"] * case.get("nodes", 1)
+            return steps * accumulate * batch * _data_parallel(case)
 
         def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
             g = torch.Generator().manual_seed(index)
@@ -214,6 +233,11 @@ def worker(case: dict[str, Any], out: Path) -> None:
         activation_checkpointing_policy=[block] if case["ac"] > 0 else None,
         activation_checkpointing_ratio=case["ac"] if case["ac"] > 0 else 1.0,
         sharding=case.get("sharding", "full"),
+        tensor_parallel_size=case.get("tp", 1),
+        context_parallel_size=case.get("cp", 1),
+        context_parallel_algo=case.get("cp_algo", "ulysses"),
+        sequence_parallel=case.get("sequence_parallel", True),
+        loss_parallel=case.get("loss_parallel", True),
         timeout=600,
         process_group_backend=backend,
     )
@@ -258,6 +282,11 @@ def worker(case: dict[str, Any], out: Path) -> None:
         "fit_seconds": seconds,
     }
     out.with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def _data_parallel(case: dict[str, Any]) -> int:
+    """How many different batches a step trains on: the world over the ranks of a tensor- and context-parallel group."""
+    return case["devices"] * case.get("nodes", 1) // (case.get("tp", 1) * case.get("cp", 1))
 
 
 def _state_bytes(module: Any, optimizer: Any) -> dict[str, int]:
@@ -350,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="fake: one process poses as rank 0 of N (exact, default); gloo: N real processes, whose"
                              " gloo worker threads free some buffers where the profiler cannot see it (see the state"
                              " check column)")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other cases' rows of the --out file (the ones run replace theirs) and summarise"
+                        " them all")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -368,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{name:<16} predicted {row['predicted_mib']:8.1f} MiB  measured {row['measured_mib']:8.1f} MiB"
                   f"  error {row['error_pct']:+6.1f}%   ({row['wall_seconds']:.0f} s)", flush=True)
+    if args.update and Path(args.out).is_file():
+        run = {row["case"] for row in rows}
+        kept = [row for row in json.loads(Path(args.out).read_text())["rows"] if row["case"] not in run]
+        rows = sorted(kept + rows, key=lambda row: list(CASES).index(row["case"]) if row["case"] in CASES else 0)
     print()
     print(f"{'case':<20}{'zero':>5}{'AC':>5}{'prec':>11}{'kernels':>10}{'world':>6}{'tokens':>7}"
           f"{'plan MiB':>10}{'real MiB':>10}{'error':>8}{'state chk':>11}")

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import REPO, SCRIPTS, SUBPROCESS_TIMEOUT_S, read_json, run_python
+from tests.helpers import REPO, SCRIPTS, SUBPROCESS_TIMEOUT_S, WARM_PYTHON, read_json, run_python
 
 SCRIPT = str(SCRIPTS / "checkpoint_run.py")
 FABRIC_SCRIPT = str(SCRIPTS / "fabric_checkpoint_run.py")
@@ -25,7 +25,7 @@ def _run(out, ckpt_dir, *args):
 def _run_to_crash(out, ckpt_dir, *args):
     env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_NPU_SIMULATE"}
     env.update(LIGHTNING_NPU_SIMULATE="2", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(out), "--ckpt-dir", str(ckpt_dir), *args], cwd=REPO,
+    proc = subprocess.run([WARM_PYTHON.command(env), SCRIPT, "--out", str(out), "--ckpt-dir", str(ckpt_dir), *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     return proc
 

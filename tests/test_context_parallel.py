@@ -124,40 +124,6 @@ def test_ulysses_and_ring_attention_equal_full_causal_attention_forward_and_back
     assert "12 tokens does not split into 8 equal parts" in refusals["ring_split"]
 
 
-RECIPE = ["--trainer.devices", "4", "--trainer.max_steps", "20", "--trainer.val_check_interval", "10",
-          "--trainer.callbacks+=tests.scripts.reduced_losses.ReducedLosses"]
-
-
-@pytest.fixture(scope="module")
-def recipe_losses(tmp_path_factory):
-    """Per-step losses (averaged over the ranks) of the tiny recipe on 4 simulated NPUs: plain npu_fsdp (4 x batch
-    4), and context_parallel_size=2 by Ulysses and by ring (2 data-parallel replicas x batch 8: the same global
-    batch of 16 sequences, each split over 2 ranks)."""
-    root = tmp_path_factory.mktemp("cp_recipe")
-    runs = {"dp": ["--data.batch_size", "4"]}
-    for algo in ("ulysses", "ring"):
-        runs[algo] = ["--data.batch_size", "8", STRATEGY + "context_parallel_size", "2",
-                      STRATEGY + "context_parallel_algo", algo]
-    losses = {}
-    for name, extra in runs.items():
-        out = root / f"{name}.json"
-        train_tiny(root / name, *RECIPE, f"--trainer.callbacks.out={out}", *extra, simulate=4)
-        losses[name] = read_json(out)["losses"]
-    return losses
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("algo", ["ulysses", "ring"])
-def test_the_tiny_recipe_trains_with_context_parallelism_like_plain_sharding(recipe_losses, algo):
-    """20 steps (fp32, activation checkpointing on half the blocks, validation at step 10) with plain npu_fsdp's
-    per-step losses within 1e-5: the sampler splits over data-parallel replicas only, each rank trains on its part of
-    every sequence at its global rotary positions, and the losses and gradients average over dp x cp."""
-    plain, split = recipe_losses["dp"], recipe_losses[algo]
-    assert len(plain) == len(split) == 20
-    assert plain[-1] < plain[0] - 1.0  # it trains
-    assert torch.allclose(torch.tensor(split), torch.tensor(plain), rtol=0, atol=1e-5)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),

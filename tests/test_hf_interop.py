@@ -17,6 +17,7 @@ from recipes import convert
 from recipes.decoder import checkpoint_layout, hf_checkpoint
 from recipes.models.llama.config import LLaMAConfig
 from recipes.models.llama.model import LLaMA
+from tests.helpers import run_python
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 97
@@ -168,14 +169,7 @@ def test_fsdp2_sharded_checkpoint_from_two_ranks_is_read_whole(tmp_path):
     script = tmp_path / "save_sharded.py"
     script.write_text(_FSDP_SAVE_SCRIPT.format(config=config.to_dict()))
     out = tmp_path / "sharded"
-    subprocess.run(
-        [sys.executable, str(script), str(out), str(tmp_path / "store")],
-        cwd=REPO_ROOT,
-        env={**__import__("os").environ, "PYTHONPATH": str(REPO_ROOT)},
-        check=True,
-        timeout=120,
-        capture_output=True,
-    )
+    run_python([str(script), str(out), str(tmp_path / "store")], simulate=None, timeout=120)
     assert len(list(out.glob("*.distcp"))) == 2  # one shard file per rank
     loaded_config, state_dict = checkpoint_layout.load_recipe_checkpoint(out)
     reference = torch.load(str(out) + ".reference.pt")

@@ -49,8 +49,8 @@ def test_flops_per_token_follows_6n_plus_attention():
 def test_from_preset_applies_overrides_and_rejects_unknown_names():
     config = LLaMAConfig.from_preset("7b", max_seq_len=2048)
     assert (config.dim, config.max_seq_len, config.n_kv_heads) == (4096, 2048, 32)
-    with pytest.raises(ValueError, match=r"Unknown LLaMA preset '70b'.*'13b', '7b', 'tiny'"):
-        LLaMAConfig.from_preset("70b")
+    with pytest.raises(ValueError, match=r"Unknown LLaMA preset '65b'.*'13b', '70b', '7b', 'tiny'"):
+        LLaMAConfig.from_preset("65b")
     with pytest.raises(ValueError, match=r"Unknown LLaMAConfig field\(s\) \['hidden'\]"):
         LLaMAConfig.from_preset("tiny", hidden=3)
 
@@ -74,7 +74,7 @@ def test_config_round_trips_through_dict_and_defaults_kv_heads():
     config = small_config()
     assert LLaMAConfig.from_dict(config.to_dict()) == config
     assert LLaMAConfig(dim=64, n_heads=4, n_layers=1, vocab_size=8, ffn_hidden_dim=8).n_kv_heads == 4
-    assert set(PRESETS) == {"tiny", "7b", "13b"}
+    assert set(PRESETS) == {"tiny", "7b", "13b", "70b"}
 
 
 def test_forward_returns_fp32_logits_per_position():

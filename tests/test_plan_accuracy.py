@@ -1,6 +1,6 @@
 """The planner's estimate against the measured peak of real training steps, in CI: a small version of
 ``benchmarks/plan_accuracy.py`` that runs the benchmark's own measurement (``compare``: Trainer + npu_fsdp on the
-simulated runtime, one process posing as rank 0 of 2 over torch's fake process group, peak from the allocator's
+simulated runtime, one process posing as rank 0 of 2 or 4 over torch's fake process group, peak from the allocator's
 reports to the profiler, calibration checked)."""
 
 import pytest
@@ -37,6 +37,14 @@ CASES = {
         architecture="qwen2_moe", shared_expert_hidden_dim=192, dense_layers=[0], dense_hidden_dim=256, qkv_bias=True,
         norm_topk_prob=False), seq=128, batch=4, devices=2, zero=2, ac=0.0, steps=2,
         lora=dict(rank=8, targets=["q", "k", "v", "o"])),
+    # Tensor and context parallelism (npu_fsdp's tensor_parallel_size / context_parallel_size, the recipe's TP plan
+    # with sequence parallelism and loss_parallel): one rank's share of the split weights, of the tokens, of the
+    # logits, and what Ulysses' all-to-alls and ring attention keep.
+    "tp2": dict(model={}, seq=64, batch=2, devices=2, zero=3, ac=0.0, steps=2, tp=2),
+    "cp2_ulysses": dict(model={}, seq=64, batch=2, devices=2, zero=3, ac=0.0, steps=2, cp=2, cp_algo="ulysses"),
+    "cp2_ring": dict(model={}, seq=64, batch=2, devices=2, zero=3, ac=0.0, steps=2, cp=2, cp_algo="ring"),
+    "tp2_cp2_ulysses": dict(model={}, seq=64, batch=2, devices=4, zero=3, ac=0.0, steps=2, tp=2, cp=2,
+                            cp_algo="ulysses"),
 }
 
 
@@ -51,8 +59,10 @@ def test_planner_estimate_is_within_the_stated_error_of_the_measured_peak(name, 
     moe_qwen2_lora_zero2): the planner before the MoE profile found no profile for the family's configs; planning the
     experts as one dense SwiGLU of top_k x their width (no router, permutation or unpermute tensors) is -8.8% and
     -13.9% off, the routed rows as one per token instead of top_k is -9.8% and -5.9%, and keeping the frozen experts'
-    grouped-matmul inputs under LoRA puts moe_qwen2_lora_zero2 6.4% high. Also fails if the benchmark's profiler
-    calibration is off (``compare`` raises)."""
+    grouped-matmul inputs under LoRA puts moe_qwen2_lora_zero2 6.4% high. TP / CP (tp2, cp2_ulysses, cp2_ring,
+    tp2_cp2_ulysses): the planner before them refused tensor_parallel_size and context_parallel_size; planning them
+    as plain sharding over the same devices is +25.9%, +17.8%, +19.6% and +67.4% off. Also fails if the benchmark's
+    profiler calibration is off (``compare`` raises)."""
     row = compare(name, dict(CASES[name], backend="fake"), tmp_path, timeout=SUBPROCESS_TIMEOUT_S)
     assert row["check_calibration"]["measured_peak"] == row["check_calibration"]["expected_peak"]
     assert abs(row["error_pct"]) <= TOLERANCE_PCT, (

@@ -87,16 +87,18 @@ def recipe_tensor_parallel_runs(tmp_path_factory):
 @pytest.mark.slow
 def test_the_tiny_recipe_with_tensor_parallelism_trains_with_plain_sharding_losses(recipe_tensor_parallel_runs):
     """tensor_parallel_size=2 on 4 simulated NPUs (a 2 x 2 mesh), with and without sequence parallelism and
-    loss_parallel, and tensor_parallel_size=2 with context_parallel_size=2 (Ulysses, ring), from the same init_from
-    weights and global batch: plain npu_fsdp's loss at each of 20 steps (fp32, 1e-5). Catches a wrong split (gate and up rows on different ranks), a batch that differs inside a TP
-    group, a loss averaged over the wrong ranks, and gradient clipping over parameters on two meshes."""
+    loss_parallel, tensor_parallel_size=2 with context_parallel_size=2 (Ulysses, ring), and context_parallel_size=2
+    alone (ring, Ulysses; validating at step 10), from the same init_from weights and global batch: plain npu_fsdp's
+    loss at each of 20 steps (fp32, 1e-5). Catches a wrong split (gate and up rows on different ranks), a batch that
+    differs inside a TP or CP group, a rank training on the wrong part of a sequence or at the wrong rotary
+    positions, a loss averaged over the wrong ranks, and gradient clipping over parameters on two meshes."""
     result = recipe_tensor_parallel_runs
     plain = torch.tensor(list(result["dp"]["losses"].values()))
     assert len(plain) == 20 and plain[-1] < plain[0] - 0.5
-    for run in ("tp", "tp_plain", "tp_cp_ulysses", "tp_cp_ring", "cp"):
+    for run in ("tp", "tp_plain", "tp_cp_ulysses", "tp_cp_ring", "cp", "cp_ulysses"):
         split = torch.tensor(list(result[run]["losses"].values()))
         assert torch.allclose(split, plain, rtol=0, atol=1e-5), run
-        if run != "cp":
+        if not run.startswith("cp"):
             assert result[run]["placements"] == ["_S(0, 2)", "S(0)"]  # FSDP over dp, columns split over tp
     assert result["dp"]["placements"] == ["S(0)"]
 

@@ -18,7 +18,7 @@ from lightning_npu.cli import main
 from lightning_npu.kernels import _dispatch
 from lightning_npu.runtime.npu import NPURuntime
 from lightning_npu.selftest import collectives, kernels, report, training
-from tests.helpers import REPO, run_python
+from tests.helpers import REPO, WARM_PYTHON, run_python
 from tests.npu_fake import install_fake_torch_npu
 
 E2E_TIMEOUT_S = 180
@@ -277,7 +277,7 @@ def test_a_resume_that_does_not_reproduce_the_run_fails_the_training_check(tmp_p
     changes the resumed losses and must fail training/resume (the end-to-end test sees the intact load pass)."""
     env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_NPU_SIMULATE"}
     env.update(PYTHONPATH=str(REPO), LIGHTNING_NPU_SIMULATE="1")
-    proc = subprocess.run([sys.executable, "-c", _TRAIN_WITH_A_RESUME_THAT_DROPS_THE_OPTIMIZER, str(tmp_path)],
+    proc = subprocess.run([WARM_PYTHON.command(env), "-c", _TRAIN_WITH_A_RESUME_THAT_DROPS_THE_OPTIMIZER, str(tmp_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=E2E_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     verdicts = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -40,8 +40,8 @@ from typing import Any, Optional
 
 #: The environment variable that gives a shim the zygote's socket.
 SOCKET_VARIABLE = "LIGHTNING_NPU_TEST_WARM_PYTHON"
-#: Set to 1 to fork run_python's processes from the zygote (opt-in until the whole suite has passed that way:
-#: tests of process trees and exit statuses, such as the clean-exit benchmark, need fresh interpreters).
+#: Set to 0 to start every run_python process as a fresh interpreter (the default forks them from the zygote;
+#: tests of interpreter start-up, process trees and exit statuses ask for fresh ones themselves).
 WARM_VARIABLE = "LIGHTNING_NPU_TEST_WARM"
 #: What the zygote imports before serving (what nearly every test subprocess imports first).
 PRELOAD = (
@@ -112,9 +112,9 @@ class WarmPython:
         self.socket: Optional[str] = None
 
     def command(self, env: dict[str, str]) -> str:
-        """The interpreter to start a subprocess with: with ``LIGHTNING_NPU_TEST_WARM=1`` the shim, after adding
-        what it needs to ``env``; else the real one."""
-        if os.environ.get(WARM_VARIABLE) != "1":
+        """The interpreter to start a subprocess with: the shim, after adding what it needs to ``env``; the real
+        one with ``LIGHTNING_NPU_TEST_WARM=0``."""
+        if os.environ.get(WARM_VARIABLE) == "0":
             return sys.executable
         self._start()
         env[SOCKET_VARIABLE] = self.socket

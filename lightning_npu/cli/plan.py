@@ -4,19 +4,23 @@ ZeRO-2 and ZeRO-3, with the verdict against the device memory and the largest mi
     lightning-npu plan --config recipes/models/llama/configs/llama2_7b.yaml --devices 8 --device-memory 64
     lightning-npu plan --model-shape hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab=128256,max_seq_len=8192 \\
         --devices 8 --precision bf16-mixed --seq-len 4096 --micro-batch 1
+    lightning-npu plan --config recipes/models/llama/configs/llama3_8b_128k.yaml --nodes 2 --cp 16
 
 The model comes from what it is given. A recipe config: the YAML is read, never run (no data, tokenizer or weights
 are touched; placeholder paths are fine), and the model's memory profile is the ``memory_profile`` module next to
 the model classes the config names (``recipes/models/llama/memory_profile.py``; the protocol is in
 ``lightning_npu.plan.profile``). Or a decoder given by its shapes (``--model-shape``; keys hidden, layers, heads,
 kv_heads, ffn, vocab, max_seq_len), planned as a LLaMA-style decoder (RMSNorm, grouped-query attention with
-rotary, SwiGLU MLP, untied embeddings, fp32 logits), each block an FSDP unit. Flags override the YAML.
+rotary, SwiGLU MLP, untied embeddings, fp32 logits), each block an FSDP unit. Flags override the YAML; ``--tp``,
+``--cp`` and ``--cp-algo`` plan npu_fsdp's tensor and context parallelism (the strategy's options of those names,
+with its ``sequence_parallel`` and ``loss_parallel`` read from the config): one device's share of the split weights
+and of its part of each sequence, with Ulysses' or ring attention's tensors.
 
 The estimate replays one training step as the allocations and frees FSDP2, autograd and AdamW make
 (``lightning_npu.plan.replay``). ``benchmarks/plan_accuracy.py`` checks it against the measured peak of real
 training steps on the CPU (PyTorch reference kernels, 1 to 8 simulated devices, ZeRO-2/3, checkpointing,
-fp32/bf16): within 5%, except gradient accumulation (6.7% low; probably the unsharded gradients npu_fsdp keeps
-between non-stepping micro-batches). The ``fused`` activation counts (the NPU default) follow from which tensors
+fp32/bf16, tensor and context parallelism): within 5%, except gradient accumulation (6.7% low; probably the
+unsharded gradients npu_fsdp keeps between non-stepping micro-batches). The ``fused`` activation counts (the NPU default) follow from which tensors
 each torch_npu backward takes (``npu_*_backward`` signatures, checked in tests/test_plan.py) and have not been
 measured on an NPU. Nothing here imports torch.
 
@@ -32,6 +36,7 @@ import sys
 from lightning_npu.plan import ModelShape, PlanError, load_spec, render, report
 from lightning_npu.facts import weight_quant
 from lightning_npu.facts.chips import DEFAULT_PLAN_CHIP
+from lightning_npu.facts.options import CONTEXT_PARALLEL_ALGOS
 from lightning_npu.plan.spec import KERNELS, OPTIMIZERS
 
 PROG = "lightning-npu plan"
@@ -68,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-base", choices=("none", *weight_quant.SCHEMES),
                         help="how a LoRA config's frozen base is stored (overrides model.lora.base_quantization): none"
                         " (the master dtype), int8 (per channel) or nf4 (blocks of 64)")
+    parser.add_argument("--tp", type=int, help="tensor_parallel_size: devices of a node that split each layer"
+                        " (overrides the strategy's; default 1)")
+    parser.add_argument("--cp", type=int, help="context_parallel_size: devices that split each sequence (overrides the"
+                        " strategy's; default 1)")
+    parser.add_argument("--cp-algo", choices=tuple(CONTEXT_PARALLEL_ALGOS),
+                        help="context_parallel_algo: ulysses (all-to-all over heads; default) or ring (keys and values"
+                        " around the ranks; any head count, long contexts)")
     parser.add_argument("--hccl-buffsize", type=float, help="HCCL_BUFFSIZE in MB (default: the environment's, or 200)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -79,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
             profile=args.profile, devices=args.devices, nodes=args.nodes, micro_batch=args.micro_batch,
             seq_len=args.seq_len, precision=args.precision, zero_stage=args.zero_stage, ac_ratio=args.ac_ratio,
             device_memory_gib=args.device_memory, chip=args.chip, kernels=args.kernels, optimizer=args.optimizer,
-            hccl_buffsize_mb=args.hccl_buffsize, lora_base=args.lora_base,
+            hccl_buffsize_mb=args.hccl_buffsize, lora_base=args.lora_base, tensor_parallel_size=args.tp,
+            context_parallel_size=args.cp, context_parallel_algo=args.cp_algo,
         )
         plan = report(spec)
     except PlanError as error:

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 #: What each supported ZeRO stage means under FSDP2 (``reshard_after_forward``), in order of preference.
 ZERO_STAGES = {
@@ -107,6 +107,13 @@ def check_expert_parallel_size(value: Any, layout: "MeshLayout", sharding: str) 
             f" {borrowed} ({', '.join(map(str, _divisors(borrowed)))})"
         )
     return value
+
+
+def indivisible_by_tensor_parallel(tp: int, sizes: Iterable[tuple[str, int]]) -> list[str]:
+    """The ``(name, value)`` sizes of a model that ``tp`` tensor-parallel ranks cannot split evenly, each as a problem
+    with its numbers (empty when all divide): what the recipe checks before workers start, and the planner too."""
+    return [f"{name}={value} is not divisible by tensor_parallel_size={tp}: each rank holds 1/{tp} of them"
+            for name, value in sizes if value % tp]
 
 
 def check_context_parallel_shapes(cp: int, algo: str, *, heads: int, seq_len: int, tp: int = 1) -> None:

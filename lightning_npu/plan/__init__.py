@@ -1,6 +1,8 @@
-"""The memory planner behind ``lightning-npu plan``: will a model fit in NPU memory under npu_fsdp (FSDP2)?
+"""The memory planner behind ``lightning-npu plan``: will a model fit in NPU memory under npu_fsdp (FSDP2), with its
+tensor and context parallelism if asked?
 
-Torch-free. Modules: ``spec`` (the model's shape, the run's settings with their validation, the estimate),
+Torch-free. Modules: ``spec`` (the model's shape, the run's settings with their validation, ``Parallelism``, the
+estimate),
 ``decoder`` (how a pre-norm decoder on lightning_npu.kernels spends memory, and what trains: ``DecoderProfile``,
 ``LowRankAdapters``), ``profile``
 (the protocol by which a model's package supplies its profile, and finding it from a config), ``replay`` (one
@@ -21,7 +23,7 @@ from lightning_npu.plan.decoder import (
 from lightning_npu.plan.profile import PROFILE_FUNCTION, PROFILE_MODULE, find_profile
 from lightning_npu.plan.render import render, report
 from lightning_npu.plan.replay import estimate, max_micro_batch, state_bytes
-from lightning_npu.plan.spec import GIB, MIB, Estimate, ModelShape, PlanError, PlanSpec
+from lightning_npu.plan.spec import GIB, MIB, Estimate, ModelShape, Parallelism, PlanError, PlanSpec
 
 __all__ = [
     "BlockActivations",
@@ -34,6 +36,7 @@ __all__ = [
     "ModelShape",
     "PROFILE_FUNCTION",
     "PROFILE_MODULE",
+    "Parallelism",
     "PlanError",
     "PlanSpec",
     "RankLocalShape",

@@ -16,6 +16,7 @@ from lightning_npu.plan.profile import class_arguments, class_paths, find_profil
 from lightning_npu.plan.spec import (
     DEFAULT_HCCL_BUFFSIZE_MB,
     ModelShape,
+    Parallelism,
     PlanError,
     PlanSpec,
     canonical_precision,
@@ -48,6 +49,9 @@ def load_spec(
     optimizer: Optional[str] = None,
     hccl_buffsize_mb: Optional[float] = None,
     lora_base: Optional[str] = None,
+    tensor_parallel_size: Optional[int] = None,
+    context_parallel_size: Optional[int] = None,
+    context_parallel_algo: Optional[str] = None,
 ) -> PlanSpec:
     """A PlanSpec from a recipe YAML at ``path`` and/or the decoder shape ``model_shape``; keyword arguments win.
 
@@ -55,7 +59,9 @@ def load_spec(
     or the config's class paths: see ``lightning_npu.plan.profile``). ``optimizer`` defaults to ``adamw8bit`` when the
     config's model section says ``optimizer: adamw8bit``, else to ``fused``. With both a config and ``model_shape``
     the shapes replace the config's model, and a LoRA config's adapters sit on them. ``lora_base`` (``none``,
-    ``int8``, ``nf4``) replaces the adapters' ``base_quantization``; it needs a LoRA run."""
+    ``int8``, ``nf4``) replaces the adapters' ``base_quantization``; it needs a LoRA run. ``tensor_parallel_size``,
+    ``context_parallel_size`` and ``context_parallel_algo`` replace the strategy's values of the same names (its
+    ``sequence_parallel`` and ``loss_parallel`` are read as they are)."""
     if path is None and model_shape is None:
         raise PlanError("nothing to plan: give a recipe config (--config) or the model's shapes (--model-shape)")
     document = _read_yaml(Path(path)) if path is not None else {}
@@ -75,21 +81,13 @@ def load_spec(
                              decoder)
     wrap = _class_names(strategy.get("auto_wrap_policy"), "auto_wrap_policy", decoder)
     ratio = float(options["activation_checkpointing_ratio"]) if ac_policy else 0.0
-    if int(options["tensor_parallel_size"]) != 1:
-        # Until the planner has TP's terms (weights / tp, split activations, SP buffers), its numbers would be plain
-        # sharding's: refused rather than wrong.
-        raise PlanError(
-            f"config {str(path)!r}: tensor_parallel_size={options['tensor_parallel_size']} is not modelled by the"
-            " planner yet (it would report plain sharding's memory); plan the run with tensor_parallel_size: 1 for"
-            " an upper bound on the weights and activations"
-        )
-    if int(options["context_parallel_size"]) != 1:
-        # Likewise for CP's terms (activations at seq_len / cp, all-to-all or ring buffers).
-        raise PlanError(
-            f"config {str(path)!r}: context_parallel_size={options['context_parallel_size']} is not modelled by the"
-            " planner yet (it would report plain sharding's memory); plan the run with context_parallel_size: 1 for"
-            " an upper bound on the activations"
-        )
+    overrides = {"tensor_parallel_size": tensor_parallel_size, "context_parallel_size": context_parallel_size,
+                 "context_parallel_algo": context_parallel_algo}
+    options.update({key: value for key, value in overrides.items() if value is not None})
+    parallel = Parallelism(tensor=options["tensor_parallel_size"], context=options["context_parallel_size"],
+                           context_algo=options["context_parallel_algo"],
+                           sequence_parallel=bool(options["sequence_parallel"]),
+                           loss_parallel=bool(options["loss_parallel"]))
     experts = options.get("expert_parallel_size", 1)
     if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
         raise PlanError(f"config {str(path)!r}: expert_parallel_size={experts!r} must be a positive integer (1: none)")
@@ -126,6 +124,7 @@ def load_spec(
             hccl_buffsize_mb=buffsize,
             device_memory_gib=float(memory),
             chip=chip or DEFAULT_PLAN_CHIP,
+            parallel=parallel,
             notes=tuple(notes),
         )
     except (TypeError, ValueError) as error:

@@ -17,12 +17,14 @@ moments; the saved activations follow from what autograd needs for those gradien
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 from typing import Iterable, Optional
 
 from lightning_npu.facts import weight_quant
-from lightning_npu.plan.spec import ModelShape, PlanError
+from lightning_npu.facts.options import indivisible_by_tensor_parallel
+from lightning_npu.plan.spec import ModelShape, Parallelism, PlanError
 
 Shape = tuple[int, ...]
 
@@ -39,6 +41,8 @@ ATTENTION_PROJECTIONS = ("q", "k", "v", "o")
 #: A dropout mask's bytes per element on the fused (NPU) path: torch's native_dropout keeps a bool mask. The CPU
 #: paths (reference, eager) run torch's unfused dropout, which keeps its scaled noise in the input's dtype.
 FUSED_DROPOUT_MASK_BYTES = 1
+#: The tensor-parallel sizes a model's divisibility problems suggest instead (a node's devices split evenly).
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 
 
 class RankLocalShape(tuple):
@@ -155,6 +159,14 @@ class DecoderProfile:
 
     Every block is alike unless a subclass says otherwise in ``block_profile(layer)`` (an MoE model's dense
     layers); the replay asks it for each layer's parameters, saved tensors and scratch.
+
+    ``parallel`` (``with_parallelism``): under tensor parallelism every count is one rank's, as the recipe's plan
+    (recipes/decoder/tensor_parallel.py) splits the model: q/k/v, gate and up column-parallel (their rows / tp), o
+    and down row-parallel (their columns / tp), norms replicated, embedding and head split by vocabulary; inside
+    attention and the MLP each rank holds heads / tp and ffn / tp channels of every token, while the norms'
+    tensors (and the residual stream the replay counts) are split by sequence with ``sequence_parallel``, and the
+    projections' inputs are the all-gathered [tokens, dim]. Under context parallelism the counts are per token of
+    the rank's part of each sequence, plus what Ulysses or ring attention keep.
     """
 
     shape: ModelShape
@@ -163,6 +175,7 @@ class DecoderProfile:
     adapters: Optional[LowRankAdapters] = None
     qkv_bias: bool = False
     qk_norm: bool = False
+    parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
 
     def block_profile(self, layer: int) -> "DecoderProfile":
         """The profile whose block methods describe layer ``layer``: this one, for a decoder of identical blocks."""
@@ -180,12 +193,57 @@ class DecoderProfile:
         """Ranks each layer's experts are split over; 1 for a decoder without experts."""
         return 1
 
+    def with_parallelism(self, parallel: Parallelism, *, seq_len: int) -> "DecoderProfile":
+        """This profile counting one rank's share under ``parallel`` (for ``seq_len``-token sequences); PlanError
+        naming every size tensor parallelism cannot split, and the sizes that would work."""
+        problems = self.tensor_parallel_problems(parallel.tensor, seq_len=seq_len,
+                                                 sequence_parallel=parallel.sequence_parallel)
+        if problems:
+            fitting = [size for size in TENSOR_PARALLEL_SIZES if size < parallel.tensor and not
+                       self.tensor_parallel_problems(size, seq_len=seq_len,
+                                                     sequence_parallel=parallel.sequence_parallel)]
+            raise PlanError(
+                f"tensor_parallel_size={parallel.tensor} cannot split {self.name}: " + "; ".join(problems)
+                + f". Use a tensor_parallel_size that divides them ({', '.join(map(str, fitting))})"
+                + (", or change the model config" if fitting else "; change the model config")
+            )
+        return dataclasses.replace(self, parallel=parallel)
+
+    def tensor_parallel_problems(self, tp: int, *, seq_len: int, sequence_parallel: bool) -> list[str]:
+        """What keeps ``tp`` ranks from splitting this model as the recipe's plan does (its checks: heads, kv heads,
+        ffn and vocabulary, the sequence with sequence parallelism), each with its numbers; a profile whose MLP or
+        root unit is not the decoder's (experts, tied embeddings) or that trains adapters has no plan to model."""
+        if tp == 1:
+            return []
+        m = self.shape
+        sizes = [("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("vocab_size", m.vocab_size),
+                 ("ffn_hidden_dim", m.ffn_hidden_dim)]
+        problems = indivisible_by_tensor_parallel(tp, sizes + ([("data.seq_len", seq_len)] if sequence_parallel
+                                                               else []))
+        if type(self).mlp_parameters is not DecoderProfile.mlp_parameters:
+            problems.append(f"its MLP is not the decoder's dense SwiGLU (experts), which the recipe's tensor-parallel"
+                            " plan does not split; train it with data parallelism (tensor_parallel_size: 1) and, for"
+                            " long sequences, context_parallel_size")
+        if type(self).root_parameters is not DecoderProfile.root_parameters:
+            problems.append("its root unit is not an untied embedding and output head (tie_embeddings): the lookup"
+                            " splits the embedding by vocabulary rows and the head by vocabulary columns, so one tied"
+                            " matrix cannot be both")
+        if self.adapters is not None:
+            problems.append("LoRA adapters have no tensor-parallel plan (a LoRA run trains few parameters: plain"
+                            " npu_fsdp sharding fits the frozen base)")
+        return problems
+
+    def unsplit(self) -> "DecoderProfile":
+        """This profile without tensor or context parallelism (the whole model's counts)."""
+        return dataclasses.replace(self, parallel=Parallelism())
+
     # ------------------------------------------------------------------------------------------- parameters
 
     def projection_shapes(self) -> dict[str, Shape]:
-        """Each projection's [rows, in]."""
-        m = self.shape
-        q, kv, f = m.q_dim, m.n_kv_heads * m.head_dim, m.ffn_hidden_dim
+        """Each projection's [rows, in] on one rank: column-parallel ones (q, k, v, gate, up) hold rows / tp,
+        row-parallel ones (o, down) columns / tp."""
+        m, tp = self.shape, self.parallel.tensor
+        q, kv, f = m.q_dim // tp, m.n_kv_heads * m.head_dim // tp, m.ffn_hidden_dim // tp
         return {"q": (q, m.dim), "k": (kv, m.dim), "v": (kv, m.dim), "o": (m.dim, q), "gate": (f, m.dim),
                 "up": (f, m.dim), "down": (m.dim, f)}
 
@@ -235,8 +293,10 @@ class DecoderProfile:
         return storage
 
     def root_parameters(self) -> RootParameters:
-        m = self.shape
-        return RootParameters(embedding=(m.vocab_size, m.dim), final_norm=(m.dim,), output=(m.vocab_size, m.dim))
+        """Embedding, final norm and output head; under tensor parallelism the embedding (row-parallel) and the
+        head (column-parallel) hold vocab / tp rows each, the norm is replicated."""
+        m, vocab = self.shape, self.shape.vocab_size // self.parallel.tensor
+        return RootParameters(embedding=(vocab, m.dim), final_norm=(m.dim,), output=(vocab, m.dim))
 
     def trainable_parameters(self) -> TrainableParameters:
         """What trains: everything, or (with adapters) the adapters only."""
@@ -248,10 +308,14 @@ class DecoderProfile:
                                    embedding=math.prod(root.embedding))
 
     def num_params(self) -> int:
+        if self.parallel.tensor > 1:
+            return self.unsplit().num_params()
         blocks = sum(_numel(self.block_profile(i).block_parameters().shapes) for i in range(self.shape.n_layers))
         return _numel(self.root_parameters().shapes) + blocks
 
     def num_trainable_params(self) -> int:
+        if self.parallel.tensor > 1:
+            return self.unsplit().num_trainable_params()
         blocks = sum(_numel(self.block_profile(i).trainable_parameters().block.shapes)
                      for i in range(self.shape.n_layers))
         return _numel(self.trainable_parameters().root) + blocks
@@ -288,14 +352,14 @@ class DecoderProfile:
         return self._saved(kernels, act_bytes, seq_len, input_grad=False)
 
     def _saved(self, kernels: str, a: int, seq_len: int, input_grad: bool) -> BlockActivations:
-        m = self.shape
-        n, q, kv = m.n_heads, m.q_dim, m.n_kv_heads * m.head_dim
+        m, p = self.shape, self.parallel
+        n, q, kv = self.local_heads, m.q_dim // p.tensor, m.n_kv_heads * m.head_dim // p.tensor
         base_trains = self.adapters is None
         fused = kernels == "fused"
         attention: dict[str, float] = {}
         # Attention half.
         if input_grad:
-            attention.update(self._norm_saved("attention_norm", kernels, a, base_trains))
+            attention.update(self._between_blocks_norm("attention_norm", kernels, a, base_trains))
         normed_grad = input_grad or base_trains
         if self._keeps_input("q", "k", "v"):
             attention["wq/wk/wv input"] = a * m.dim
@@ -307,7 +371,15 @@ class DecoderProfile:
         if fused and (q_grad or k_grad):
             attention["rotary inputs (q, k)"] = a * (q * q_grad + kv * k_grad)
         attention_grad = q_grad or k_grad or v_grad
-        if attention_grad:
+        ring = p.context > 1 and p.context_algo == "ring"
+        if attention_grad and ring:
+            # _RingAttention keeps q, k, v as given (kv heads), its fp32 output and the merged fp32 row max / sum.
+            attention["ring attention q, k, v"] = a * (q + 2 * kv)
+            attention["ring attention output (fp32)"] = FP32_BYTES * q
+            attention["ring attention row max + sum (fp32)"] = SOFTMAX_STATS * FP32_BYTES * n
+        elif attention_grad:
+            if p.context > 1:  # Ulysses: per rank H / cp heads of every token, the same bytes per own token
+                kv *= self.ulysses_kv_repeat
             if fused:
                 attention["attention q, k, v"] = a * (q + 2 * kv)
                 attention["attention softmax max + sum"] = SOFTMAX_STATS * SOFTMAX_STAT_LANES * FP32_BYTES * n
@@ -319,8 +391,11 @@ class DecoderProfile:
                     attention["attention scaled q, k and v (fp32)"] = 3 * FP32_BYTES * q
                 attention["attention probabilities (fp32, S x S)"] = FP32_BYTES * n * seq_len
         # The fused and SDPA kernels keep their output, which is also wo's input; eager attention's output is kept
-        # by wo alone.
-        if self._keeps_input("o") or (attention_grad and kernels != "eager"):
+        # by wo alone. Under Ulysses wo's input is the output's all-to-all (another tensor), under ring the fp32
+        # output cast (the output itself in fp32).
+        if attention_grad and not ring and kernels != "eager" and p.context > 1:
+            attention["Ulysses attention output (head-split, kept by the kernel)"] = a * q
+        if (self._keeps_input("o") or (attention_grad and kernels != "eager")) and not (ring and a == FP32_BYTES):
             attention["attention output (wo input)"] = a * q
         residual_grad = input_grad or self._needs_grad(attention_grad, "o")
         # Whether each attention adapter's input needs a gradient (its dropout then keeps the mask).
@@ -334,12 +409,12 @@ class DecoderProfile:
         whether its input (the residual after attention) needs a gradient."""
         saved: dict[str, float] = {}
         if residual_grad:
-            saved.update(self._norm_saved("ffn_norm", kernels, a, self.adapters is None))
+            saved.update(self._between_blocks_norm("ffn_norm", kernels, a, self.adapters is None))
         if self._keeps_input("gate", "up"):
             saved["w_gate/w_up input"] = a * self.shape.dim
         gate_up_grad = self._needs_grad(residual_grad, "gate", "up")
-        saved.update(self._swiglu_saved("", kernels, a, self.shape.ffn_hidden_dim, gate_up_grad,
-                                        self._keeps_input("down")))
+        saved.update(self._swiglu_saved("", kernels, a, self.shape.ffn_hidden_dim // self.parallel.tensor,
+                                        gate_up_grad, self._keeps_input("down")))
         input_grads = {"gate": residual_grad, "up": residual_grad, "down": gate_up_grad}
         for name in self._adapted(("gate", "up", "down")):
             saved.update(self._adapter_saved(name, kernels, a, input_grads[name]))
@@ -376,6 +451,24 @@ class DecoderProfile:
             saved[f"{prefix}swiglu output (w_down input)"] = a * width
         return saved
 
+    @property
+    def local_heads(self) -> int:
+        """Query heads per rank (each tensor-parallel rank computes n_heads / tp of them for its tokens)."""
+        return self.shape.n_heads // self.parallel.tensor
+
+    @property
+    def ulysses_kv_repeat(self) -> int:
+        """How often Ulysses repeats each key/value head so that the context-parallel ranks divide them (1 when
+        they already do): ``cp / gcd(kv heads per rank, cp)``, as ``ulysses_attention`` does."""
+        cp = self.parallel.context
+        return cp // math.gcd(self.shape.n_kv_heads // self.parallel.tensor, cp) if cp > 1 else 1
+
+    def _between_blocks_norm(self, norm: str, kernels: str, a: int, weight_trains: bool) -> dict[str, float]:
+        """What a norm of the residual stream (attention_norm, ffn_norm, the final norm) keeps per token: split by
+        sequence over the tensor-parallel ranks with sequence parallelism, replicated over them without."""
+        share = self.parallel.between_blocks
+        return {name: value / share for name, value in self._norm_saved(norm, kernels, a, weight_trains).items()}
+
     def _norm_saved(self, norm: str, kernels: str, a: int, weight_trains: bool, width: Optional[int] = None,
                     rows: int = 1) -> dict[str, float]:
         """What an RMSNorm over ``width`` channels (default: the model's width) whose input needs a gradient keeps
@@ -403,18 +496,18 @@ class DecoderProfile:
         """Bytes per token saved by the final RMSNorm and (when it trains) the output projection's input."""
         d = self.shape.dim
         trains = self.adapters is None
-        norm = sum(self._norm_saved("norm", kernels, act_bytes, trains).values())
-        return norm + (act_bytes * d if trains else 0)
+        norm = sum(self._between_blocks_norm("norm", kernels, act_bytes, trains).values())
+        return norm + (act_bytes * d if trains else 0)  # the head's input: all-gathered under sequence parallelism
 
     def forward_scratch(self, kernels: str, act_bytes: int, seq_len: int, checkpointed: bool) -> float:
         """Bytes per token of short-lived tensors inside one block's forward beyond what it saves."""
-        m = self.shape
+        m, tp = self.shape, self.parallel.tensor
         # The block output; the reference RMSNorm's fp32 square.
-        scratch = act_bytes * m.dim + (0 if kernels == "fused" else FP32_BYTES * m.dim)
+        scratch = (act_bytes * m.dim + (0 if kernels == "fused" else FP32_BYTES * m.dim)) / self.parallel.between_blocks
         if kernels == "eager":
-            scratch += FP32_BYTES * m.n_heads * seq_len  # the scores before softmax
+            scratch += FP32_BYTES * self.local_heads * seq_len  # the scores before softmax
         if checkpointed:  # nothing is kept, but the MLP's gate/up (2 x ffn), silu and product exist together
-            scratch += 4 * act_bytes * m.ffn_hidden_dim
+            scratch += 4 * act_bytes * m.ffn_hidden_dim // tp
         return scratch
 
     def backward_scratch(self, kernels: str, act_bytes: int, seq_len: int) -> tuple[float, float]:
@@ -422,12 +515,37 @@ class DecoderProfile:
         tensors: (MLP half, attention half). In the MLP the gradient of the SwiGLU output and those of its two
         inputs coexist while the saved output is already released (2 x ffn); in attention the q, k and v gradients
         (plus, for eager attention, the fp32 gradients of the probabilities and scores)."""
-        m, a = self.shape, act_bytes
+        m, a, tp = self.shape, act_bytes, self.parallel.tensor
         kv = m.n_kv_heads * m.head_dim if kernels == "fused" else m.q_dim  # reference paths expand kv to all heads
-        attention = a * (m.q_dim + 2 * kv)
+        attention = a * (m.q_dim + 2 * kv) / tp
         if kernels == "eager":
-            attention += 2 * FP32_BYTES * m.n_heads * seq_len
-        return 2 * a * m.ffn_hidden_dim, attention
+            attention += 2 * FP32_BYTES * self.local_heads * seq_len
+        return 2 * a * m.ffn_hidden_dim / tp, attention
+
+    def parallel_scratch(self, kernels: str, act_bytes: int, seq_len: int) -> tuple[float, float]:
+        """Bytes per token (of the rank's own) of the transient buffers tensor and context parallelism add inside
+        one block: (forward, backward). Tensor parallelism: wo's and w_down's full [tokens, dim] partial sums and
+        the copy their all-reduce (or, with sequence parallelism, the reduce-scatter's staging) makes; the reverse
+        collectives in backward. Ulysses: the contiguous send buffer and the receive buffer of an all-to-all of the
+        largest of q, k, v (and of the output, and of their gradients). Ring: the stacked keys/values and the
+        next block in flight, and each block's: on NPUs its output and softmax max/sum ([.., 8] lanes, fp32), in
+        the exact CPU block the contiguous q/k/v rows and three fp32 [heads, local seq] score tensors per query; in
+        backward also the fp32 dq and the stacked dk/dv with the one in flight."""
+        m, p, a = self.shape, self.parallel, act_bytes
+        forward = backward = 2.0 * a * m.dim if p.tensor > 1 else 0.0
+        if p.context == 1:
+            return forward, backward
+        q, kv = m.q_dim // p.tensor, m.n_kv_heads * m.head_dim // p.tensor
+        if p.context_algo == "ulysses":
+            largest = max(q, kv * self.ulysses_kv_repeat)
+            return forward + 2 * a * largest, backward + 2 * a * largest
+        n, local = self.local_heads, seq_len // p.context
+        if kernels == "fused":
+            block = a * q + SOFTMAX_STATS * SOFTMAX_STAT_LANES * FP32_BYTES * n
+        else:
+            block = a * (q + 2 * kv) + 3 * FP32_BYTES * n * local
+        ring = 2 * 2 * a * kv  # the stacked k/v and the received block
+        return forward + ring + block, backward + ring + block + FP32_BYTES * (q + 2 * 2 * kv)
 
     def rotary_table_bytes(self, act_bytes: int) -> float:
         """The rotary cos/sin tables (fp32, plus half-precision copies when activations are half precision)."""

@@ -42,6 +42,7 @@ def report(spec: PlanSpec) -> dict[str, Any]:
         "devices": spec.devices,
         "nodes": spec.nodes,
         "shard_group": spec.shard_group,
+        "parallel": dataclasses.asdict(spec.parallel),
         "precision": spec.precision,
         "configured_zero_stage": spec.zero_stage,
         "checkpointed_layers": len(spec.checkpointed_layers),
@@ -60,16 +61,20 @@ def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
     model = spec.model
     layout = f"{spec.nodes} node x {spec.devices}" if spec.nodes == 1 else f"{spec.nodes} nodes x {spec.devices}"
     per_token = plan["activation_bytes_per_token_per_layer"]
+    parallel = "" if spec.parallel.describe() == "none" else f", {spec.parallel.describe()}"
+    own = "" if spec.parallel.context == 1 else f"; each device holds {spec.local_seq_len} tokens of each sequence"
     params, trainable = spec.profile.num_params(), spec.profile.num_trainable_params()
     lines = [
         f"{spec.profile.name}: {_count(params)} parameters, {model.n_layers} layers, dim {model.dim},"
         f" vocab {model.vocab_size}",
-        f"{spec.world_size} devices ({layout}), shard group {spec.shard_group} ({spec.sharding}), {spec.precision},"
+        f"{spec.world_size} devices ({layout}), shard group {spec.shard_group} ({spec.sharding}){parallel},"
+        f" {spec.precision},"
         f" seq {spec.seq_len} x micro-batch {spec.micro_batch}, accumulate {spec.accumulate_grad_batches},"
         f" activation checkpointing {len(spec.checkpointed_layers)}/{model.n_layers} blocks, {spec.kernels} kernels",
-        f"activations: {per_token / KIB:.1f} KiB per token per layer"
-        f" ({per_token * spec.seq_len * spec.micro_batch / GIB:.2f} GiB per layer at this micro-batch),"
-        f" {spec.bytes.activation * model.dim / KIB:.1f} KiB per token per checkpointed layer",
+        f"activations{' per device' if parallel else ''}: {per_token / KIB:.1f} KiB per token per layer"
+        f" ({per_token * spec.local_seq_len * spec.micro_batch / GIB:.2f} GiB per layer at this micro-batch{own}),"
+        f" {spec.bytes.activation * model.dim / spec.parallel.between_blocks / KIB:.1f} KiB per token per"
+        " checkpointed layer",
     ]
     if trainable < params:
         what = spec.profile.adapters.describe() if spec.profile.adapters is not None else "the rest frozen"

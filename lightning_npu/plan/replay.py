@@ -21,20 +21,28 @@ autograd and AdamW make, in their order; the peak of the running total is the es
   recomputes them;
 - logits are fp32 ``[batch, seq, vocab]``; cross-entropy saves its log-softmax, and its backward briefly holds
   three such tensors;
-- HCCL keeps ``2 x HCCL_BUFFSIZE`` per communicator, and a fixed workspace plus a share of the peak is set aside
+- under tensor and context parallelism (``PlanSpec.parallel``) every count is one rank's: its tensor-parallel slice of
+  each parameter (the profile's shapes), sharded by FSDP over the ``dp_shard x cp`` ranks (``shard_group``); its
+  ``seq_len / cp`` tokens of each sequence; the residual stream split over the tensor-parallel ranks with sequence
+  parallelism; the logits' vocabulary split with loss_parallel, whose log-softmax holds a shifted copy of them and
+  whose fused backward an exp beside its two tensors; the collectives' and attention's buffers the profile names
+  (``DecoderProfile.parallel_scratch``);
+- HCCL keeps ``2 x HCCL_BUFFSIZE`` per communicator (tensor and context parallelism add the tensor-parallel group,
+  FSDP's own group and the context-parallel group), and a fixed workspace plus a share of the peak is set aside
   for operator workspaces and allocator fragmentation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from lightning_npu.facts import optim8bit, weight_quant
-from lightning_npu.plan.decoder import FP32_BYTES
-from lightning_npu.plan.spec import GIB, ITEMS, MIB, Estimate, PlanSpec, check_zero_stage
+from lightning_npu.plan.decoder import FP32_BYTES, DecoderProfile
+from lightning_npu.plan.spec import GIB, ITEMS, MIB, Estimate, Parallelism, PlanSpec, check_zero_stage
 
 #: HCCL holds two buffers of HCCL_BUFFSIZE per communicator.
 HCCL_BUFFERS_PER_COMMUNICATOR = 2
@@ -158,7 +166,8 @@ class _StepReplay:
         self.profile = spec.profile
         sizes = spec.bytes
         self.act, self.param, self.master, self.reduced = sizes.activation, sizes.param, sizes.master, sizes.reduce
-        self.tokens = batch * spec.seq_len
+        self.tokens = batch * spec.local_seq_len  # this rank's part of each sequence (all of it without cp)
+        self.parallel = spec.parallel
         self.root, self.blocks = _units(spec)
         #: The same units' trainable parameters: what gets gradients, reduce-scatters and AdamW moments.
         self.trainable = spec.profile.trainable_parameters()
@@ -169,11 +178,13 @@ class _StepReplay:
         self.timeline = _Timeline()
         self.host = 0.0
         shape = spec.model
-        self.residual = self.act * shape.dim * self.tokens  # one [batch, seq, dim] activation
-        self.logits = self.act * shape.vocab_size * self.tokens
-        self.logits_fp32 = FP32_BYTES * shape.vocab_size * self.tokens
-        #: Each layer's profile (``DecoderProfile.block_profile``).
-        self.layers = [self.profile.block_profile(i) for i in range(shape.n_layers)]
+        # One [batch, seq, dim] activation of the residual stream (split by sequence over tp under SP).
+        self.residual = self.act * shape.dim * self.tokens / self.parallel.between_blocks
+        vocab = shape.vocab_size // (self.parallel.tensor if self.parallel.split_vocabulary else 1)
+        self.logits = self.act * vocab * self.tokens
+        self.logits_fp32 = FP32_BYTES * vocab * self.tokens
+        #: Each layer's profile (``DecoderProfile.block_profile``), split as the run is.
+        self.layers = [_split(self.profile.block_profile(i), self.parallel) for i in range(shape.n_layers)]
         #: (all, MLP half) of what each block saves, in bytes.
         self.saved = []
         for i, layer in enumerate(self.layers):
@@ -215,6 +226,7 @@ class _StepReplay:
             hybrid = spec.sharding == "hybrid" and spec.nodes > 1
             communicators = COMMUNICATORS_HYBRID if hybrid else COMMUNICATORS_FULL
             communicators += self.profile.expert_parallel_size > 1  # the expert group's all-to-alls
+            communicators += _parallel_communicators(self.parallel)
             t.alloc("comm", communicators * HCCL_BUFFERS_PER_COMMUNICATOR * spec.hccl_buffsize_mb * MIB, "start")
         batches = BATCHES_HELD * TENSORS_PER_BATCH * self.tokens * INT64_BYTES
         t.alloc("inputs", batches + self.profile.rotary_table_bytes(self.act), "start")
@@ -251,7 +263,8 @@ class _StepReplay:
                 self.gather(self.blocks[i], phase)
             checkpointed = i in self.checkpointed
             saved = self.saved_by(i)[0]
-            scratch = self.layers[i].forward_scratch(spec.kernels, self.act, spec.seq_len, checkpointed) * self.tokens
+            scratch = (self.layers[i].forward_scratch(spec.kernels, self.act, spec.seq_len, checkpointed)
+                       + self.layers[i].parallel_scratch(spec.kernels, self.act, spec.seq_len)[0]) * self.tokens
             t.moment("temporaries", scratch + (0 if checkpointed else saved) + self.decoded_bytes(i), phase)
             t.alloc("activations", self.residual if checkpointed else saved, phase)
             if self.blocks and self.stage == 3:
@@ -265,8 +278,11 @@ class _StepReplay:
         if self.act != FP32_BYTES:  # the model returns fp32 logits
             t.alloc("logits", self.logits_fp32, "forward: logits to fp32")
             t.free("logits", self.logits)
+        # loss_parallel's log-softmax keeps the shifted logits while it makes the result.
+        shifted = self.logits_fp32 if self.parallel.split_vocabulary else 0.0
+        t.alloc("logits", shifted, "forward: shifted logits (loss_parallel)")
         t.alloc("logits", self.logits_fp32, "forward: log-softmax")
-        t.free("logits", self.logits_fp32)  # the fp32 logits die with the loss function's frame
+        t.free("logits", self.logits_fp32 + shifted)  # the fp32 logits die with the loss function's frame
         if spec.accumulate_grad_batches == 1 and not spec.cpu_offload:
             t.free("gradients", self.gradients)  # zero_grad(set_to_none) before the backward
             self.gradients = 0.0
@@ -308,6 +324,8 @@ class _StepReplay:
         t = self.timeline
         t.alloc("logits", self.logits_fp32, "backward: nll_loss")
         t.alloc("logits", self.logits_fp32, "backward: log-softmax")
+        if self.parallel.split_vocabulary:  # loss_parallel's fused backward: exp(log-softmax) beside the two
+            t.moment("logits", self.logits_fp32, "backward: nll_loss + log-softmax (loss_parallel)")
         t.free("logits", CROSS_ENTROPY_BACKWARD_TENSORS * self.logits_fp32)
         if self.act != FP32_BYTES:
             t.alloc("logits", self.logits, "backward: logits to bf16")
@@ -340,7 +358,8 @@ class _StepReplay:
         t.alloc("unsharded_grads", _numel(params.mlp_input) * self.param, phase + " (MLP)")
         t.free("activations", mlp_saved)
         t.alloc("unsharded_grads", _numel(params.attention) * self.param, phase + " (attention)")
-        t.moment("temporaries", attention_scratch, phase + " (attention)")
+        parallel_scratch = layer.parallel_scratch(spec.kernels, self.act, spec.seq_len)[1] * self.tokens
+        t.moment("temporaries", attention_scratch + parallel_scratch, phase + " (attention)")
         t.free("activations", saved - mlp_saved + (self.residual if checkpointed else 0))
         if self.blocks:
             self.reduce(self.train_blocks[i], phase + " reduce-scatter")
@@ -363,6 +382,18 @@ class _StepReplay:
 
 def _numel(shapes: Iterable[tuple[int, ...]]) -> int:
     return sum(math.prod(shape) for shape in shapes)
+
+
+def _split(layer: DecoderProfile, parallel: Parallelism) -> DecoderProfile:
+    """A layer's profile (``block_profile``: the model's own, or another for a differing layer) under the run's
+    tensor and context parallelism."""
+    return layer if layer.parallel == parallel else dataclasses.replace(layer, parallel=parallel)
+
+
+def _parallel_communicators(parallel: Parallelism) -> int:
+    """The communicators tensor and context parallelism add: the tensor-parallel group and FSDP's own
+    ``dp_shard x cp`` group (no longer the world's), the context-parallel group."""
+    return 2 * (parallel.tensor > 1) + (parallel.context > 1)
 
 
 def estimate(spec: PlanSpec, zero_stage: Optional[int] = None, micro_batch: Optional[int] = None) -> Estimate:

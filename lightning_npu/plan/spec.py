@@ -87,6 +87,47 @@ class PlanError(ValueError):
     """A configuration the planner cannot model; the message names the value, why, and the fix."""
 
 
+@dataclass(frozen=True)
+class Parallelism:
+    """How npu_fsdp splits each layer beside FSDP (its options of the same names): ``tensor`` ranks
+    (tensor_parallel_size) split the block matrices, embedding and head; ``context`` ranks (context_parallel_size)
+    split every sequence, attention seeing the whole by ``context_algo`` (``"ulysses"`` | ``"ring"``);
+    ``sequence_parallel`` splits the norms and residuals between blocks by sequence over the tensor-parallel ranks;
+    ``loss_parallel`` keeps the logits split by vocabulary. The defaults: plain sharding."""
+
+    tensor: int = 1
+    context: int = 1
+    context_algo: str = options.DEFAULT_CONTEXT_PARALLEL_ALGO
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+
+    def __post_init__(self) -> None:
+        _checked(options.check_parallel_size, "tensor_parallel_size", self.tensor)
+        _checked(options.check_parallel_size, "context_parallel_size", self.context)
+        _checked(options.check_context_parallel_algo, self.context_algo)
+
+    @property
+    def between_blocks(self) -> int:
+        """How many ranks split the residual stream's tensors (norms, residuals, checkpointed inputs) of a rank's
+        tokens: the tensor-parallel ranks with sequence parallelism, else none (1: replicated over them)."""
+        return self.tensor if self.sequence_parallel and self.tensor > 1 else 1
+
+    @property
+    def split_vocabulary(self) -> bool:
+        """Whether the logits stay split by vocabulary over the tensor-parallel ranks (loss_parallel)."""
+        return self.tensor > 1 and self.loss_parallel
+
+    def describe(self) -> str:
+        parts = []
+        if self.tensor > 1:
+            extras = [name for name, on in (("sequence parallel", self.sequence_parallel),
+                                           ("loss parallel", self.loss_parallel)) if on]
+            parts.append(f"tensor parallel {self.tensor}" + (f" ({', '.join(extras)})" if extras else ""))
+        if self.context > 1:
+            parts.append(f"context parallel {self.context} ({self.context_algo})")
+        return ", ".join(parts) or "none"
+
+
 #: ``--model-shape`` keys -> ModelShape fields. ``kv_heads`` defaults to ``heads`` (multi-head attention).
 SHAPE_KEYS = {
     "hidden": "dim",
@@ -185,6 +226,8 @@ class PlanSpec:
     device_memory_gib: float = CHIP_MEMORY_GIB[DEFAULT_PLAN_CHIP]
     chip: str = DEFAULT_PLAN_CHIP
     profile: Optional["DecoderProfile"] = None
+    #: Tensor and context parallelism (npu_fsdp's mesh beside FSDP); the default is plain sharding.
+    parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -205,6 +248,7 @@ class PlanSpec:
             raise PlanError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.device_memory_gib <= 0:
             raise PlanError(f"device memory {self.device_memory_gib!r} GiB must be positive")
+        self._check_parallelism()
         experts = self.profile.expert_parallel_size
         if self.shard_group % experts:
             raise PlanError(
@@ -224,14 +268,36 @@ class PlanSpec:
                 " server (two or four from the same half, 0-3 or 4-7); use 1, 2, 4 or 8 devices per node"
             )
 
+    def _check_parallelism(self) -> None:
+        """The mesh npu_fsdp would build (the strategy's own checks: tp inside a node, tp x cp dividing the world),
+        the model's shapes against it (the recipe's: heads, kv heads, ffn and vocabulary by tp; heads by tp x cp
+        for Ulysses; the sequence by 2 x cp for ring), and the profile split accordingly."""
+        parallel = self.parallel
+        if parallel == Parallelism() and self.profile.parallel == parallel:
+            return
+        layout = _checked(options.MeshLayout.for_run, num_nodes=self.nodes, devices_per_node=self.devices,
+                          sharding=self.sharding, tensor_parallel_size=parallel.tensor,
+                          context_parallel_size=parallel.context)
+        if self.profile.expert_parallel_size > 1:
+            _checked(options.check_expert_parallel_size, self.profile.expert_parallel_size, layout, self.sharding)
+        _checked(options.check_context_parallel_shapes, parallel.context, parallel.context_algo,
+                 heads=self.model.n_heads, seq_len=self.seq_len, tp=parallel.tensor)
+        object.__setattr__(self, "profile", self.profile.with_parallelism(parallel, seq_len=self.seq_len))
+
     @property
     def world_size(self) -> int:
         return self.devices * self.nodes
 
     @property
     def shard_group(self) -> int:
-        """Devices each parameter is sharded over: all of them, or one node's under hybrid sharding."""
-        return self.devices if self.sharding == "hybrid" else self.world_size
+        """Devices each parameter is sharded over: all of them, or one node's under hybrid sharding, less the
+        tensor-parallel ranks, which hold different parts (FSDP shards over ``dp_shard x cp``)."""
+        return (self.devices if self.sharding == "hybrid" else self.world_size) // self.parallel.tensor
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence a rank holds: the sequence over the context-parallel ranks."""
+        return self.seq_len // self.parallel.context
 
     @property
     def checkpointed_layers(self) -> list[int]:
@@ -250,10 +316,10 @@ def _check_positive_ints(owner: Any, names: list[str], prefix: str = "") -> None
             raise PlanError(f"{prefix}{name}={value!r} is invalid: it must be a positive integer")
 
 
-def _checked(check: Any, value: Any) -> Any:
-    """``check(value)`` (an npu_fsdp option check of lightning_npu.facts), its ValueError as a PlanError."""
+def _checked(check: Any, *args: Any, **kwargs: Any) -> Any:
+    """``check(*args, **kwargs)`` (an npu_fsdp option check of lightning_npu.facts), its ValueError as a PlanError."""
     try:
-        return check(value)
+        return check(*args, **kwargs)
     except ValueError as error:
         raise PlanError(str(error)) from None
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_npu.facts.options import indivisible_by_tensor_parallel
 from recipes.decoder.transformer import Attention, DecoderBlock, FeedForward
 
 
@@ -36,10 +37,7 @@ def tensor_parallel_problems(config: Any, tp: int, *, seq_len: int, sequence_par
         sizes.append(("ffn_hidden_dim", config.ffn_hidden_dim))
     if sequence_parallel:
         sizes.append(("data.seq_len", seq_len))
-    problems = [
-        f"{name}={value} is not divisible by tensor_parallel_size={tp}: each rank holds 1/{tp} of them"
-        for name, value in sizes if value % tp
-    ]
+    problems = indivisible_by_tensor_parallel(tp, sizes)
     if config.tie_embeddings:
         problems.append(
             "tie_embeddings=true: under tensor parallelism the embedding is split by vocabulary rows for the lookup"

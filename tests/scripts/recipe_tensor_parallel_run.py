@@ -13,7 +13,9 @@ checkpoint of a freshly built tiny LLaMA, loaded into the shards of each layout)
 - ``tp_cp_ulysses`` / ``tp_cp_ring``: tensor_parallel_size=2 and context_parallel_size=2 (one data-parallel rank of 8
   sequences), Ulysses and ring attention;
 - ``cp``: context_parallel_size=2 (ring), a sharded checkpoint at step ``SAVE_AT``; ``cp_to_dp``: plain npu_fsdp
-  resumed from it (cp 2 -> 1).
+  resumed from it (cp 2 -> 1); ``cp_ulysses``: context_parallel_size=2 by Ulysses. The two cp-only runs validate at
+  step ``SAVE_AT`` (2 batches), so evaluation under context parallelism runs too; every run holds out the same
+  validation documents, so the training batches are the same.
 
 Rank 0 writes ``<out>/result.json``: each run's per-step losses (averaged over data-parallel ranks), the placements
 of one MLP weight, and for ``tp_scratch`` whether the two tensor-parallel halves of each weight drew the same
@@ -58,7 +60,7 @@ class SaveAt(Callback):
 
 
 def fit(out: Path, name: str, *, tp: int = 1, cp: int = 1, resume: str | None = None, save: bool = False,
-        init: bool = True, steps: int = STEPS, **options) -> dict:
+        init: bool = True, steps: int = STEPS, validate: bool = False, **options) -> dict:
     seed_everything(1234)
     strategy = lightning_npu.NPUFSDPStrategy(
         auto_wrap_policy=["TransformerBlock"], activation_checkpointing_policy=["TransformerBlock"],
@@ -70,10 +72,10 @@ def fit(out: Path, name: str, *, tp: int = 1, cp: int = 1, resume: str | None = 
     trainer = Trainer(
         accelerator="npu", devices=4, strategy=strategy, precision="32-true", max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-        limit_val_batches=0, gradient_clip_val=1.0,
+        limit_val_batches=2 if validate else 0, val_check_interval=SAVE_AT, gradient_clip_val=1.0,
     )
     data_parallel = 4 // (tp * cp)
-    data = TextDataModule(seq_len=64, batch_size=GLOBAL_BATCH // data_parallel, max_documents=80, val_fraction=0.0,
+    data = TextDataModule(seq_len=64, batch_size=GLOBAL_BATCH // data_parallel, max_documents=80, val_fraction=0.1,
                           cache_dir=str(out / "cache"))
     data.prepare()
     model = DecoderLM(preset="tiny", learning_rate=3e-3, warmup_steps=3,
@@ -113,7 +115,8 @@ def main() -> None:
     results["tp_scratch"] = fit(out, "tp_scratch", tp=2, init=False, steps=1)
     for algo in ("ulysses", "ring"):
         results[f"tp_cp_{algo}"] = fit(out, f"tp_cp_{algo}", tp=2, cp=2, context_parallel_algo=algo)
-    results["cp"] = fit(out, "cp", cp=2, context_parallel_algo="ring", save=True)
+    results["cp"] = fit(out, "cp", cp=2, context_parallel_algo="ring", save=True, validate=True)
+    results["cp_ulysses"] = fit(out, "cp_ulysses", cp=2, context_parallel_algo="ulysses", validate=True)
     results["cp_to_dp"] = fit(out, "cp_to_dp", resume=str(out / f"cp_step{SAVE_AT}"))
     import torch.distributed as dist
 

@@ -122,6 +122,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "13b": dict(
         vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_hidden_dim=13824, max_seq_len=4096
     ),
+    # LLaMA-2-70B: grouped-query attention (8 KV heads), the published shape (Llama-2-70b-hf config.json:
+    # hidden 8192, 80 layers, 64 heads, 8 KV heads, intermediate 28672): 68,976,648,192 parameters.
+    "70b": dict(
+        vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=28672, max_seq_len=4096
+    ),
 }
 
 
