@@ -188,6 +188,7 @@ ACCESSED = (
     Fenced(_DEVICE_MESH, "_pg_registry|_dim_group_names|_dim_group_infos", instance=True),
     Fenced("torch.distributed.tensor:DTensor", "_spec", instance=True),
     Fenced(_DEVICE_MESH, "_flatten"),
+    Fenced(_DEVICE_MESH, "_unflatten"),
 )
 
 FENCED: tuple[Fenced, ...] = (*IMPORTED.values(), *OVERRIDDEN, *ACCESSED)
@@ -332,6 +333,12 @@ def set_device_mesh(owner: Any, mesh: Any) -> None:
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """A 1-D view of ``mesh``'s dimensions, reachable from its root mesh as ``root[name]`` (a new process group)."""
     return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """``mesh`` (1-D) split into dimensions ``names`` of ``sizes``, innermost last: a view of the same root mesh
+    (new process groups for the new dimensions), so FSDP and DTensor combine it with the root's other views."""
+    return mesh._unflatten(0, sizes, names)
 
 
 def layer_sync(strategy: Any) -> Optional[Any]:

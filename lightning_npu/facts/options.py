@@ -86,25 +86,35 @@ def check_context_parallel_algo(value: Any) -> str:
     return value
 
 
-def check_expert_parallel_size(value: Any, layout: "MeshLayout", sharding: str) -> int:
-    """``value`` if ``layout``'s data-parallel ranks split into expert-parallel groups of that size; ValueError
-    with the numbers and the fix otherwise (before workers start; the experts count is checked at sharding)."""
+def check_expert_parallel_size(value: Any, layout: "MeshLayout", sharding: str, *, with_context_parallel: bool = False
+                               ) -> int:
+    """``value`` if ``layout``'s FSDP shard ranks (``dp_shard x cp``, where expert parallelism borrows its ranks as
+    torchtitan's ParallelDims does) split into expert-parallel groups of that size; ValueError with the numbers and
+    the fix otherwise (before workers start; the experts count is checked at sharding). ``with_context_parallel``:
+    the caller handles expert parallelism under context parallelism (npu_fsdp does; the planner does not model it
+    yet, so it leaves this off and refuses cp > 1 with ep > 1)."""
     check_parallel_size("expert_parallel_size", value)
     if value == 1:
         return value
-    if layout.model_parallel or sharding != "full":
+    if layout.tp > 1 or sharding != "full" or (layout.cp > 1 and not with_context_parallel):
+        supported = ("tensor_parallel_size=1" if with_context_parallel
+                     else "tensor_parallel_size = context_parallel_size = 1")
         raise ValueError(
-            f"expert_parallel_size={value} works with sharding='full' and tensor_parallel_size ="
-            f" context_parallel_size = 1 only for now (got sharding={sharding!r}, tensor_parallel_size={layout.tp},"
-            f" context_parallel_size={layout.cp}); drop one of the two"
+            f"expert_parallel_size={value} works with sharding='full' and {supported} only for now (got"
+            f" sharding={sharding!r}, tensor_parallel_size={layout.tp}, context_parallel_size={layout.cp}); drop one"
+            " of the two"
         )
-    if layout.data_parallel_size % value:
+    borrowed = layout.expert_parallel_ranks
+    if borrowed % value:
+        dims = f"dp_shard={layout.dp_shard} x context_parallel_size={layout.cp}" if layout.cp > 1 else "data-parallel"
         raise ValueError(
-            f"expert_parallel_size={value} does not divide the data-parallel size {layout.data_parallel_size}:"
-            " expert-parallel groups are carved out of the data-parallel ranks; use a divisor of"
-            f" {layout.data_parallel_size} ({', '.join(map(str, _divisors(layout.data_parallel_size)))})"
+            f"expert_parallel_size={value} does not divide the {dims} size {borrowed}: expert-parallel groups are"
+            " carved out of the ranks FSDP shards over (dp_shard x cp); use a divisor of"
+            f" {borrowed} ({', '.join(map(str, _divisors(borrowed)))})"
         )
     return value
+
+
 def indivisible_by_tensor_parallel(tp: int, sizes: Iterable[tuple[str, int]]) -> list[str]:
     """The ``(name, value)`` sizes of a model that ``tp`` tensor-parallel ranks cannot split evenly, each as a problem
     with its numbers (empty when all divide): what the recipe checks before workers start, and the planner too."""
@@ -195,6 +205,12 @@ class MeshLayout:
         """How many different batches each step trains on (the sampler's replicas)."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def expert_parallel_ranks(self) -> int:
+        """How many ranks an expert-parallel group may borrow its members from (``dp_shard x cp``): the ranks FSDP
+        shards over, whose tokens differ (``expert_parallel_size`` must divide it)."""
+        return self.dp_shard * self.cp
+
     def data_parallel_rank(self, global_rank: int) -> int:
         """Which of those batches ``global_rank`` trains on: the same for every rank of a TP or CP group."""
         return global_rank // (self.cp * self.tp)
@@ -227,7 +243,7 @@ class FSDPChoices:
     sequence_parallel: bool = True
     #: Under tensor parallelism: the loss computed on vocabulary-sharded logits (torch's ``loss_parallel``).
     loss_parallel: bool = True
-    #: Ranks (of the data-parallel ones) that split each MoE layer's experts between them.
+    #: Ranks (of the FSDP shard ranks, ``dp_shard x cp``) that split each MoE layer's experts between them.
     expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -245,7 +261,7 @@ class FSDPChoices:
         layout = MeshLayout.for_run(num_nodes=num_nodes, devices_per_node=devices_per_node, sharding=self.sharding,
                                     tensor_parallel_size=self.tensor_parallel_size,
                                     context_parallel_size=self.context_parallel_size)
-        check_expert_parallel_size(self.expert_parallel_size, layout, self.sharding)
+        check_expert_parallel_size(self.expert_parallel_size, layout, self.sharding, with_context_parallel=True)
         return layout
 
     @property

@@ -260,9 +260,10 @@ class _FSDPStrategyBase(BackendFromRuntime):
             (``lightning_npu.kernels.context_parallel.ContextParallel``) to shard the batch and run attention with.
         context_parallel_algo: ``"ulysses"`` (all-to-all over heads; heads % (tp x cp) == 0; packed rows work) or
             ``"ring"`` (keys and values around the ranks; any head count; seq_len % (2 x cp) == 0).
-        expert_parallel_size: data-parallel devices (consecutive ranks) that split each MoE layer's experts between
-            them and exchange its tokens by all_to_all (``lightning_npu.strategies.expert_parallel``); must divide
-            the data-parallel size and every layer's expert count.
+        expert_parallel_size: devices (consecutive ranks of those FSDP shards over, ``dp_shard x cp``) that split
+            each MoE layer's experts between them and exchange its tokens by all_to_all
+            (``lightning_npu.strategies.expert_parallel``); must divide ``dp_shard x cp`` and every layer's expert
+            count. With context parallelism the experts' mesh is a view of the one mesh (``mesh.build_expert_mesh``).
         sequence_parallel: under tensor parallelism, passed to the plan: norms and residuals split by sequence.
         loss_parallel: under tensor parallelism, passed to the plan (vocabulary-sharded logits); the Trainer runs
             the steps and backward inside torch's ``loss_parallel()``.
@@ -379,8 +380,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
         compat.set_device_mesh(self, mesh)
         destroy_at_exit(mesh)
         if self.options.expert_parallel_size > 1:
-            self._expert_mesh = build_expert_mesh(self.root_device.type, self.world_size,
-                                                  self.options.expert_parallel_size)
+            self._expert_mesh = build_expert_mesh(mesh, self.layout, self.options.expert_parallel_size)
             destroy_at_exit(self._expert_mesh)
 
     def _shard(self, model: nn.Module, precision_plugin: Any, step_methods: Iterable[str] = ()) -> None:

@@ -10,6 +10,9 @@ for hybrid sharding. With tensor or context parallelism the mesh is ``MESH_DIM_N
   written for it (``configure_model`` calls ``parallelize_module`` and ``fully_shard`` on ``self.device_mesh``)
   runs unchanged; ``"data_parallel"`` is every rank outside a TP group (``dp x cp``), over which the reduced
   (logged) loss is averaged.
+
+Under expert parallelism the experts have a mesh of their own dimensions (``EXPERT_DIMS``, ``build_expert_mesh``):
+with tensor or context parallelism it is a view of this one (``"dp_shard_cp"`` split into ``dp_shard_mod_ep x ep``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from lightning_npu.facts.options import MESH_DIM_NAMES, MeshLayout
 
 #: The names a tensor-parallel mesh dimension has: npu_fsdp's, and Lightning ModelParallelStrategy's.
 TENSOR_PARALLEL_DIMS = frozenset({"tp", "tensor_parallel"})
+#: The experts' mesh dimensions under expert parallelism (``build_expert_mesh``), outermost first.
+EXPERT_DIMS = ("dp_shard_mod_ep", "ep")
 #: The flattened views of a model-parallel mesh: name -> the dimensions it joins.
 FLATTENED = {
     "dp_shard_cp": ("dp_shard", "cp"),
@@ -44,12 +49,20 @@ def build_mesh(device_type: str, layout: MeshLayout, sharding: str) -> DeviceMes
     return init_device_mesh(device_type, (layout.dp_shard,), mesh_dim_names=("shard",))
 
 
-def build_expert_mesh(device_type: str, data_parallel_size: int, expert_parallel_size: int) -> DeviceMesh:
+def build_expert_mesh(mesh: DeviceMesh, layout: MeshLayout, expert_parallel_size: int) -> DeviceMesh:
     """The mesh of the expert parameters (``lightning_npu.strategies.expert_parallel``): ``"ep"`` innermost
     (consecutive ranks split each layer's experts and exchange its tokens), ``"dp_shard_mod_ep"`` the ranks holding
-    the same experts, over which FSDP shards them (plain sharding only, so the data-parallel ranks are all ranks)."""
-    shape = (data_parallel_size // expert_parallel_size, expert_parallel_size)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("dp_shard_mod_ep", "ep"))
+    the same experts, over which FSDP shards them (torchtitan's "efsdp").
+
+    Expert parallelism borrows its ranks from those FSDP shards over (``dp_shard x cp``, whose tokens differ): on a
+    model-parallel mesh the experts' mesh is the ``"dp_shard_cp"`` view unflattened, so it is a view of ``mesh``
+    (ep takes the cp ranks first, then dp_shard's); under plain sharding (``("shard",)``) it is its own
+    ``(dp_shard_mod_ep, ep)`` mesh over all ranks."""
+    borrowed = layout.expert_parallel_ranks
+    shape = (borrowed // expert_parallel_size, expert_parallel_size)
+    if layout.model_parallel:
+        return compat.unflatten_mesh(mesh["dp_shard_cp"], shape, EXPERT_DIMS)
+    return init_device_mesh(mesh.device_type, shape, mesh_dim_names=EXPERT_DIMS)
 
 
 def is_model_parallel(mesh: DeviceMesh) -> bool:
@@ -63,4 +76,4 @@ def fsdp_mesh(mesh: DeviceMesh, sharding: str) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard_cp"] if sharding == "hybrid" else mesh["dp_shard_cp"]
 
 
-__all__ = ["FLATTENED", "TENSOR_PARALLEL_DIMS", "build_expert_mesh", "build_mesh", "fsdp_mesh", "is_model_parallel"]
+__all__ = ["EXPERT_DIMS", "FLATTENED", "TENSOR_PARALLEL_DIMS", "build_expert_mesh", "build_mesh", "fsdp_mesh", "is_model_parallel"]

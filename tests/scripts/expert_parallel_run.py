@@ -54,18 +54,21 @@ class Losses(Callback):
         self.losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
 
 
-def module() -> DecoderLM:
-    return DecoderLM(family="moe", preset="tiny", config=CONFIG, learning_rate=3e-3, warmup_steps=2)
+def module(**config) -> DecoderLM:
+    return DecoderLM(family="moe", preset="tiny", config={**CONFIG, **config}, learning_rate=3e-3, warmup_steps=2)
 
 
-def fit(out: Path, name: str, ep: int, *, state_dict_type: str = "sharded", resume: str | None = None) -> dict:
+def fit(out: Path, name: str, ep: int, *, state_dict_type: str = "sharded", resume: str | None = None,
+        config: dict | None = None, **mesh: int) -> dict:
     """Two epochs of ``SAVE_AT`` steps (a resumed run: the second); a checkpoint after epoch 0 (sharded) or at
-    the end (full)."""
+    the end (full). ``config``: model config fields replaced; ``mesh``: tensor_parallel_size / context_parallel_size
+    (the ranks of a TP or CP group share their batch, so each data-parallel rank takes a larger one: the global
+    batch stays the same rows)."""
     seed_everything(1234)
     # tiny_moe.yaml's policies: half the blocks recompute their activations (their all_to_alls too) in backward.
     strategy = lightning_npu.NPUFSDPStrategy(
         expert_parallel_size=ep, state_dict_type=state_dict_type, auto_wrap_policy=["MoEBlock"],
-        activation_checkpointing_policy=["MoEBlock"], activation_checkpointing_ratio=0.5, timeout=300,
+        activation_checkpointing_policy=["MoEBlock"], activation_checkpointing_ratio=0.5, timeout=300, **mesh,
     )
     losses = Losses()
     callbacks = [losses]
@@ -76,8 +79,10 @@ def fit(out: Path, name: str, ep: int, *, state_dict_type: str = "sharded", resu
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True, gradient_clip_val=1.0, callbacks=callbacks, limit_val_batches=0,
     )
-    lm = module()
-    trainer.fit(lm, train_dataloaders=DataLoader(Tokens(), batch_size=BATCH), ckpt_path=resume)
+    lm = module(**(config or {}))
+    shared = mesh.get("tensor_parallel_size", 1) * mesh.get("context_parallel_size", 1)
+    loader = DataLoader(Tokens(), batch_size=BATCH * shared)
+    trainer.fit(lm, train_dataloaders=loader, ckpt_path=resume)
     if state_dict_type == "full":
         trainer.save_checkpoint(out / f"{name}.ckpt")
     weight = lm.model.layers[0].feed_forward.experts.w_gate_up
