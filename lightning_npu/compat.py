@@ -335,6 +335,17 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     return mesh._flatten(name)
 
 
+def check_mesh_unflatten(feature: str) -> None:
+    """RuntimeError naming ``feature`` and the torch release it needs when this torch's DeviceMesh cannot split a
+    dimension (``unflatten_mesh``; torch 2.9 and later have it)."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not hasattr(DeviceMesh, "_unflatten"):
+        raise RuntimeError(f"{feature} needs a DeviceMesh that can split a dimension (torch >= 2.9); this is torch"
+                           f" {torch.__version__}: upgrade torch (and the matching torch_npu), or drop one of the two")
+
+
 def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
     """``mesh`` (1-D) split into dimensions ``names`` of ``sizes``, innermost last: a view of the same root mesh
     (new process groups for the new dimensions), so FSDP and DTensor combine it with the root's other views."""

@@ -60,6 +60,24 @@ def test_expert_parallel_sizes_the_devices_cannot_form_fail_before_workers_start
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
 
 
+def test_expert_with_context_parallelism_on_a_torch_without_mesh_unflatten_fails_before_workers_start(simulate,
+                                                                                                        monkeypatch):
+    """The experts' mesh under context parallelism splits a flattened view of the one mesh (DeviceMesh._unflatten,
+    torch >= 2.9); an older torch (the package takes 2.6) is told so before any worker starts, not with an
+    AttributeError inside them."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    simulate(4)
+    monkeypatch.delattr(DeviceMesh, "_unflatten")
+    options = dict(expert_parallel_size=2, context_parallel_size=2)
+    message = r"expert_parallel_size with context_parallel_size needs .* \(torch >= 2.9\); this is torch"
+    with pytest.raises(RuntimeError, match=message):
+        Trainer(accelerator="npu", devices=4, strategy=NPUFSDPStrategy(**options), logger=False)
+    with pytest.raises(RuntimeError, match=message):
+        Fabric(accelerator="npu", devices=4, strategy=NPUFabricFSDPStrategy(**options))
+    Trainer(accelerator="npu", devices=4, strategy=NPUFSDPStrategy(expert_parallel_size=2), logger=False)
+
+
 def test_a_model_without_experts_or_with_an_indivisible_expert_count_is_refused():
     """Raised on every rank alike, before any expert-parallel collective: a dense model would silently train the
     same weights on every rank of a group, and a remainder of experts would belong to no rank."""

@@ -346,7 +346,9 @@ class _FSDPStrategyBase(BackendFromRuntime):
     def _configure_launcher(self) -> None:
         # Every process (the launching one first) passes here before any worker or process group starts: sizes the
         # devices cannot form fail here, with the numbers and the fix.
-        self.options.layout(self.num_nodes, self.num_processes)
+        layout = self.options.layout(self.num_nodes, self.num_processes)
+        if layout.cp > 1 and self.options.expert_parallel_size > 1:
+            compat.check_mesh_unflatten("expert_parallel_size with context_parallel_size")
         super()._configure_launcher()
 
     def _reduce_group(self, group: Optional[Any]) -> Optional[Any]:
