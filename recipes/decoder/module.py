@@ -30,6 +30,7 @@ from lightning_npu.optim import AdamW8bit
 from recipes import families
 from recipes.decoder.lora import (
     LoRAConfig,
+    active_adapter_params,
     adapter_shapes,
     add_lora,
     check_adapter_state,
@@ -138,7 +139,7 @@ class DecoderLM(LightningModule):
         seq_len = getattr(getattr(self.trainer, "datamodule", None), "seq_len", None) if self._trainer else None
         flops = self.config.flops_per_token(seq_len)
         if self.lora is not None:
-            adapters = sum(shape.numel() for shape in adapter_shapes(self.config, self.lora).values())
+            adapters = active_adapter_params(self.config, self.lora)
             # A dense family's config has no active_params: every weight is active.
             active = getattr(self.config, "active_params", self.config.num_params)
             flops += 6 * adapters - 2 * active(include_embedding=False)
