@@ -38,6 +38,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_npu import compat
 from lightning_npu.kernels import grouped_matmul, permute_tokens, rotary_tables, swiglu, unpermute_tokens
 from lightning_npu.strategies.expert_parallel import StackedExperts
 from recipes.decoder.layers import INIT_STD, Linear
@@ -109,7 +110,7 @@ class MoEFeedForward(nn.Module):
         # Not when activation checkpointing recomputes this forward inside backward: the recomputed logits would
         # keep the block's recomputed graph, and its saved tensors, alive until the next forward; the recomputed
         # routing would count its tokens twice.
-        recompute = torch._C._current_graph_task_id() != -1
+        recompute = compat.in_backward()
         if not recompute:
             self.router_logits = logits
         bias = getattr(self.router, "expert_bias", None)
