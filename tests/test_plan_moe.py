@@ -140,7 +140,7 @@ def test_a_dense_decoder_refuses_expert_parallelism(tmp_path):
 
 
 def test_lora_on_the_experts_is_refused_as_the_family_refuses_it():
-    with pytest.raises(ValueError, match=r"the MoE family adapts attention only"):
+    with pytest.raises(ValueError, match=r"the MoE family adapts attention \(q, k, v, o\) and, expert by expert"):
         lightning_npu_memory_profile({"family": "moe", "lora": dict(rank=8, targets=["q", "gate"])})
 
 

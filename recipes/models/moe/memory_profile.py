@@ -67,8 +67,8 @@ class MoEProfile(DecoderProfile):
         mlp = [p for p in (self.adapters.projections if self.adapters else ()) if p not in ATTENTION_PROJECTIONS]
         if mlp:
             raise PlanError(
-                f"lora.targets {list(mlp)}: the MoE family adapts attention only (its experts are stacked parameters,"
-                " not Linear layers); target among q, k, v, o"
+                f"lora.targets {list(mlp)}: the MoE family adapts attention (q, k, v, o) and, expert by expert, the"
+                " stacked experts (expert_gate, expert_up, expert_down); it has no gate, up or down Linear to adapt"
             )
 
     @property
