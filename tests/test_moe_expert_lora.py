@@ -115,19 +115,19 @@ def test_training_with_expert_adapters_lowers_the_loss():
     model = _model()
     add_lora(model, LoRAConfig(rank=8, alpha=16.0, targets=("q", "v", *EXPERTS)))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-2)
     torch.manual_seed(4)
     tokens = torch.randint(0, model.config.vocab_size, (4, 33))
     losses = []
-    for _ in range(15):
+    for _ in range(15):  # sign descent by hand: torch.optim's step asks for the current accelerator (none here)
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.sub_(1e-2 * g.sign())
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5, losses
-    assert all(p.grad is not None for p in params)
+    assert all(g.abs().max() > 0 for g in grads)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
