@@ -172,6 +172,7 @@ ACCESSED = (
     *(Fenced(owner, "_setup_distributed") for owner in (_TRAINER_FSDP2, _FABRIC_FSDP2)),
     Fenced(_FABRIC_FSDP2, "_backward_sync_control", instance=True),
     Fenced("lightning.pytorch:LightningModule", "_device_mesh", instance=True),
+    Fenced("lightning.pytorch:LightningModule", "_trainer", instance=True),
     Fenced("lightning.pytorch.strategies:ParallelStrategy", "_layer_sync", instance=True),
     *(Fenced(owner, "_root_device", instance=True)
       for owner in ("lightning.pytorch.strategies:SingleDeviceStrategy", "lightning.fabric.strategies:SingleDeviceStrategy")),
@@ -188,7 +189,7 @@ ACCESSED = (
     Fenced(_DEVICE_MESH, "_pg_registry|_dim_group_names|_dim_group_infos", instance=True),
     Fenced("torch.distributed.tensor:DTensor", "_spec", instance=True),
     Fenced(_DEVICE_MESH, "_flatten"),
-    Fenced(_DEVICE_MESH, "_unflatten"),
+    Fenced("torch._C", "_current_graph_task_id"),
 )
 
 FENCED: tuple[Fenced, ...] = (*IMPORTED.values(), *OVERRIDDEN, *ACCESSED)
@@ -337,7 +338,8 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
 
 def check_mesh_unflatten(feature: str) -> None:
     """RuntimeError naming ``feature`` and the torch release it needs when this torch's DeviceMesh cannot split a
-    dimension (``unflatten_mesh``; torch 2.9 and later have it)."""
+    dimension (``unflatten_mesh``; torch 2.9 and later have it). Not in ``FENCED``: the package takes torch 2.6,
+    which lacks it, so only the runs that need it check for it, before workers start."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -417,6 +419,19 @@ def dtensor_with_local(dtensor: Any, local: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, dtensor._spec, requires_grad=False)
+
+
+def attached_trainer(module: Any) -> Optional[Any]:
+    """The Trainer a LightningModule is attached to, or None (``module.trainer`` raises when there is none)."""
+    return module._trainer
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass in this thread now: a forward that runs then is
+    activation checkpointing's recompute (``torch._C._current_graph_task_id`` is -1 outside backward)."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
 
 
 def grouped_mm() -> Optional[Callable[..., Any]]:

@@ -230,7 +230,7 @@ def test_no_module_but_compat_touches_a_lightning_or_torch_private_name():
     an unfenced override of a private Lightning method): a rename upstream would then fail mid-run, unreported."""
     modules = _modules()
     framework = _framework_names_by_class(modules)
-    paths = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "compat.py")
+    paths = sorted(p for root in (PACKAGE, REPO / "recipes") for p in root.rglob("*.py") if p != PACKAGE / "compat.py")
     trees = {str(p.relative_to(REPO)): ast.parse(p.read_text()) for p in paths}
     own = _own_private_names(trees, set().union(*framework.values()))
     overridable = {entry.name for entry in compat.OVERRIDDEN}

@@ -140,7 +140,7 @@ def test_a_dense_decoder_refuses_expert_parallelism(tmp_path):
 
 
 def test_lora_on_the_experts_is_refused_as_the_family_refuses_it():
-    with pytest.raises(ValueError, match=r"the MoE family adapts attention only"):
+    with pytest.raises(ValueError, match=r"the MoE family adapts attention \(q, k, v, o\) and, expert by expert"):
         lightning_npu_memory_profile({"family": "moe", "lora": dict(rank=8, targets=["q", "gate"])})
 
 
@@ -157,3 +157,32 @@ def test_mixtral_planned_fully_fine_tuned_beyond_8_devices_shows_the_padded_expe
     rest = profile.num_params() * 4 - config.n_experts * one_expert
     assert shards[1] == pytest.approx((rest + config.n_experts * one_expert) / 8, rel=1e-6)
     assert shards[2] == pytest.approx(rest / 16 + one_expert, rel=1e-4)  # not (rest + 8 experts) / 16; the router pads too
+
+
+@pytest.mark.parametrize("overrides", [{}, QWEN2], ids=["qwen3_moe", "qwen2_moe_shared_expert_dense_layer"])
+def test_a_quantized_lora_base_is_planned_quantized_where_the_recipe_quantizes_it(overrides):
+    """Under lora.base_quantization the recipe quantizes the family's LoRA sites, attention's four projections:
+    the router, the stacked experts, the shared expert and its gate, and a dense layer's MLP stay in the model's
+    dtype. Catches the planner counting every block matrix as quantized."""
+    from lightning_npu.quant import QuantizedLinear
+    from recipes.decoder.lora import LoRAConfig, LoRALinear, add_lora
+
+    lora = dict(rank=4, targets=["q", "v"], base_quantization="int8")
+    config = MoEConfig.from_preset("tiny", **overrides)
+    with torch.device("meta"):
+        model = add_lora(MoE(config), LoRAConfig.from_value(lora))
+    profile = profile_of(config, "tiny", lora)
+    for i, layer in enumerate(model.layers):
+        quantized = Counter(
+            (m.out_features, m.in_features) for m in layer.modules()
+            if isinstance(m, QuantizedLinear) or isinstance(m, LoRALinear) and m.scheme is not None)
+        planned = Counter(shape for shape, scheme in profile.block_profile(i).block_storage() if scheme == "int8")
+        assert planned == quantized == Counter(
+            [(config.n_heads * config.head_dim, config.dim), (config.n_kv_heads * config.head_dim, config.dim),
+             (config.n_kv_heads * config.head_dim, config.dim), (config.dim, config.n_heads * config.head_dim)]
+        ), f"layer {i}"
+
+
+def test_lora_on_the_experts_is_not_planned_yet_and_says_so():
+    with pytest.raises(PlanError, match=r"lora.targets \['expert_down'\]: the planner does not count per-expert"):
+        lightning_npu_memory_profile({"family": "moe", "lora": dict(rank=8, targets=["q", "expert_down"])})

@@ -283,14 +283,21 @@ class DecoderProfile:
 
     def block_storage(self) -> list[tuple[Shape, Optional[str]]]:
         """``block_parameters().shapes`` (in that order), each with how it is stored: the adapters'
-        ``base_quantization`` for the base projections (the block's matrices), None (the master dtype) otherwise."""
+        ``base_quantization`` for the base projections (the matrices of the ``quantized_groups``), None (the master
+        dtype) otherwise."""
         base, adapters = self.base_block_parameters(), self.adapter_parameters()
         scheme = self.adapters.base_quantization if self.adapters is not None else None
         storage: list[tuple[Shape, Optional[str]]] = []
         for group in fields(BlockParameters):
-            storage += [(shape, scheme if len(shape) == 2 else None) for shape in getattr(base, group.name)]
+            quantized = scheme if group.name in self.quantized_groups() else None
+            storage += [(shape, quantized if len(shape) == 2 else None) for shape in getattr(base, group.name)]
             storage += [(shape, None) for shape in getattr(adapters, group.name)]
         return storage
+
+    def quantized_groups(self) -> tuple[str, ...]:
+        """The ``BlockParameters`` groups whose matrices a quantized LoRA base stores quantized: all of this
+        decoder's (its projections); a model that quantizes fewer says which."""
+        return tuple(group.name for group in fields(BlockParameters))
 
     def root_parameters(self) -> RootParameters:
         """Embedding, final norm and output head; under tensor parallelism the embedding (row-parallel) and the

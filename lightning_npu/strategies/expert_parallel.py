@@ -1,8 +1,8 @@
 """Expert parallelism: each rank of an expert-parallel group holds ``n_experts / ep`` experts of every MoE layer,
 and the tokens travel to their experts' ranks and back by all_to_all (HCCL on NPUs, gloo when simulated).
 
-The model code knows only the contract of :class:`StackedExperts`: a module whose every parameter stacks its
-experts on dim 0, and whose ``forward(rows, counts)`` runs rows sorted by expert (``counts[e]`` rows for expert e)
+The model code knows only the contract of :class:`StackedExperts`: a module whose every parameter (its
+submodules' too: per-expert adapters) stacks its experts on dim 0, and whose ``forward(rows, counts)`` runs rows sorted by expert (``counts[e]`` rows for expert e)
 and returns one output row per input row, in the same order. :func:`apply_expert_parallel` turns each such module
 into its expert-parallel form without touching its code:
 
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 
 class StackedExperts(nn.Module):
-    """The experts of one MoE layer, in parameters stacked on dim 0 (``[n_experts, ...]``), run by
+    """The experts of one MoE layer, in parameters (its submodules' included) stacked on dim 0 (``[n_experts, ...]``), run by
     ``forward(rows, counts)`` over rows sorted by expert. A subclass calls :meth:`local` on each parameter it
     computes with, and is otherwise free of parallelism: under expert parallelism its forward receives only its
     rank's experts' rows and counts."""
@@ -60,7 +60,7 @@ def check_experts_divide(model: nn.Module, ep: int) -> list[tuple[str, StackedEx
             " hold and compute the same dense model. Use expert_parallel_size=1 for a model without MoE layers"
         )
     for name, module in modules:
-        counts = {p.shape[0] for p in module.parameters(recurse=False)}
+        counts = {p.shape[0] for p in module.parameters()}
         if len(counts) != 1:
             raise ValueError(f"{name}: a StackedExperts module's parameters must all stack their experts on dim 0;"
                              f" their first dimensions are {sorted(counts)}")
@@ -81,11 +81,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: Any) -> list[str]:
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     modules = check_experts_divide(model, ep)
     for _, module in modules:
-        for name, param in list(module.named_parameters(recurse=False)):
+        for name, param in list(module.named_parameters()):
             per_rank = param.shape[0] // ep
             block = param.detach()[rank * per_rank:(rank + 1) * per_rank].clone()
             sharded = DTensor.from_local(block, ep_mesh, [Shard(0)], run_check=False)
-            setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, nn.Parameter(sharded, requires_grad=param.requires_grad))
         dispatcher = _Dispatcher(ep_mesh.get_group(), ep)
         module.register_forward_pre_hook(dispatcher.dispatch)
         module.register_forward_hook(dispatcher.combine)

@@ -13,7 +13,7 @@ shard and checkpoint by, and where LoRA adds its adapters).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from torch import nn
@@ -63,13 +63,21 @@ class HFFormat:
 #: of its weight the target is, how many equal row blocks the weight has: 2 for a fused gate/up, else 1).
 LoRASite = tuple[str, int, int]
 
+#: Where an expert LoRA target sits in a block that has experts: (the module path of its
+#: ``lightning_npu.strategies.expert_parallel.StackedExperts`` inside the block, the name of the stacked weight
+#: [n_experts, rows, in] there, the index of the row block of each expert's weight the target is, how many equal
+#: row blocks it has: 2 for a fused gate/up, else 1).
+ExpertLoRASite = tuple[str, str, int, int]
+
 
 @dataclass(frozen=True)
 class DecoderFamily:
     """A model family: its config and model classes, its Hugging Face format, and where each LoRA target
-    (``lora_config.TARGETS``) sits in its blocks (``lora_sites``, one per target it supports)."""
+    (``lora_config.TARGETS``) sits in its blocks: ``lora_sites`` for a projection (one per target it supports),
+    ``expert_lora_sites`` for the stacked experts' projections (none for a family without experts)."""
 
     config_class: type
     model_class: type[nn.Module]
     hf: HFFormat
     lora_sites: Mapping[str, LoRASite]
+    expert_lora_sites: Mapping[str, ExpertLoRASite] = field(default_factory=dict)

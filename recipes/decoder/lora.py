@@ -17,9 +17,20 @@ site may also be one row block of a fused weight (``LoRASite``), with one indepe
 ``base(x) + B(A(dropout(x))) * alpha / rank``; B starts at zero (a fresh adapter changes nothing), A as PEFT
 initialises it (Kaiming uniform, a=sqrt(5)). Base weights are frozen; the model stays free of parallelism.
 
+An expert target (``expert_gate``, ``expert_up``, ``expert_down``: ``DecoderFamily.expert_lora_sites``) gives every
+expert of an MoE layer its own adapter, stacked on dim 0 as the experts' weights are (``StackedLoRA``, held in the
+experts module's ``adapters`` by the adapted weight's name and applied inside its grouped matmuls); in the MoE
+family::
+
+    layers.{i}.feed_forward.experts.adapters.w_gate_up.lora_a.expert_gate.weight   [n_experts, rank, dim]
+    layers.{i}.feed_forward.experts.adapters.w_gate_up.lora_b.expert_gate.weight   [n_experts, expert_hidden_dim, rank]
+    layers.{i}.feed_forward.experts.adapters.w_down.lora_a.expert_down.weight      [n_experts, rank, expert_hidden_dim]
+    layers.{i}.feed_forward.experts.adapters.w_down.lora_b.expert_down.weight      [n_experts, dim, rank]
+
 With ``base_quantization`` (``int8`` or ``nf4``: QLoRA-style) every projection of every block that the family's
 ``lora_sites`` name is stored quantized, adapted or not (QLoRA quantizes all of a model's Linear layers; here the
-embedding, the norms and the output projection stay as they are): an adapted one's ``LoRALinear`` holds
+embedding, the norms, the output projection and whatever ``lora_sites`` does not name stay as they are: an MoE
+layer's router, stacked experts and shared expert, and its dense layers' MLP): an adapted one's ``LoRALinear`` holds
 ``weight_codes`` and ``weight_scales`` in place of ``weight``, an unadapted one becomes a
 ``lightning_npu.quant.QuantizedLinear`` with the same two. ``quantized_base_state`` turns a base state dict
 (``init_from``'s) into those entries; ``merged_state_dict`` adds the adapters to the decoded quantized base, the
@@ -29,29 +40,38 @@ weights they were trained against.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_npu.kernels import quantized_linear
+from lightning_npu.kernels import grouped_matmul, quantized_linear
 from lightning_npu.quant import QuantizedLinear, dequantize, quantized_state
 from lightning_npu.quant.linear import CODES, SCALES
 from lightning_npu.quant.weights import check_quantizable
+from lightning_npu.strategies.expert_parallel import StackedExperts
 from recipes import families
-from recipes.decoder.family import LoRASite
 from recipes.decoder.layers import Linear
-from recipes.decoder.lora_config import LoRAConfig
+from recipes.decoder.lora_config import EXPERT_TARGETS, LoRAConfig
 
 ADAPTER_MARKERS = (".lora_a.", ".lora_b.")
+
+
+def init_lora_a(weight: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
+    """PEFT's initialisation of an A [rank, in], in place: Kaiming uniform (a=sqrt(5), bound 1/sqrt(in)); a stacked
+    [n_experts, rank, in] expert by expert, each with its own fan-in (PEFT's per-expert A)."""
+    with torch.no_grad():
+        for matrix in weight.view(-1, *weight.shape[-2:]):
+            nn.init.kaiming_uniform_(matrix, a=math.sqrt(5), generator=generator)
+    return weight
 
 
 class LoRAA(nn.Linear):
     """An adapter's down projection A [rank, in], initialised as PEFT does (Kaiming uniform, a=sqrt(5))."""
 
     def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        init_lora_a(self.weight)
 
 
 class LoRAB(nn.Linear):
@@ -108,32 +128,98 @@ class LoRALinear(Linear):
             out = F.linear(x, self.weight, self.bias)
         else:
             out = quantized_linear(x, self.weight_codes, self.weight_scales, self.scheme, self.bias)
-        by_block = {block: name for name, block in self.block_of.items()}
-        pieces = []
-        for block in range(self.blocks):
-            name = by_block.get(block)
-            if name is None:  # a row block without adapter (gate adapted, up not): no update there
-                pieces.append(out.new_zeros(*out.shape[:-1], self.rows))
-            else:  # dropout per adapter, as PEFT's separate gate_proj / up_proj layers draw their own masks
-                pieces.append(self.lora_b[name](self.lora_a[name](self.dropout(x))))
-        delta = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+        # Dropout per adapter, as PEFT's separate gate_proj / up_proj layers draw their own masks.
+        delta = row_block_update(out, self.blocks, self.rows, self.block_of,
+                                 lambda name: self.lora_b[name](self.lora_a[name](self.dropout(x))))
         return out + delta * self.scaling
+
+
+def row_block_update(like: Tensor, blocks: int, rows: int, block_of: Mapping[str, int],
+                     update: Callable[[str], Tensor]) -> Tensor:
+    """The adapters' update of a weight of ``blocks`` equal row blocks of ``rows``: ``update(name)`` for the block
+    adapter ``name`` adapts (``block_of``), zeros (``like``'s leading shape and dtype) for a block without one (gate
+    adapted, up not), side by side along the last dimension."""
+    by_block = {block: name for name, block in block_of.items()}
+    pieces = [like.new_zeros(*like.shape[:-1], rows) if by_block.get(block) is None else update(by_block[block])
+              for block in range(blocks)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+
+
+class _StackedProjection(nn.Module):
+    """A per-expert projection ``weight`` [n_experts, out, in] over rows sorted by expert (``counts[e]`` rows of
+    expert e): each row times its expert's matrix, one grouped matmul (``lightning_npu.kernels.grouped_matmul``).
+    Under expert parallelism the weight is this rank's block of experts (``StackedExperts.local``)."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, **factory: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features, **factory))
+        self.reset_parameters()
+
+    def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
+        return grouped_matmul(rows, StackedExperts.local(self.weight).transpose(1, 2), counts)
+
+
+class StackedLoRAA(_StackedProjection):
+    """The experts' down projections A [n_experts, rank, in], each initialised as PEFT's (``init_lora_a``)."""
+
+    def reset_parameters(self) -> None:
+        init_lora_a(self.weight)
+
+
+class StackedLoRAB(_StackedProjection):
+    """The experts' up projections B [n_experts, rows, rank], zero so that fresh adapters change nothing."""
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+
+class StackedLoRA(nn.Module):
+    """Per-expert LoRA adapters on some equal row blocks of a stacked expert weight [n_experts, out, in] (its
+    ``StackedExperts`` module adds this module's output to the weight's, see ``DecoderFamily.expert_lora_sites``).
+
+    For the rows of expert e, adapter ``name`` adds ``B_e(A_e(dropout(x))) * alpha / rank`` to its row block: exactly
+    a LoRA on each expert's own Linear, run as two grouped matmuls over the rows sorted by expert, like the base
+    weight's. A is [n_experts, rank, in] and B [n_experts, rows, rank]: stacked on dim 0 as the experts are, so
+    FSDP2 shards a few large tensors and expert parallelism gives each rank its experts' adapters."""
+
+    def __init__(self, weight: Tensor, blocks: int, adapted: Mapping[str, int], config: LoRAConfig) -> None:
+        super().__init__()
+        n_experts, out_features, in_features = weight.shape
+        self.rows, self.blocks, self.block_of = out_features // blocks, blocks, dict(adapted)
+        self.scaling = config.scaling
+        self.dropout = nn.Dropout(config.dropout) if config.dropout else nn.Identity()
+        factory = {"device": weight.device, "dtype": weight.dtype}
+        self.lora_a = nn.ModuleDict(
+            {name: StackedLoRAA(n_experts, in_features, config.rank, **factory) for name in adapted})
+        self.lora_b = nn.ModuleDict(
+            {name: StackedLoRAB(n_experts, config.rank, self.rows, **factory) for name in adapted})
+
+    def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
+        """The update [R, out] of rows [R, in] sorted by expert (``counts[e]`` of expert e)."""
+        delta = row_block_update(rows, self.blocks, self.rows, self.block_of,
+                                 lambda name: self.lora_b[name](self.lora_a[name](self.dropout(rows), counts), counts))
+        return delta * self.scaling
 
 
 def add_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
     """Add ``config``'s adapters to every block of ``model`` (a plain, unwrapped model of one of the recipe's
-    families, real or on the meta device) in place and freeze every other parameter. Returns ``model``."""
+    families, real or on the meta device) in place and freeze every other parameter; an expert target adapts the
+    blocks that have experts (not an MoE model's dense layers). Returns ``model``."""
     models = {name: family.model_class for name, family in families.all_families().items()}
     if not isinstance(model, tuple(models.values())):
         raise TypeError(f"add_lora takes a model of the recipe's families {sorted(models)}, got {type(model).__name__}")
-    if any(isinstance(m, LoRALinear) for m in model.modules()):
+    if any(isinstance(m, (LoRALinear, StackedLoRA)) for m in model.modules()):
         raise ValueError("the model already has LoRA adapters; add_lora applies once, to a model built without them")
     for param in model.parameters():
         param.requires_grad_(False)
-    sites: dict[str, tuple[int, dict[str, int]]] = {}
+    # adapters' module path -> (the adapted weight's path, its row blocks, target -> block, experts' path or None)
+    placed: dict[str, tuple[str, int, dict[str, int], Optional[str]]] = {}
     for name in config.targets:
-        path, block, blocks = lora_site(model.config, name)
-        sites.setdefault(path, (blocks, {}))[1][name] = block
+        adapters, weight, block, blocks, experts = _placement(model.config, name)
+        placed.setdefault(adapters, (weight, blocks, {}, experts))[2][name] = block
+        if experts is not None and not any(_has_module(layer, experts) for layer in model.layers):
+            raise ValueError(f"lora.targets names {name!r}, but no block of this model has experts ({experts}); adapt"
+                             " its projections instead")
     for layer in model.layers:
         for path in quantized_paths(model.config, config):
             parent_path, _, leaf = path.rpartition(".")
@@ -141,10 +227,18 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
             linear = getattr(parent, leaf)
             check_quantizable(tuple(linear.weight.shape), config.base_quantization, f"{path}.weight")
             setattr(parent, leaf, QuantizedLinear.from_linear(linear, config.base_quantization))
-        for path, (blocks, adapted) in sites.items():
-            parent_path, _, leaf = path.rpartition(".")
-            parent = layer.get_submodule(parent_path)
-            setattr(parent, leaf, LoRALinear(getattr(parent, leaf), blocks, adapted, config))
+        for adapters, (weight, blocks, adapted, experts) in placed.items():
+            if experts is None:
+                parent_path, _, leaf = adapters.rpartition(".")
+                parent = layer.get_submodule(parent_path)
+                setattr(parent, leaf, LoRALinear(getattr(parent, leaf), blocks, adapted, config))
+            elif _has_module(layer, experts):
+                module = layer.get_submodule(experts)
+                if not isinstance(getattr(module, "adapters", None), nn.ModuleDict):
+                    raise TypeError(f"{type(module).__name__} at {experts} has no `adapters` ModuleDict for the"
+                                    " updates of its stacked weights (see DecoderFamily.expert_lora_sites)")
+                leaf = weight.rpartition(".")[2]
+                module.adapters[leaf] = StackedLoRA(getattr(module, leaf), blocks, adapted, config)
     return model
 
 
@@ -190,11 +284,23 @@ def initial_adapter_state(model_config: Any, config: LoRAConfig, seed: int) -> d
     for name, shape in adapter_shapes(model_config, config).items():
         tensor = torch.empty(shape)
         if ".lora_a." in name:
-            nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
+            init_lora_a(tensor, generator)
         else:
             nn.init.zeros_(tensor)
         out[name] = tensor
     return out
+
+
+def active_adapter_params(model_config: Any, config: LoRAConfig) -> int:
+    """The adapter parameters one token runs through (for FLOPs): every projection's adapters, and of an expert
+    target's only those of the ``model_config.top_k`` experts the token is routed to."""
+    shapes = adapter_shapes(model_config, config)
+    total = 0
+    for site in adapter_sites(model_config, config):
+        for kind in ("lora_a", "lora_b"):
+            shape = shapes[site.name(kind)]
+            total += shape[1:].numel() * model_config.top_k if site.target in EXPERT_TARGETS else shape.numel()
+    return total
 
 
 def check_adapter_state(
@@ -216,26 +322,68 @@ def check_adapter_state(
                              f"{tuple(shape)} for lora.rank={config.rank}")
 
 
-def lora_site(model_config: Any, target: str) -> LoRASite:
-    """Where ``target`` sits in a block of the model of ``model_config`` (its family's ``lora_sites``)."""
-    sites = families.of_config(model_config).lora_sites
-    if target not in sites:
-        raise ValueError(f"lora.targets names {target!r}, which the {families.name_of_config(model_config)!r} family's "
-                         f"blocks do not have; choose among {list(sites)}")
-    return sites[target]
+class AdapterSite(NamedTuple):
+    """One adapter a LoRA config adds to a model: block ``layer``'s ``target``, an update of row block ``block``
+    (of ``blocks`` equal ones; rows are a weight's second-last dimension) of the base weight named ``weight`` (a
+    state-dict name), its A and B held by the module named ``adapters``."""
+
+    layer: int
+    target: str
+    weight: str
+    block: int
+    blocks: int
+    adapters: str
+
+    def name(self, kind: str) -> str:
+        """The parameter name of its A (``kind="lora_a"``) or B (``"lora_b"``)."""
+        return f"{self.adapters}.{kind}.{self.target}.weight"
 
 
-def adapter_name(model_config: Any, layer: int, target: str, kind: str) -> str:
-    """The model parameter name of ``target``'s A (``kind="lora_a"``) or B (``"lora_b"``) in block ``layer``."""
-    return f"layers.{layer}.{lora_site(model_config, target)[0]}.{kind}.{target}.weight"
+def adapter_sites(model_config: Any, config: LoRAConfig) -> list[AdapterSite]:
+    """Every adapter ``config`` adds to the model of ``model_config``, block by block (found on the meta device:
+    an expert target only in the blocks with experts)."""
+    with torch.device("meta"):
+        blocks = families.of_config(model_config).model_class(model_config).layers
+    sites = []
+    for i, block in enumerate(blocks):
+        for target in config.targets:
+            adapters, weight, row_block, n_blocks, experts = _placement(model_config, target)
+            if experts is None or _has_module(block, experts):
+                sites.append(AdapterSite(i, target, f"layers.{i}.{weight}", row_block, n_blocks,
+                                         f"layers.{i}.{adapters}"))
+    return sites
+
+
+def _placement(model_config: Any, target: str) -> tuple[str, str, int, int, Optional[str]]:
+    """Where ``target`` sits in a block of the model of ``model_config`` (its family's ``lora_sites`` or
+    ``expert_lora_sites``): (the path of the module holding its adapters, the adapted weight's path, its row block,
+    the weight's row blocks, the experts module's path or None for a projection)."""
+    family = families.of_config(model_config)
+    if target in family.lora_sites:
+        path, block, blocks = family.lora_sites[target]
+        return path, f"{path}.weight", block, blocks, None
+    if target in family.expert_lora_sites:
+        experts, weight, block, blocks = family.expert_lora_sites[target]
+        return f"{experts}.adapters.{weight}", f"{experts}.{weight}", block, blocks, experts
+    raise ValueError(f"lora.targets names {target!r}, which the {families.name_of_config(model_config)!r} family's "
+                     f"blocks do not have; choose among {[*family.lora_sites, *family.expert_lora_sites]}")
+
+
+def _has_module(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def merged_state_dict(
     base: Mapping[str, Tensor], adapters: Mapping[str, Tensor], model_config: Any, config: LoRAConfig
 ) -> dict[str, Tensor]:
     """The base weights with ``alpha / rank * B @ A`` added to each adapted row block (PEFT's
-    ``merge_and_unload``), in the base's layout and dtype; the sum is taken in fp32. With ``base_quantization`` the
-    base is first quantized and decoded (``quantized_paths``): the weights the adapters were trained on."""
+    ``merge_and_unload``; expert by expert for a stacked expert weight), in the base's layout and dtype; the sum is
+    taken in fp32. With ``base_quantization`` the base is first quantized and decoded (``quantized_paths``): the
+    weights the adapters were trained on."""
     check_adapter_state(adapters, model_config, config, source="The LoRA checkpoint")
     merged = dict(base)
     quantized = quantized_base_state(base, model_config, config)
@@ -244,14 +392,10 @@ def merged_state_dict(
             prefix = f"layers.{layer}.{path}."
             decoded = dequantize(quantized[prefix + CODES], quantized[prefix + SCALES], config.base_quantization)
             merged[prefix + "weight"] = decoded.to(base[prefix + "weight"].dtype)
-    for layer in range(model_config.n_layers):
-        for target in config.targets:
-            path, block, blocks = lora_site(model_config, target)
-            name = f"layers.{layer}.{path}.weight"
-            weight = merged[name].float().clone()
-            rows = weight.shape[0] // blocks
-            b = adapters[adapter_name(model_config, layer, target, "lora_b")]
-            a = adapters[adapter_name(model_config, layer, target, "lora_a")]
-            weight[block * rows : (block + 1) * rows] += (b.float() @ a.float()) * config.scaling
-            merged[name] = weight.to(base[name].dtype)
+    for site in adapter_sites(model_config, config):
+        weight = merged[site.weight].float().clone()
+        rows = weight.shape[-2] // site.blocks
+        b, a = adapters[site.name("lora_b")].float(), adapters[site.name("lora_a")].float()
+        weight[..., site.block * rows : (site.block + 1) * rows, :] += (b @ a) * config.scaling
+        merged[site.weight] = weight.to(base[site.weight].dtype)
     return merged

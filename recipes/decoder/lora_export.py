@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+import torch
 from torch import Tensor
 
 from recipes import families
@@ -28,7 +29,8 @@ from recipes.decoder.checkpoint_layout import (
     read_model_tensors,
 )
 from recipes.decoder.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES, recorded_tokenizer, save_hf_checkpoint
-from recipes.decoder.lora import LoRAConfig, adapter_name, check_adapter_state, merged_state_dict
+from recipes.decoder.lora import AdapterSite, LoRAConfig, adapter_sites, check_adapter_state, merged_state_dict
+from recipes.decoder.lora_config import EXPERT_TARGETS
 
 #: PEFT saves adapter keys under the wrapped model's names, without the adapter name ("default").
 PEFT_PREFIX = "base_model.model.model.layers."
@@ -59,34 +61,80 @@ def is_lora_checkpoint(path: PathLike) -> bool:
 
 
 def peft_state_dict(adapters: Mapping[str, Tensor], config: Any, lora: LoRAConfig) -> dict[str, Tensor]:
-    """The recipe's adapters under PEFT's names (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``)."""
+    """The recipe's adapters under PEFT's names (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``);
+    expert adapters as PEFT's LoRA on transformers 5's stacked expert parameters (``_expert_peft_tensors``)."""
     peft_targets = families.of_config(config).hf.peft_targets
     out = {}
-    for layer in range(config.n_layers):
-        for target in lora.targets:
-            for kind, peft_kind in PEFT_KINDS.items():
-                key = f"{PEFT_PREFIX}{layer}.{peft_targets[target]}.{peft_kind}.weight"
-                out[key] = adapters[adapter_name(config, layer, target, kind)].contiguous()
+    experts: dict[tuple[int, str], list[AdapterSite]] = {}
+    for site in adapter_sites(config, lora):
+        if site.target in EXPERT_TARGETS:
+            experts.setdefault((site.layer, peft_targets[site.target]), []).append(site)
+            continue
+        for kind, peft_kind in PEFT_KINDS.items():
+            key = f"{PEFT_PREFIX}{site.layer}.{peft_targets[site.target]}.{peft_kind}.weight"
+            out[key] = adapters[site.name(kind)].contiguous()
+    for layer in sorted({layer for layer, _ in experts}):
+        # PEFT nests one ParamWrapper per adapted parameter of the experts module, in its parameter order
+        # (gate_up_proj, then down_proj): the first is innermost, under one "base_layer." per wrapper around it.
+        params = sorted({param for held, param in experts if held == layer}, key=_HF_EXPERT_PARAMS.index)
+        for depth, param in enumerate(params):
+            module = param.rpartition(".")[0]
+            nesting = "base_layer." * (len(params) - 1 - depth)
+            a, b = _expert_peft_tensors(experts[(layer, param)], adapters)
+            out[f"{PEFT_PREFIX}{layer}.{module}.{nesting}lora_A.weight"] = a
+            out[f"{PEFT_PREFIX}{layer}.{module}.{nesting}lora_B.weight"] = b
     return out
+
+
+#: transformers 5's stacked expert parameters (of a decoder layer), in the experts module's parameter order.
+_HF_EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _expert_peft_tensors(sites: list[AdapterSite], adapters: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """PEFT's lora_A [E * r', in] and lora_B [out, r' * E] of one stacked expert parameter [E, out, in], for the
+    recipe's adapters of its row blocks (``sites``). PEFT's ParamWrapper reads A as [E, r', in] (expert-major) and
+    B as [out, r', E] (expert-minor). One adapter per row block of rank r each is one PEFT adapter of rank
+    r' = r x blocks adapted: A stacked over the blocks, B block-diagonal (so its update is exactly the sum)."""
+    sites = sorted(sites, key=lambda site: site.block)
+    a_parts = [adapters[site.name("lora_a")] for site in sites]
+    b_parts = [adapters[site.name("lora_b")] for site in sites]
+    n_experts, rows, rank = b_parts[0].shape
+    a = torch.cat(a_parts, dim=1)  # [E, r', in]
+    b = a.new_zeros(n_experts, rows * sites[0].blocks, rank * len(sites))
+    for j, (site, part) in enumerate(zip(sites, b_parts)):
+        b[:, site.block * rows:(site.block + 1) * rows, j * rank:(j + 1) * rank] = part
+    return a.reshape(-1, a.shape[-1]).contiguous(), b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
 
 
 def peft_config(lora: LoRAConfig, config: Any, base: Optional[str] = None) -> dict[str, Any]:
     """``adapter_config.json`` for ``lora`` on the model of ``config``: PEFT's LoRA on a causal LM, scaling
-    alpha / r (no rsLoRA), on the HF submodules the family names for the targets."""
+    alpha / r (no rsLoRA), on the HF submodules the family names for the targets. Expert targets become PEFT's
+    ``target_parameters`` (transformers 5's stacked experts; PEFT >= 0.17), the fused gate_up_proj with rank and
+    alpha doubled (``rank_pattern``, ``alpha_pattern``) when both its halves are adapted; PEFT's LoRA on parameters
+    takes no dropout, so ``lora_dropout`` is written 0 then (dropout acts in training only: the adapters' outputs
+    are the same)."""
     peft_targets = families.of_config(config).hf.peft_targets
-    return {
+    modules = [peft_targets[t].rpartition(".")[2] for t in lora.targets if t not in EXPERT_TARGETS]
+    params = sorted({peft_targets[t] for t in lora.targets if t in EXPERT_TARGETS}, key=_HF_EXPERT_PARAMS.index)
+    out = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
-        "target_modules": [peft_targets[t].rpartition(".")[2] for t in lora.targets],
+        "lora_dropout": 0.0 if params else lora.dropout,
+        "target_modules": modules,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
         "inference_mode": True,
     }
+    if params:
+        out["target_parameters"] = params
+        fused = [p for p in params if sum(peft_targets[t] == p for t in lora.targets) > 1]
+        out["rank_pattern"] = {p: 2 * lora.rank for p in fused}
+        out["alpha_pattern"] = {p: 2 * lora.alpha for p in fused}
+    return out
 
 
 def export_peft(checkpoint: PathLike, out_dir: PathLike) -> Path:

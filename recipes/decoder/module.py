@@ -26,10 +26,12 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
+from lightning_npu import compat
 from lightning_npu.optim import AdamW8bit
 from recipes import families
 from recipes.decoder.lora import (
     LoRAConfig,
+    active_adapter_params,
     adapter_shapes,
     add_lora,
     check_adapter_state,
@@ -135,10 +137,10 @@ class DecoderLM(LightningModule):
         counts the weights a token runs through: an MoE model's top-k and shared experts, not all of them). With
         LoRA the frozen weights' matmuls run forward and for the input gradients only (4 FLOPs per weight, not 6: no
         weight gradient), the adapters' all three."""
-        seq_len = getattr(getattr(self.trainer, "datamodule", None), "seq_len", None) if self._trainer else None
+        seq_len = getattr(getattr(self.trainer, "datamodule", None), "seq_len", None) if compat.attached_trainer(self) else None
         flops = self.config.flops_per_token(seq_len)
         if self.lora is not None:
-            adapters = sum(shape.numel() for shape in adapter_shapes(self.config, self.lora).values())
+            adapters = active_adapter_params(self.config, self.lora)
             # A dense family's config has no active_params: every weight is active.
             active = getattr(self.config, "active_params", self.config.num_params)
             flops += 6 * adapters - 2 * active(include_embedding=False)
@@ -281,7 +283,7 @@ class DecoderLM(LightningModule):
 def _shards_parameters(module: LightningModule) -> bool:
     """Whether the module is being set up by a strategy that shards parameters (FSDP2) and so initialises
     modules built on the meta device itself."""
-    return module._trainer is not None and isinstance(module.trainer.strategy, ModelParallelStrategy)
+    return compat.attached_trainer(module) is not None and isinstance(module.trainer.strategy, ModelParallelStrategy)
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):

@@ -28,8 +28,11 @@ _HF_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalL
 # transformers' defaults where a config.json leaves a field out (configuration_*.py of 5.24).
 _DEFAULT_ROPE_THETA = {"mixtral": 1000000.0, "qwen2_moe": 10000.0, "qwen3_moe": 10000.0}
 _DEFAULT_AUX_LOSS_COEF = 0.001
-#: LoRA target -> the decoder layer submodule PEFT adapts (attention only: the experts are stacked parameters).
-PEFT_TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
+#: LoRA target -> the decoder layer submodule PEFT adapts, or for an expert target the stacked parameter of
+#: transformers 5's experts module PEFT adapts (its ``target_parameters``; gate and up share ``gate_up_proj``).
+PEFT_TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                "expert_gate": "mlp.experts.gate_up_proj", "expert_up": "mlp.experts.gate_up_proj",
+                "expert_down": "mlp.experts.down_proj"}
 
 # transformers 4's per-expert tensors: (layer prefix, expert index, projection).
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")

@@ -30,6 +30,7 @@ from typing import Any, Mapping
 
 from lightning_npu.plan import DecoderProfile, ModelShape, PlanError, RankLocalShape
 from lightning_npu.plan.decoder import ATTENTION_PROJECTIONS, FP32_BYTES, Shape
+from recipes.decoder.lora_config import EXPERT_TARGETS, LoRAConfig
 from recipes.decoder.plan_profile import adapters, family_config
 from recipes.models.moe.config import MoEConfig
 
@@ -66,8 +67,8 @@ class MoEProfile(DecoderProfile):
         mlp = [p for p in (self.adapters.projections if self.adapters else ()) if p not in ATTENTION_PROJECTIONS]
         if mlp:
             raise PlanError(
-                f"lora.targets {list(mlp)}: the MoE family adapts attention only (its experts are stacked parameters,"
-                " not Linear layers); target among q, k, v, o"
+                f"lora.targets {list(mlp)}: the MoE family adapts attention (q, k, v, o) and, expert by expert, the"
+                " stacked experts (expert_gate, expert_up, expert_down); it has no gate, up or down Linear to adapt"
             )
 
     @property
@@ -77,8 +78,14 @@ class MoEProfile(DecoderProfile):
     def block_profile(self, layer: int) -> DecoderProfile:
         """A dense layer is the decoder's SwiGLU block (of the shape's ``ffn_hidden_dim``); an MoE layer this."""
         if layer in self.dense_layers:
-            return DecoderProfile(self.shape, self.name, self.block_class, self.adapters, self.qkv_bias, self.qk_norm)
+            return DenseLayerProfile(self.shape, self.name, self.block_class, self.adapters, self.qkv_bias,
+                                     self.qk_norm)
         return self
+
+    def quantized_groups(self) -> tuple[str, ...]:
+        """A quantized LoRA base (``lora.base_quantization``) stores the family's LoRA sites quantized, attention's
+        four projections: not the router, the stacked experts, the shared expert or its gate."""
+        return ATTENTION_QUANTIZED
 
     def with_expert_parallelism(self, size: int) -> "MoEProfile":
         return replace(self, expert_parallel_size=size)
@@ -173,6 +180,19 @@ class MoEProfile(DecoderProfile):
         return 2 * act_bytes * self.top_k * self.shape.dim if self.expert_parallel_size > 1 else 0.0
 
 
+#: The block groups whose matrices the MoE family quantizes under ``lora.base_quantization`` (its ``lora_sites``).
+ATTENTION_QUANTIZED = ("attention",)
+
+
+@dataclass(frozen=True)
+class DenseLayerProfile(DecoderProfile):
+    """A dense layer of an MoE model (``dense_layers``): the decoder's SwiGLU block, whose MLP a quantized LoRA
+    base leaves in the model's dtype (the MoE family's LoRA sites are attention's)."""
+
+    def quantized_groups(self) -> tuple[str, ...]:
+        return ATTENTION_QUANTIZED
+
+
 def profile_of(config: MoEConfig, name: str, lora: Any = None) -> MoEProfile:
     """The profile of the recipe's MoE model of ``config`` (``lora``: a config's ``model.lora`` value)."""
     dense = config.dense_layer_indices
@@ -184,6 +204,13 @@ def profile_of(config: MoEConfig, name: str, lora: Any = None) -> MoEProfile:
     if config.tie_embeddings:
         raise ValueError("model.config.tie_embeddings=true is not planned for MoE models yet; plan with false (an"
                          " upper bound: one more [vocab, dim] matrix)")
+    experts = [t for t in (LoRAConfig.from_value(lora).targets if lora else ()) if t in EXPERT_TARGETS]
+    if experts:
+        raise PlanError(
+            f"lora.targets {experts}: the planner does not count per-expert adapters yet (their parameters,"
+            " gradients, moments and saved rows); plan the run with the attention targets only, which underestimates"
+            " it by those adapters"
+        )
     return MoEProfile(
         shape, name=name, block_class=BLOCK_CLASS, adapters=adapters(lora), qkv_bias=config.qkv_bias,
         qk_norm=config.qk_norm, n_experts=config.n_experts, top_k=config.top_k,

@@ -38,6 +38,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_npu import compat
 from lightning_npu.kernels import grouped_matmul, permute_tokens, rotary_tables, swiglu, unpermute_tokens
 from lightning_npu.strategies.expert_parallel import StackedExperts
 from recipes.decoder.layers import INIT_STD, Linear
@@ -48,12 +49,16 @@ from recipes.models.moe.router import Router, expert_load, load_balancing_loss, 
 
 class Experts(StackedExperts):
     """``n_experts`` SwiGLU MLPs in two stacked parameters, run over rows sorted by expert. Under expert
-    parallelism npu_fsdp gives each rank a block of the experts and only their rows (``StackedExperts``)."""
+    parallelism npu_fsdp gives each rank a block of the experts and only their rows (``StackedExperts``).
+
+    ``adapters`` maps a stacked weight's name to a module whose ``(rows, counts)`` output is added to that
+    weight's (per-expert LoRA: ``recipes.decoder.lora.StackedLoRA``); empty unless LoRA targets the experts."""
 
     def __init__(self, n_experts: int, dim: int, hidden_dim: int) -> None:
         super().__init__()
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
         self.w_down = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.adapters = nn.ModuleDict()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -62,9 +67,16 @@ class Experts(StackedExperts):
 
     def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
         """The experts' outputs [R, dim] for rows [R, dim] sorted by expert, ``counts[e]`` of them for expert e."""
-        # [E, 2F, dim] -> [E, dim, 2F] views: grouped_matmul takes [E, K, N] (the fused op reads the view as is).
-        hidden = swiglu(grouped_matmul(rows, self.local(self.w_gate_up).transpose(1, 2), counts))
-        return grouped_matmul(hidden, self.local(self.w_down).transpose(1, 2), counts)
+        hidden = swiglu(self.project("w_gate_up", rows, counts))
+        return self.project("w_down", hidden, counts)
+
+    def project(self, name: str, rows: Tensor, counts: Tensor) -> Tensor:
+        """Each row times its expert's matrix of the stacked weight ``name``, plus its adapters' update if any."""
+        # [E, out, in] -> [E, in, out] views: grouped_matmul takes [E, K, N] (the fused op reads the view as is).
+        out = grouped_matmul(rows, self.local(getattr(self, name)).transpose(1, 2), counts)
+        if name in self.adapters:
+            out = out + self.adapters[name](rows, counts)
+        return out
 
 
 class MoEFeedForward(nn.Module):
@@ -98,7 +110,7 @@ class MoEFeedForward(nn.Module):
         # Not when activation checkpointing recomputes this forward inside backward: the recomputed logits would
         # keep the block's recomputed graph, and its saved tensors, alive until the next forward; the recomputed
         # routing would count its tokens twice.
-        recompute = torch._C._current_graph_task_id() != -1
+        recompute = compat.in_backward()
         if not recompute:
             self.router_logits = logits
         bias = getattr(self.router, "expert_bias", None)
