@@ -85,17 +85,23 @@ def test_expert_adapters_equal_a_per_expert_loop_forward_and_backward_and_an_emp
         assert grad[0].abs().max() > 0, name
 
 
-def test_merged_expert_adapters_give_the_adapted_model_s_logits():
-    model = _model()
+def _with_random_adapters(model, config, *, seed, std):
+    """``model`` with ``config``'s adapters added and drawn from N(0, std) (B too, so they change the output): its
+    base state before, and the adapters' state."""
     base = {k: v.clone() for k, v in model.state_dict().items()}
-    config = LoRAConfig(rank=4, targets=("v", *EXPERTS))
     add_lora(model, config)
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
-                p.normal_(0, 0.05)
-    adapters = {k: v for k, v in model.state_dict().items() if is_adapter_name(k)}
+                p.normal_(0, std)
+    return base, {k: v for k, v in model.state_dict().items() if is_adapter_name(k)}
+
+
+def test_merged_expert_adapters_give_the_adapted_model_s_logits():
+    model = _model()
+    config = LoRAConfig(rank=4, targets=("v", *EXPERTS))
+    base, adapters = _with_random_adapters(model, config, seed=3, std=0.05)
     merged = MoE(model.config)
     merged.load_state_dict(merged_state_dict(base, adapters, model.config, config))
     tokens = torch.randint(0, model.config.vocab_size, (2, 16))
@@ -147,16 +153,9 @@ def test_peft_export_of_expert_adapters_gives_the_recipe_logits_in_transformers(
 
     base_dir = saved(hf_model(arch), tmp_path / "hf")
     ours = recipe_model(base_dir)
-    base = {k: v.clone() for k, v in ours.state_dict().items()}
     lora = LoRAConfig(rank=2, alpha=3.0, dropout=0.1, targets=targets)
-    add_lora(ours, lora)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for p in ours.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.2)
+    base, adapters = _with_random_adapters(ours, lora, seed=5, std=0.2)
     ours.eval()
-    adapters = {k: v for k, v in ours.state_dict().items() if is_adapter_name(k)}
     ids = tokens(seed=7)
     with torch.no_grad():
         expected = ours(ids)
