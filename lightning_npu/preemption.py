@@ -107,6 +107,7 @@ class Preemption:
         self._signalled_at: Optional[float] = None
         self._strategy: Any = None
         self._last_checked_step = -1
+        self._children: list[subprocess.Popen] = []  # the launcher's ranks, once detached (``_detach_children``)
 
     # ------------------------------------------------------------------------------ signals
     def signals(self, strategy: Any) -> list[int]:
@@ -145,11 +146,25 @@ class Preemption:
             return 0
         self._last_checked_step = step
         local = self.signum or 0
+        if local:  # this agreement stops every rank
+            self._detach_children(strategy)
         if not (dist.is_available() and dist.is_initialized() and getattr(strategy, "world_size", 1) > 1):
             return local
         flag = torch.tensor([local], dtype=torch.int32, device=strategy.root_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        agreed = int(flag.item())
+        if agreed:
+            self._detach_children(strategy)
+        return agreed
+
+    def _detach_children(self, strategy: Any) -> None:
+        """Take the ranks the launcher started out of its list, which Lightning's child-process observer polls
+        (every 5 s) and answers a child's non-zero exit in by SIGKILLing this process: every rank is about to exit
+        128 + signum, and a rank that got there first while this process was still saving or reaping turned this
+        process's 143 into -9. ``reap_children`` waits for them instead."""
+        procs = _launcher_procs(strategy)
+        self._children += [proc for proc in procs if proc not in self._children]
+        procs.clear()
 
     # ------------------------------------------------------------------------------ actions
     def stop(self, strategy: Any, signum: int, step: int, checkpoint: Optional[str]) -> Preempted:
@@ -164,15 +179,13 @@ class Preemption:
     def reap_children(self, strategy: Any) -> None:
         """Wait for the ranks the launcher started (they stop at the same step), so none outlives the main process."""
         deadline = (self._signalled_at or time.monotonic()) + float(self.exit_timeout_s or 60.0)
-        procs = _launcher_procs(strategy)
-        for proc in list(procs):
+        self._detach_children(strategy)
+        for proc in self._children:
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
             except subprocess.TimeoutExpired:
                 proc.kill()
-            # Lightning's child-process observer SIGKILLs this process when it finds a child that exited non-zero
-            # (every preempted rank exits 128 + signum): a reaped child leaves its list at once.
-            procs.remove(proc)
+        self._children = []
 
     def _requeue(self, strategy: Any, signum: int) -> None:
         """``scontrol requeue`` this job (or array task), from global rank 0, on SLURM's requeue signal."""

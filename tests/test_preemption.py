@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +135,38 @@ def test_fabric_loop_stops_every_rank_at_one_step_saves_and_exits_128_plus_signa
     assert read_json(resumed / "result.json") == {"resumed_from": step, "step": step + 3}
     at_stop, at_resume = torch.load(tmp_path / "weights-at-stop.pt"), torch.load(resumed / "weights-at-resume.pt")
     assert at_stop.keys() == at_resume.keys() and all(torch.equal(at_stop[k], at_resume[k]) for k in at_stop)
+
+
+def test_a_rank_exiting_first_with_128_plus_signal_does_not_get_the_main_process_killed():
+    """Catches the race that ended the main process with -9 instead of 143 (the main-process-only SIGTERM case, once
+    in a fresh-clone run): every rank exits 128 + signum after the agreed step, and Lightning's child-process
+    observer, polling the launcher's list every 5 s, SIGKILLs the main process when it finds a child that exited
+    non-zero before the main process reaped it. Once the ranks agree to stop, the observer must find no child to
+    act on, and ``reap_children`` still waits for every one."""
+    from types import SimpleNamespace
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    from lightning_npu.preemption import GracefulPreemption
+
+    child = subprocess.Popen(["sh", "-c", "exit 143"])  # a rank that reached its exit first
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":  # exited, not reaped
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    stand_in_main = subprocess.Popen(["sleep", "60"])  # the process the observer would kill
+    try:
+        procs = [child]
+        strategy = SimpleNamespace(launcher=SimpleNamespace(procs=procs), world_size=1)
+        preemption = GracefulPreemption(exit_timeout_s=None)
+        preemption.signum = signal.SIGTERM  # received by this (main) process
+        assert preemption.agreed_signal(strategy, step=10) == signal.SIGTERM
+        observer = _ChildProcessObserver(main_pid=stand_in_main.pid, child_processes=procs, sleep_period=0)
+        observer._run()
+        with pytest.raises(subprocess.TimeoutExpired):  # still alive: the observer did not kill it
+            stand_in_main.wait(timeout=2)
+        preemption.reap_children(strategy)
+        assert child.returncode == 143 and procs == []
+    finally:
+        stand_in_main.kill()
+        stand_in_main.wait()
