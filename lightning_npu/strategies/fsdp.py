@@ -347,7 +347,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
         # Every process (the launching one first) passes here before any worker or process group starts: sizes the
         # devices cannot form fail here, with the numbers and the fix.
         layout = self.options.layout(self.num_nodes, self.num_processes)
-        if layout.cp > 1 and self.options.expert_parallel_size > 1:
+        if layout.model_parallel and self.options.expert_parallel_size > 1:  # mesh.build_expert_mesh unflattens
             compat.check_mesh_unflatten("expert_parallel_size with context_parallel_size")
         super()._configure_launcher()
 
