@@ -8,7 +8,24 @@ import pytest  # noqa: E402
 
 import lightning_npu  # noqa: E402,F401 -- registers the accelerator and strategies
 from lightning_npu import runtime
+from tests.helpers import stop_background
+from tests.prefetch import PREFETCHED
 from tests.recipe_runs import TRAINED_STEPS, TrainedRun, train_tiny
+
+#: The background fixtures the selected tests read (tests/prefetch.py), started when the session's first test is.
+_PREFETCH_NEEDED: set[str] = set()
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselected what they deselect
+def pytest_collection_modifyitems(items):
+    _PREFETCH_NEEDED.update(PREFETCHED.reorder(items))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_background_fixtures(tmp_path_factory):
+    PREFETCHED.start(_PREFETCH_NEEDED, tmp_path_factory)
+    yield
+    stop_background()
 
 
 @pytest.fixture
@@ -32,14 +49,20 @@ def _no_simulation_unless_asked(monkeypatch):
     runtime.reset()
 
 
-@pytest.fixture(scope="session")
-def trained_tiny_run(tmp_path_factory):
-    """The tiny recipe trained once per session (``train_tiny(root, *TRAINED_STEPS)``, 2 simulated NPUs), for the
-    tests that only need a trained run. Read-only: a test that writes into it uses ``copy_to(tmp_path)``. At the end of
-    the session the run must be as it was trained, or a test leaked into the others' input."""
+@PREFETCHED.fixture(seconds=20)
+def _trained_tiny_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("trained_tiny_run")
     run = TrainedRun(root, train_tiny(root, *TRAINED_STEPS).stdout)
-    trained = run.snapshot()
+    return run, run.snapshot()
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_run(_trained_tiny_run):
+    """The tiny recipe trained once per session (``train_tiny(root, *TRAINED_STEPS)``, 2 simulated NPUs; in the
+    background, tests/prefetch.py), for the tests that only need a trained run. Read-only: a test that writes into it
+    uses ``copy_to(tmp_path)``. At the end of the session the run must be as it was trained, or a test leaked into the
+    others' input."""
+    run, trained = _trained_tiny_run
     yield run
-    assert run.snapshot() == trained, (f"a test wrote into the shared trained run {root}; "
+    assert run.snapshot() == trained, (f"a test wrote into the shared trained run {run.root}; "
                                        "write into TrainedRun.copy_to(tmp_path) instead")

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from tests.warm_python import WarmPython
+from tests.warm_python import WarmPython, lower_priority
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -18,6 +20,28 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 SUBPROCESS_TIMEOUT_S = 240
 #: The warm interpreters run_python forks its processes from (started on first use).
 WARM_PYTHON = WarmPython()
+#: Added to the timeouts of processes started from a background fixture (tests/prefetch.py): at the lowest CPU
+#: priority they may wait for the cores for as long as the rest of the suite keeps them busy.
+BACKGROUND_EXTRA_TIMEOUT_S = 1800
+_THREAD = threading.local()
+#: The background's processes still running (each the leader of its own session).
+_BACKGROUND: set[subprocess.Popen] = set()
+
+
+def run_in_background(environment: dict[str, str], nice: int) -> None:
+    """Start this thread's processes (a background fixture's) from ``environment`` rather than ``os.environ`` (what
+    a test running meanwhile patches into it is not theirs), at CPU priority ``nice`` in a scheduling group of their
+    own (``lower_priority``), with the background's timeouts."""
+    _THREAD.background = (environment, nice)
+
+
+def stop_background() -> None:
+    """Kill what the background still runs (a session ended early: -x, Ctrl-C), each process with its session."""
+    for popen in list(_BACKGROUND):
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def run_python(args: list[str], *, simulate: Optional[int] = 2, env: Optional[dict[str, str]] = None,
@@ -29,13 +53,28 @@ def run_python(args: list[str], *, simulate: Optional[int] = 2, env: Optional[di
     (tests/warm_python.py), unless ``fresh`` (a test of interpreter start-up itself) or a fresh interpreter would
     import them differently.
     """
-    full_env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_NPU_SIMULATE"}
+    environment, nice = getattr(_THREAD, "background", (os.environ, None))
+    if nice is not None:
+        timeout += BACKGROUND_EXTRA_TIMEOUT_S
+    full_env = {k: v for k, v in environment.items() if k != "LIGHTNING_NPU_SIMULATE"}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
     if simulate:
         full_env["LIGHTNING_NPU_SIMULATE"] = str(simulate)
     full_env.update(env or {})
     python = sys.executable if fresh else WARM_PYTHON.command(full_env)
-    proc = subprocess.run([python, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen([python, *args], cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=nice is not None) as popen:
+        if nice is not None:
+            lower_priority(popen.pid, nice)
+            _BACKGROUND.add(popen)
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            raise
+        finally:
+            _BACKGROUND.discard(popen)
+    proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
     if proc.returncode != 0:
         raise AssertionError(f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}")
     return proc

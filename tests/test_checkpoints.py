@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO, SCRIPTS, SUBPROCESS_TIMEOUT_S, WARM_PYTHON, read_json, run_python
+from tests.prefetch import PREFETCHED
 
 SCRIPT = str(SCRIPTS / "checkpoint_run.py")
 FABRIC_SCRIPT = str(SCRIPTS / "fabric_checkpoint_run.py")
@@ -30,7 +31,7 @@ def _run_to_crash(out, ckpt_dir, *args):
     return proc
 
 
-@pytest.fixture(scope="module")
+@PREFETCHED.fixture(seconds=3)
 def uninterrupted(tmp_path_factory):
     """Two epochs (6 steps), blocking sharded saves after each epoch: the reference losses."""
     root = tmp_path_factory.mktemp("uninterrupted")
@@ -197,7 +198,7 @@ def test_consolidate_explains_a_path_that_is_not_a_sharded_checkpoint(tmp_path, 
     assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
+@PREFETCHED.fixture(seconds=3)
 def fabric_checkpoints(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric_checkpoints")
     run_python([FABRIC_SCRIPT, "--out", str(out)])

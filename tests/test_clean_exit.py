@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from tests.helpers import REPO, SCRIPTS, read_json, run_python
+from tests.prefetch import PREFETCHED
 
 BENCHMARK = REPO / "benchmarks" / "clean_exit.py"
 IN_FLIGHT = SCRIPTS / "collective_in_flight_at_exit.py"
@@ -23,8 +24,8 @@ RANKS = [0, 1]
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@PREFETCHED.fixture(seconds=36)
+def clean_exit_runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("clean-exit")
     cases = {
         "fabric_run": ["run", []],  # lightning-npu run: torchrun starts both ranks, a no-argument Fabric()
@@ -44,24 +45,24 @@ def _teardown(run: dict) -> dict:
 
 
 @pytest.mark.parametrize("case", ["fabric_run", "trainer"])
-def test_a_finished_run_destroys_its_process_groups_before_python_finalises_and_exits_0(runs, case):
+def test_a_finished_run_destroys_its_process_groups_before_python_finalises_and_exits_0(clean_exit_runs, case):
     """Catches process groups left to interpreter teardown (the state in which about one short run in 30-60 here
     ended in SIGABRT after finishing): a Fabric script under ``lightning-npu run`` and a Trainer run must finish on
     every rank, exit 0 (no signal), and reach the end of Python's exit with no process group and no gloo worker
     thread left."""
-    run = runs[case]
+    run = clean_exit_runs[case]
     assert run["finished_ranks"] == RANKS, run["output"]
     assert len(run["exit_codes"]) == len(RANKS) and not any(run["exit_codes"].values()), run
     assert _teardown(run) == {rank: (False, 0) for rank in RANKS}, run
 
 
-def test_an_async_save_in_flight_at_exit_completes_then_every_group_is_destroyed(runs):
+def test_an_async_save_in_flight_at_exit_completes_then_every_group_is_destroyed(clean_exit_runs):
     """Catches the async-checkpoint gloo group (and npu_fsdp's mesh, which torch's DTensor caches keep alive)
     left to interpreter teardown, and an exit hook that destroys that group under a save still writing: with
     ``Fabric.launch()`` and npu_fsdp, a save started after the last step must be complete under its final name
     (DCP metadata, meta.pt), every rank exit 0, and no group or gloo worker thread be left."""
-    run = runs["fabric_launch_async_save"]
-    checkpoint = runs["work"] / "ckpt"
+    run = clean_exit_runs["fabric_launch_async_save"]
+    checkpoint = clean_exit_runs["work"] / "ckpt"
     assert (checkpoint / ".metadata").is_file() and (checkpoint / "meta.pt").is_file()
     assert [p.name for p in checkpoint.parent.iterdir() if p.name.startswith(".ckpt.tmp-")] == []
     assert run["finished_ranks"] == RANKS, run["output"]
@@ -69,11 +70,11 @@ def test_an_async_save_in_flight_at_exit_completes_then_every_group_is_destroyed
     assert _teardown(run) == {rank: (False, 0) for rank in RANKS}, run
 
 
-def test_a_rank_whose_peer_was_killed_exits_promptly_with_its_own_status(runs):
+def test_a_rank_whose_peer_was_killed_exits_promptly_with_its_own_status(clean_exit_runs):
     """Catches an exit hook that waits for a dead peer (a barrier, a collective destroy) until the process-group
     timeout (30 min): rank 0 SIGKILLs itself after both ranks finished, and rank 1, exiting only once it is dead,
     must exit 0 within the run's limit with its groups destroyed."""
-    run = runs["peer_killed"]
+    run = clean_exit_runs["peer_killed"]
     codes = sorted(run["exit_codes"].values())
     shown = str(run)  # whole, with the run's output: pytest would cut a dict's repr short
     assert codes == [-9, 0], shown

@@ -18,6 +18,7 @@ from torch import nn
 from lightning_npu.strategies import fsdp1
 from tests.helpers import SCRIPTS, read_json, run_python
 from tests.scripts.compat_models import MODELS, BatchNormNet
+from tests.prefetch import PREFETCHED
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains (or shares a fixture that does)
 
@@ -25,8 +26,8 @@ pytestmark = pytest.mark.slow  # every test here starts processes or trains (or 
 PATTERNS = [*MODELS, "init_module", "gradient_accumulation"]
 
 
-@pytest.fixture(scope="module")
-def compat(tmp_path_factory):
+@PREFETCHED.fixture(seconds=9)
+def compatibility_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("compat")
     run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 str(SCRIPTS / "compat_run.py"), str(out)], timeout=480)
@@ -34,10 +35,10 @@ def compat(tmp_path_factory):
 
 
 @pytest.mark.parametrize("pattern", [*PATTERNS, "sync_batchnorm"])
-def test_fsdp_losses_equal_ddp_losses_step_by_step(compat, pattern):
+def test_fsdp_losses_equal_ddp_losses_step_by_step(compatibility_runs, pattern):
     """Catches any difference in what is trained: a parameter left out of every unit, a tie broken, a root
     parameter not gathered in a step, or gradients not reduced."""
-    for rank in compat:
+    for rank in compatibility_runs:
         ddp, fsdp = rank["results"][pattern]["npu_ddp"], rank["results"][pattern]["npu_fsdp"]
         assert len(fsdp["losses"]) == len(ddp["losses"]) == 4
         assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
@@ -45,31 +46,31 @@ def test_fsdp_losses_equal_ddp_losses_step_by_step(compat, pattern):
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_first_loss_is_the_loss_of_the_model_as_built(compat, pattern):
+def test_first_loss_is_the_loss_of_the_model_as_built(compatibility_runs, pattern):
     """Catches a lost initialisation: weights replaced by reset_parameters(), left on the meta device, buffers
     of uninitialised memory, or rank 1's own random weights instead of rank 0's."""
-    for rank in compat:
+    for rank in compatibility_runs:
         for strategy in ("npu_ddp", "npu_fsdp"):
             run = rank["results"][pattern][strategy]
             assert run["losses"][0] == pytest.approx(run["fresh_loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("pattern", ["tied_embedding_head", "hf_gpt2"])
-def test_tied_parameters_stay_one_parameter(compat, pattern):
-    for rank in compat:
+def test_tied_parameters_stay_one_parameter(compatibility_runs, pattern):
+    for rank in compatibility_runs:
         run = rank["results"][pattern]["npu_fsdp"]
         assert run["tied_same_tensor"] is True
         assert run["tied_max_difference"] == 0.0
 
 
-def test_buffers_are_identical_on_every_rank(compat):
+def test_buffers_are_identical_on_every_rank(compatibility_runs):
     """A buffer of a module without reset_parameters, built in configure_model, holds rank 0's value everywhere."""
-    first, second = (rank["results"]["configure_model"]["npu_fsdp"]["buffers"] for rank in compat)
+    first, second = (rank["results"]["configure_model"]["npu_fsdp"]["buffers"] for rank in compatibility_runs)
     assert first == second == {"shift.offset": 4.0}  # 16 x 0.25, as configure_model filled it
 
 
-def test_what_cannot_run_sharded_fails_first_with_the_fix(compat):
-    for rank in compat:
+def test_what_cannot_run_sharded_fails_first_with_the_fix(compatibility_runs):
+    for rank in compatibility_runs:
         errors = rank["errors"]
         assert errors["swa"].startswith("ValueError: StochasticWeightAveraging cannot run under strategy='npu_fsdp'")
         assert "strategy='npu_ddp'" in errors["swa"]
@@ -102,12 +103,12 @@ def _one_process_on_both_ranks_batches(runs: list[dict]) -> tuple[list[float], d
 
 
 @pytest.mark.parametrize("strategy", ["npu_ddp", "npu_fsdp"])
-def test_sync_batchnorm_normalises_with_both_ranks_batches(compat, strategy):
+def test_sync_batchnorm_normalises_with_both_ranks_batches(compatibility_runs, strategy):
     """Trainer(sync_batchnorm=True), BatchNorm built in configure_model: every step equals one process training on
     both ranks' batches, and the running statistics are those batches' on both ranks. Catches the flag ignored
     under npu_fsdp (each rank normalised its own batch: other losses, running statistics unequal across ranks) and
     SyncBatchNorm refused on the simulated NPU's CPU tensors (npu_ddp failed at setup)."""
-    runs = [rank["results"]["sync_batchnorm"][strategy] for rank in compat]
+    runs = [rank["results"]["sync_batchnorm"][strategy] for rank in compatibility_runs]
     losses, stats = _one_process_on_both_ranks_batches(runs)
     assert [(a + b) / 2 for a, b in zip(runs[0]["losses"], runs[1]["losses"])] == pytest.approx(losses, rel=1e-5)
     assert runs[0]["losses"] != runs[1]["losses"]  # each rank's loss is over its own half
@@ -118,24 +119,24 @@ def test_sync_batchnorm_normalises_with_both_ranks_batches(compat, strategy):
             assert run["running_stats"][name] == pytest.approx(values, rel=1e-5, abs=1e-6)
 
 
-def test_sync_batchnorm_modules_are_what_npu_fsdp_shards(compat):
-    for rank in compat:
+def test_sync_batchnorm_modules_are_what_npu_fsdp_shards(compatibility_runs):
+    for rank in compatibility_runs:
         assert rank["results"]["sync_batchnorm"]["npu_fsdp"]["sync_batchnorm_modules"] == 2
 
 
-def test_fsdp1_wrap_in_configure_model_is_reported_and_the_model_trains(compat):
+def test_fsdp1_wrap_in_configure_model_is_reported_and_the_model_trains(compatibility_runs):
     """FSDP1's wrap() does nothing under FSDP2: rank 0 says so, naming auto_wrap_policy; the losses equal npu_ddp's
     (test_fsdp_losses_equal_ddp_losses_step_by_step[fsdp1_wrap])."""
-    first, second = (rank["results"]["fsdp1_wrap"]["npu_fsdp"]["npu_fsdp_warnings"] for rank in compat)
+    first, second = (rank["results"]["fsdp1_wrap"]["npu_fsdp"]["npu_fsdp_warnings"] for rank in compatibility_runs)
     assert len(first) == 1 and second == []  # rank 0 only
     assert first[0].startswith("FSDP1's wrap() was called in configure_model on 2 modules (Residual) and does nothing")
     assert "auto_wrap_policy=['Residual']" in first[0] and "fully_shard" in first[0]
-    assert all(rank["results"]["fsdp1_wrap"]["npu_ddp"]["npu_fsdp_warnings"] == [] for rank in compat)
+    assert all(rank["results"]["fsdp1_wrap"]["npu_ddp"]["npu_fsdp_warnings"] == [] for rank in compatibility_runs)
 
 
-def test_fsdp1_units_are_refused_before_sharding(compat):
+def test_fsdp1_units_are_refused_before_sharding(compatibility_runs):
     """Catches FSDP1 units silently mixed with FSDP2's, and torch's bare "nested autowrap" error."""
-    for rank in compat:
+    for rank in compatibility_runs:
         errors = rank["errors"]
         assert errors["fsdp1_unit"].startswith("TypeError: the model holds FSDP1 FullyShardedDataParallel modules"
                                                " (blocks.0): strategy='npu_fsdp' shards with FSDP2")

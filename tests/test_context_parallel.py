@@ -13,6 +13,7 @@ from tests.helpers import SCRIPTS, read_json, run_python
 from tests.recipe_runs import train_tiny
 from tests.test_kernels import _take_npu_branch
 from tests.test_recipe_e2e import STRATEGY, _assert_fails_before_workers
+from tests.prefetch import PREFETCHED
 
 cp_mod = importlib.import_module("lightning_npu.kernels.context_parallel")
 RELEASES = ("2.6.0", "2.13.0", "2.14.0")
@@ -89,7 +90,7 @@ def test_the_exact_block_merged_over_key_blocks_is_attention_over_all_keys():
     assert torch.allclose(out, expected, atol=1e-6)
 
 
-@pytest.fixture(scope="module")
+@PREFETCHED.fixture(seconds=13)
 def attention_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp_attention")
     runs = {}

@@ -15,6 +15,7 @@ from lightning_npu.strategies.expert_parallel import check_experts_divide
 from recipes.models.moe.config import MoEConfig
 from recipes.models.moe.model import Experts, MoE
 from tests.helpers import SCRIPTS, read_json, run_python
+from tests.prefetch import PREFETCHED
 
 
 @pytest.mark.parametrize(
@@ -92,7 +93,7 @@ def test_a_model_without_experts_or_with_an_indivisible_expert_count_is_refused(
     assert isinstance(model.layers[0].feed_forward.experts, Experts)
 
 
-@pytest.fixture(scope="module")
+@PREFETCHED.fixture(seconds=19)
 def expert_parallel_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("expert_parallel")
     run_python([str(SCRIPTS / "expert_parallel_run.py"), "--out", str(out)], simulate=4, timeout=1200)
@@ -202,7 +203,7 @@ def test_tiny_moe_recipe_trains_with_expert_parallelism_and_exports_every_expert
     assert torch.equal(generate(model, prompt, 12), expected)
 
 
-@pytest.fixture(scope="module")
+@PREFETCHED.fixture(seconds=27)
 def expert_parallel_mesh_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("expert_parallel_mesh")
     run_python([str(SCRIPTS / "expert_parallel_mesh_run.py"), "--out", str(out)], simulate=4, timeout=1500)

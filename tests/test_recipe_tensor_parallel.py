@@ -11,6 +11,7 @@ from recipes.models.llama.model import LLaMA
 from recipes.models.moe.config import MoEConfig
 from tests.helpers import SCRIPTS, read_json, run_python
 from tests.recipe_runs import SMALL, TINY, TRAIN
+from tests.prefetch import PREFETCHED
 
 TINY_LLAMA = LLaMAConfig.from_preset("tiny")  # 4 heads, 2 KV heads, ffn 352, vocab 2048
 
@@ -77,7 +78,7 @@ def test_a_checkpoint_of_the_fused_gate_up_layout_is_not_resumed_but_its_weights
     check_resume_checkpoint(str(tmp_path / "new.ckpt"), TINY_LLAMA)
 
 
-@pytest.fixture(scope="module")
+@PREFETCHED.fixture(seconds=80)
 def recipe_tensor_parallel_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("recipe_tensor_parallel")
     run_python([str(SCRIPTS / "recipe_tensor_parallel_run.py"), str(out)], simulate=4, timeout=1200)

@@ -9,6 +9,7 @@ from lightning.pytorch import Trainer
 from lightning_npu import NPUFabricFSDPStrategy, NPUFSDPStrategy
 from lightning_npu.facts.options import MeshLayout
 from tests.helpers import SCRIPTS, read_json, run_python
+from tests.prefetch import PREFETCHED
 
 
 @pytest.mark.parametrize(
@@ -81,7 +82,7 @@ def test_tensor_parallel_size_the_devices_cannot_form_fails_before_workers_start
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
 
 
-@pytest.fixture(scope="module")
+@PREFETCHED.fixture(seconds=8)
 def tensor_parallel_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("tensor_parallel")
     run_python([str(SCRIPTS / "tensor_parallel_run.py"), "--out", str(out)], simulate=4, timeout=900)

@@ -99,3 +99,20 @@ def test_signals_sent_to_the_process_reach_the_warm_child():
         assert not os.path.exists(f"/proc/{child}")
     finally:
         proc.kill()
+
+
+def test_a_warm_child_runs_at_the_callers_cpu_priority():
+    """Catches a child that keeps the zygote's priority or scheduling group: the background fixtures
+    (tests/prefetch.py) start their runs at nice 19 so that they take only idle CPU, and a warm rank at nice 0, or in
+    the test session's autogroup, would compete with the tests instead."""
+    env = dict(os.environ)
+    code = ("import os; group = '/proc/self/autogroup'; print(os.getpriority(os.PRIO_PROCESS, 0), os.getsid(0),"
+            " open(group).read().split()[-1] if os.path.exists(group) else 'none')")
+    proc = subprocess.run(["nice", "-n", "7", WARM_PYTHON.command(env), "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    nice, session, group_nice = proc.stdout.split()
+    expected = os.getpriority(os.PRIO_PROCESS, 0) + 7
+    assert int(nice) == expected
+    # Under autogroup scheduling, nice counts only inside a session's group: the child leads its own, at that nice.
+    assert int(session) != os.getsid(0) and group_nice in (str(expected), "none")

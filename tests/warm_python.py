@@ -14,7 +14,9 @@ How it stays a fresh process for what the tests check:
   (torch loads those at import); the command line uses only ``-u``, ``-B``, ``-W``, ``-c``, ``-m`` or a script.
   Anything else runs cold: the shim ``exec``s the real interpreter. Tests about interpreter start-up itself (import
   order, what an import pulls in) ask for a fresh process (``run_python(..., fresh=True)``).
-- The child gets the caller's stdin / stdout / stderr (passed over the socket), working directory, environment,
+- The child gets the caller's stdin / stdout / stderr (passed over the socket), working directory, CPU priority
+  (a caller nicer than the zygote, as the background fixtures of tests/prefetch.py and their ranks are, gets a
+  child at its priority in a session of its own: ``lower_priority``), environment,
   ``sys.argv`` and ``sys.path``, a new ``__main__`` module, and ends as any interpreter does (atexit hooks, thread
   joins, finalisation), so exit statuses, tracebacks and teardown behave as in a fresh process.
 - ``sys.executable`` in the child is the shim, so the ranks Lightning's launcher and torchrun start (from
@@ -34,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -71,7 +74,8 @@ try:
     sock.connect(path)
 except OSError:
     cold()
-request = json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}}).encode()
+request = json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ),
+                      "nice": os.getpriority(os.PRIO_PROCESS, 0)}}).encode()
 socket.send_fds(sock, [b"R"], [0, 1, 2])
 sock.sendall(len(request).to_bytes(8, "big") + request)
 replies = sock.makefile("rb")
@@ -95,6 +99,21 @@ os._exit(status.get("exit", 1))
 """
 
 
+def lower_priority(pid: int, nice: int) -> None:
+    """Run process ``pid``, the leader of a session of its own, at CPU priority ``nice``. With the kernel's autogroup
+    scheduling (on here) the cores are shared between sessions first, so a niced process in the test session would
+    still take half of them from a test in a session of its own (the preemption tests signal theirs as a whole); the
+    session's group gets ``nice`` too, and with it every process started in it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
+    except ProcessLookupError:  # already gone
+        return
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    except OSError:  # a kernel without autogroup scheduling (its own priority is what counts), or gone
+        pass
+
+
 # ---- the test process's side ------------------------------------------------------------------------------------
 
 class WarmPython:
@@ -107,18 +126,25 @@ class WarmPython:
     def __init__(self) -> None:
         self._environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", SOCKET_VARIABLE)}
         self._process: Optional[subprocess.Popen] = None
+        self._lock = threading.Lock()
         self._directory: Optional[tempfile.TemporaryDirectory] = None
         self.shim: Optional[str] = None
         self.socket: Optional[str] = None
 
     def command(self, env: dict[str, str]) -> str:
-        """The interpreter to start a subprocess with: the shim, after adding what it needs to ``env``; the real
-        one with ``LIGHTNING_NPU_TEST_WARM=0``."""
-        if os.environ.get(WARM_VARIABLE) == "0":
+        """The interpreter to start a subprocess with ``env``: the shim, after adding what it needs to ``env``; the
+        real one where ``env`` has ``LIGHTNING_NPU_TEST_WARM=0``."""
+        if env.get(WARM_VARIABLE) == "0":
             return sys.executable
-        self._start()
+        self.start()
         env[SOCKET_VARIABLE] = self.socket
         return self.shim
+
+    def start(self) -> None:
+        """Start the zygote if it is not running. The background fixtures (tests/prefetch.py) call this from the main
+        thread before their niced threads start processes: a zygote those threads started would be niced too."""
+        with self._lock:  # those threads start processes through command() too
+            self._start()
 
     def _start(self) -> None:
         if self._process is not None:
@@ -363,6 +389,9 @@ def become(request: dict[str, Any], fds: list[int], set_by_imports: dict[str, st
         if fd > 2:
             os.close(fd)
     os.chdir(request["cwd"])
+    if request["nice"] > os.getpriority(os.PRIO_PROCESS, 0):
+        os.setsid()  # a scheduling group of its own (see lower_priority), as the background's processes get
+        lower_priority(os.getpid(), request["nice"])
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ.update(set_by_imports)

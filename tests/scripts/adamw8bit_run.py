@@ -1,5 +1,5 @@
 """The tiny LLaMA-2 recipe (its module and text data) under npu_fsdp with torch's AdamW and with AdamW8bit, for the
-loss-parity, state-bytes, resume and resharding tests (tests/test_adamw8bit.py).
+loss-parity, state-bytes, resume and resharding tests (tests/test_adamw8bit_recipe.py).
 
 ``--phase train`` (2 ranks): for each ``--variants`` entry, a fit of ``--steps`` steps from one seed, recording every
 step's loss; the AdamW8bit run also records each rank's optimizer-state bytes and saves a sharded checkpoint

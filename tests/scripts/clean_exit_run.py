@@ -33,7 +33,13 @@ SYNC_TIMEOUT_S = 120
 
 def gloo_worker_threads() -> int:
     """Threads gloo runs collectives on (``pt_gloo_runloop``): they end when their process group is freed."""
-    return sum((task / "comm").read_text().strip() == "pt_gloo_runloop" for task in Path("/proc/self/task").iterdir())
+    count = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            count += (task / "comm").read_text().strip() == "pt_gloo_runloop"
+        except OSError:  # a thread that ended during the scan (the exit hook's cancelled watchdog timer does)
+            pass
+    return count
 
 
 def report_teardown(rank: list) -> None:
