@@ -5,6 +5,7 @@ request a fresh interpreter would import differently must run cold."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -99,6 +100,31 @@ def test_signals_sent_to_the_process_reach_the_warm_child():
         assert not os.path.exists(f"/proc/{child}")
     finally:
         proc.kill()
+
+
+def test_a_shim_gone_with_its_reply_unread_leaves_the_zygote_serving(tmp_path):
+    """Catches a zygote that died of the reset connection (ECONNRESET) a shim killed before it read the child's pid
+    leaves: every later process of the session ran cold, and those running lost their status ("the zygote went
+    away"). Here a client that speaks the shim's protocol closes without reading the reply; the zygote must kill the
+    orphaned child, as for any shim gone, and go on serving."""
+    read_end, write_end = os.pipe()
+    env = dict(os.environ)
+    request = json.dumps({"argv": ["-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"],
+                          "cwd": str(tmp_path), "env": env, "nice": os.getpriority(os.PRIO_PROCESS, 0)}).encode()
+    WARM_PYTHON.start()
+    with open(os.devnull, "rb") as stdin, socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(WARM_PYTHON.socket)
+        socket.send_fds(sock, [b"R"], [stdin.fileno(), write_end, sys.stderr.fileno()])
+        sock.sendall(len(request).to_bytes(8, "big") + request)
+        os.close(write_end)
+        with os.fdopen(read_end) as child_stdout:
+            child = int(child_stdout.readline())
+            time.sleep(0.5)  # the reply, sent right after the fork, is in the socket by now: closed unread
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child}")
+    assert _probe(tmp_path)["executable"] == WARM_PYTHON.shim  # still forked warm
 
 
 def test_a_warm_child_runs_at_the_callers_cpu_priority():

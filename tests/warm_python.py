@@ -64,7 +64,11 @@ FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SI
 SHIM = """#!{python} -IS
 import json, os, signal, socket, sys
 REAL = {python!r}
+FORWARDED = [getattr(signal, name) for name in {forwarded!r}]
+# Held until the handlers that pass them on are in place (a signal that came before would stop the shim alone).
+signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
 def cold():
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # exec keeps the mask
     os.execv(REAL, [REAL] + sys.argv[1:])
 path = os.environ.get({variable!r})
 if not path:
@@ -84,8 +88,9 @@ if reply.get("cold"):
     sock.close()
     cold()
 pid = reply["pid"]
-for name in {forwarded!r}:
-    signal.signal(getattr(signal, name), lambda number, frame: os.kill(pid, number))
+for number in FORWARDED:
+    signal.signal(number, lambda number, frame: os.kill(pid, number))
+signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
 line = replies.readline()
 if not line:
     sys.stderr.write("warm python: the zygote went away before process " + str(pid) + " ended\\n")
@@ -171,6 +176,9 @@ class WarmPython:
         """Stop the zygote; say on stderr how many processes it served warm and why the others ran cold."""
         if self._process is not None and self._directory is not None:
             lines = (Path(self._directory.name) / "zygote.log").read_text(errors="replace").splitlines()
+            if self._process.poll() is not None:  # it serves until this process ends: it failed
+                sys.__stderr__.write(f"warm python: the zygote exited early with status {self._process.returncode}:\n"
+                                     + "\n".join(line for line in lines if line != "warm" and not line.startswith("cold: ")) + "\n")
             cold: dict[str, int] = {}
             for line in lines:
                 if line.startswith("cold: "):
@@ -309,6 +317,15 @@ def _send(conn: socket.socket, message: dict[str, Any]) -> None:
         pass  # the shim is gone
 
 
+def _receive_byte(conn: socket.socket) -> bytes:
+    """A byte from the shim, or none when it is gone: a shim killed before it read a reply resets the connection
+    (ECONNRESET) rather than closing it."""
+    try:
+        return conn.recv(1)
+    except OSError:
+        return b""
+
+
 def serve(path: str, parent: int) -> tuple[dict[str, Any], list[int], dict[str, str]]:
     """Serve requests until the test process ``parent`` is gone; in a forked child, return its request, its
     descriptors and the environment variables the imports set."""
@@ -352,7 +369,7 @@ def serve(path: str, parent: int) -> tuple[dict[str, Any], list[int], dict[str, 
                 _send(conn, {"pid": pid})
                 sys.stderr.write("warm\n")
                 children[conn] = pid
-            elif not sock.recv(1):  # the shim died (killed by a timeout): so does its process
+            elif not _receive_byte(sock):  # the shim died (killed by a timeout): so does its process
                 try:
                     os.kill(children[sock], signal.SIGKILL)
                 except ProcessLookupError:
