@@ -177,8 +177,9 @@ class WarmPython:
         if self._process is not None and self._directory is not None:
             lines = (Path(self._directory.name) / "zygote.log").read_text(errors="replace").splitlines()
             if self._process.poll() is not None:  # it serves until this process ends: it failed
+                said = [line for line in lines if line != "warm" and not line.startswith("cold: ")]
                 sys.__stderr__.write(f"warm python: the zygote exited early with status {self._process.returncode}:\n"
-                                     + "\n".join(line for line in lines if line != "warm" and not line.startswith("cold: ")) + "\n")
+                                     + "\n".join(said) + "\n")
             cold: dict[str, int] = {}
             for line in lines:
                 if line.startswith("cold: "):
