@@ -35,6 +35,41 @@ def test_each_value_gets_the_nearest_code_at_its_own_block_scale(signed):
     assert len(set(blockwise.dynamic_map(signed))) == 256 and max(blockwise.dynamic_map(signed)) == 1.0
 
 
+def _awkward_values(midpoints):
+    """Every range's smallest and largest value, each midpoint and its two fp32 neighbours, signed zeros, the
+    smallest normal and denormal magnitudes, NaN and +inf, and random values over 40 decades of [-1, 1]."""
+    ranges = torch.arange(1 << 16, dtype=torch.int64) << 16
+    bits = torch.cat([ranges, ranges | 0xFFFF])
+    edges = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+    tiny = torch.finfo(torch.float32).tiny
+    specials = torch.tensor([0.0, -0.0, tiny, -tiny, tiny / 2, -tiny / 2, 1e-45, -1e-45, float("nan"), float("inf")])
+    g = torch.Generator().manual_seed(1)
+    magnitudes = torch.rand(20_000, generator=g) * torch.logspace(-40, 0, 20_000)
+    signs = torch.randint(0, 2, (20_000,), generator=g) * 2 - 1
+    near = torch.cat([midpoints, torch.nextafter(midpoints, torch.tensor(-2.0)),
+                      torch.nextafter(midpoints, torch.tensor(2.0))])
+    return torch.cat([edges[torch.isfinite(edges) | torch.isnan(edges)], specials, magnitudes * signs, near])
+
+
+@pytest.mark.parametrize("table", ["signed", "unsigned", "nf4", "crowded"])
+def test_the_encoder_is_bucketize_bit_for_bit(table, monkeypatch):
+    """Catches a range table off by one at any of the 65536 ranges, at a midpoint, at either zero, for denormals or
+    NaN, too few steps where a range holds several midpoints (``crowded``: 256 values in [0.5, 0.52]), and chunks
+    that drop or repeat elements (a chunk of 777 elements)."""
+    from lightning_npu.quant.weights import nf4_values
+
+    values = {"signed": blockwise.dynamic_map(True), "unsigned": blockwise.dynamic_map(False), "nf4": nf4_values(),
+              "crowded": tuple(torch.linspace(0.5, 0.52, 256).tolist())}[table]
+    book = blockwise.codebook(values, torch.device("cpu"))
+    midpoints = (book.values[:-1] + book.values[1:]) / 2
+    assert (book.steps == 1) == (table != "crowded")  # a range of [0.5, 1) is 2^-8 wide: 50 crowded midpoints
+    monkeypatch.setattr(blockwise, "ENCODE_CHUNK", 777)
+    x = _awkward_values(midpoints)
+    codes = book.encode(x.reshape(-1, 2) if x.numel() % 2 == 0 else x)
+    expected = torch.bucketize(x, midpoints, right=True)
+    assert codes.dtype == torch.uint8 and torch.equal(codes.reshape(-1).long(), expected)
+
+
 def test_zero_and_constant_blocks_round_trip_exactly():
     values = torch.cat([torch.zeros(256), torch.full((256,), 0.37), torch.full((256,), -2.5)])
     codes, scales = blockwise.quantize(values, 256, signed=True)

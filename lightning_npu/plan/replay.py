@@ -55,9 +55,9 @@ BATCHES_HELD, TENSORS_PER_BATCH, INT64_BYTES = 2, 2, 8
 CROSS_ENTROPY_BACKWARD_TENSORS = 2
 #: AdamW's per-tensor loop holds a scratch of its largest two tensors; foreach holds sqrt(v) for every tensor.
 PER_TENSOR_SCRATCH_TENSORS = 2
-#: AdamW8bit's loop holds, for its largest tensor, fp32 copies of both moments, the denominator, the scaled block
-#: values and their int32 codes while re-quantizing.
-ADAMW8BIT_SCRATCH_TENSORS = 5
+#: AdamW8bit's loop holds, for its largest tensor, fp32 copies of both moments, the denominator and the scaled block
+#: values while re-quantizing, plus their new codes (``optim8bit.CODE_BYTES`` each; the encoder works in chunks).
+ADAMW8BIT_SCRATCH_TENSORS = 4
 #: The largest micro-batch ``max_micro_batch`` searches up to.
 MAX_MICRO_BATCH = 1 << 16
 
@@ -367,14 +367,14 @@ class _StepReplay:
 
     def optimizer_step(self) -> None:
         """Fused AdamW updates in place; foreach holds sqrt(v) for every tensor; the per-tensor loop only for its
-        largest two; AdamW8bit's loop the fp32 working set of its largest (ADAMW8BIT_SCRATCH_TENSORS)."""
+        largest two; AdamW8bit's loop the working set of its largest (ADAMW8BIT_SCRATCH_TENSORS)."""
         if self.spec.cpu_offload or self.spec.optimizer == "fused":
             return
         largest = max(unit.largest_shard for unit in [self.train_root] + self.train_blocks)
         if self.spec.optimizer == "foreach":
             scratch = self.shard_total * self.master
         elif self.spec.optimizer == "adamw8bit":
-            scratch = ADAMW8BIT_SCRATCH_TENSORS * largest * FP32_BYTES
+            scratch = largest * (ADAMW8BIT_SCRATCH_TENSORS * FP32_BYTES + optim8bit.CODE_BYTES)
         else:
             scratch = PER_TENSOR_SCRATCH_TENSORS * largest * self.master
         self.timeline.moment("temporaries", scratch, "optimizer step")

@@ -39,11 +39,6 @@ def nf4_values() -> tuple[float, ...]:
     return tuple(values.tolist())
 
 
-@functools.lru_cache(maxsize=None)
-def _nf4_table(device: torch.device) -> Tensor:
-    return torch.tensor(nf4_values(), dtype=torch.float32, device=device)
-
-
 def check_quantizable(shape: tuple[int, ...], scheme: str, name: str) -> None:
     """Raise ``ValueError`` naming weight ``name`` if its ``shape`` cannot be stored in ``scheme``."""
     reason = layout.unsupported_reason(tuple(shape), scheme)
@@ -59,7 +54,7 @@ def quantize(weight: Tensor, scheme: str) -> tuple[Tensor, Tensor]:
         scales = w.abs().amax(dim=1) / layout.INT8_MAX
         codes = torch.round(w / scales.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1))
         return codes.clamp(-layout.INT8_MAX, layout.INT8_MAX).to(torch.int8), scales
-    codes, scales = blockwise.quantize_to(w, layout.NF4_BLOCK_SIZE, _nf4_table(w.device))
+    codes, scales = blockwise.quantize_to(w, layout.NF4_BLOCK_SIZE, blockwise.codebook(nf4_values(), w.device))
     return codes[:, 0::2] | (codes[:, 1::2] << 4), scales
 
 
@@ -69,4 +64,4 @@ def dequantize(codes: Tensor, scales: Tensor, scheme: str, dtype: torch.dtype = 
     if scheme == "int8":
         return (codes.to(scales.dtype) * scales.unsqueeze(1)).to(dtype)
     unpacked = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(codes.shape[0], -1)
-    return blockwise.dequantize_from(unpacked, scales.float(), _nf4_table(codes.device)).to(dtype)
+    return blockwise.dequantize_from(unpacked, scales.float(), blockwise.codebook(nf4_values(), codes.device)).to(dtype)
