@@ -106,6 +106,12 @@ def codebook(values: tuple[float, ...], device: torch.device) -> Codebook:
                     first=first.to(device), steps=int(inside[finite].max()))
 
 
+@functools.lru_cache(maxsize=None)
+def _dynamic_codebook(signed: bool, device: torch.device) -> Codebook:
+    """The dynamic map's ``Codebook`` on ``device``, found without hashing its 256 values on every call."""
+    return codebook(dynamic_map(signed), device)
+
+
 def _fp32_of_bits(bits: Tensor) -> Tensor:
     """The fp32 values whose bit patterns are ``bits`` (int64 holding unsigned 32-bit patterns)."""
     return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
@@ -114,12 +120,12 @@ def _fp32_of_bits(bits: Tensor) -> Tensor:
 def quantize(values: Tensor, block_size: int, signed: bool) -> tuple[Tensor, Tensor]:
     """(codes, scales) of ``values`` (any shape, numel divisible by ``block_size``) on the dynamic map: ``codes``
     uint8 shaped like ``values``, ``scales`` fp32 of one absmax per block (see ``quantize_to``)."""
-    return quantize_to(values, block_size, codebook(dynamic_map(signed), values.device))
+    return quantize_to(values, block_size, _dynamic_codebook(signed, values.device))
 
 
 def dequantize(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
     """The fp32 values ``codes`` and ``scales`` stand for on the dynamic map (shaped like ``codes``)."""
-    return dequantize_from(codes, scales, codebook(dynamic_map(signed), codes.device))
+    return dequantize_from(codes, scales, _dynamic_codebook(signed, codes.device))
 
 
 def quantize_to(values: Tensor, block_size: int, book: Codebook) -> tuple[Tensor, Tensor]:
