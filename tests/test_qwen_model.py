@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from recipes import families
+from recipes import convert, families
 from recipes.decoder import hf_checkpoint
 from recipes.decoder.checkpoint_layout import CheckpointError
 from recipes.generate import generate, load_model
@@ -88,13 +88,20 @@ def test_hf_to_recipe_to_hf_is_bit_exact(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["qwen2-gqa-tied", "qwen3-gqa-head-dim"])
-def test_greedy_generation_from_an_hf_directory_is_transformers(tmp_path, name):
+def test_convert_and_greedy_generation_from_an_hf_directory_or_a_checkpoint_are_transformers(tmp_path, name):
     hf = hf_model(name)
-    model, _ = load_model(saved(hf, tmp_path / "hf"))
+    hf_dir = saved(hf, tmp_path / "hf")
+    assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "model.ckpt")]) == 0
+    assert convert.main(["to-hf", str(tmp_path / "model.ckpt"), str(tmp_path / "out")]) == 0
+    ours, theirs = (load_file(tmp_path / d / "model.safetensors") for d in ("out", "hf"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     prompt = tokens(seed=4, batch=2, seq=5)
     with torch.no_grad():
         expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert torch.equal(generate(model, prompt, 8), expected)
+    for source in (hf_dir, tmp_path / "model.ckpt"):
+        model, _ = load_model(source)
+        assert isinstance(model, Qwen)
+        assert torch.equal(generate(model, prompt, 8), expected), source
 
 
 def test_hf_configs_the_model_cannot_hold_are_refused():
