@@ -142,3 +142,19 @@ def test_real_size_presets_have_transformers_parameter_count_and_the_published_s
         hf = transformers.AutoModelForCausalLM.from_config(hf_config)
     assert sum(p.numel() for p in hf.parameters()) == config.num_params()
     assert abs(config.num_params() / published - 1) < 0.005
+
+
+@pytest.mark.slow  # two processes
+def test_the_tensor_parallel_plan_splits_the_biases_with_their_weights_and_sums_the_qk_norm_gradients():
+    """Two gloo ranks split tiny Qwen2 and Qwen3 models by the recipe's plan (tests/scripts/qwen_tensor_parallel_check.py):
+    the logits and every gradient are the unsplit model's. Catches q/k/v biases left whole beside split weights, and
+    the q/k norm gains (shared by every head) getting only their rank's heads' gradient."""
+    from tests.helpers import SCRIPTS, run_python
+
+    out = run_python([str(SCRIPTS / "qwen_tensor_parallel_check.py")], simulate=None)
+    results = {r["arch"]: r for r in map(json.loads, out.stdout.strip().splitlines()[-2:])}
+    assert set(results) == {"qwen2", "qwen3"}
+    for result in results.values():
+        assert result["logits"] < 1e-5 and result["grad"] < 1e-6, result
+    assert {"layers.0.attention.wq.bias", "layers.1.attention.wv.bias"} <= set(results["qwen2"]["split"])
+    assert not any("norm" in name for name in results["qwen3"]["split"])
