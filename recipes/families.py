@@ -15,6 +15,7 @@ from typing import Any, Optional
 FAMILIES: dict[str, str] = {
     "llama": "recipes.models.llama.family",  # LLaMA-2, LLaMA-3 / 3.1 / 3.2
     "moe": "recipes.models.moe.family",  # Mixtral, Qwen2-MoE, Qwen3-MoE
+    "qwen": "recipes.models.qwen.family",  # Qwen2, Qwen2.5, Qwen3 (dense)
 }
 #: The family of configs and checkpoints that name none: all of those written before families existed.
 DEFAULT_FAMILY = "llama"

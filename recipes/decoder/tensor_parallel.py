@@ -7,6 +7,7 @@ The plan is Megatron's layout in torch's ``parallelize_module`` styles:
 - attention: q/k/v projections column-parallel (each rank computes ``n_heads / tp`` query heads and
   ``n_kv_heads / tp`` key/value heads), the output projection row-parallel;
 - MLP: gate and up column-parallel, down row-parallel, so SwiGLU runs on each rank's own hidden slice;
+- Qwen3's per-head q/k norms replicated, on each rank's heads, their gains' gradients summed over the ranks;
 - token embedding row-parallel (split by vocabulary), the output head column-parallel (split by vocabulary: with
   ``loss_parallel`` the logits stay split and the cross entropy runs on them, never gathering [tokens, vocab]);
 - with ``sequence_parallel`` the norms and residuals between blocks are split by sequence: activations outside
@@ -105,6 +106,11 @@ def decoder_plan(model: nn.Module, *, prefix: str = "", sequence_parallel: bool,
             layer + "feed_forward.w_up": ColwiseParallel(),
             layer + "feed_forward.w_down": RowwiseParallel(output_layouts=between_blocks),
         })
+        if hasattr(block.attention, "q_norm"):
+            # The per-head q/k norms (Qwen3) run on each rank's heads [rows, length, heads / tp, head_dim]: their gain
+            # is replicated and its gradient, each rank's heads' part, summed over the ranks.
+            for norm in ("q_norm", "k_norm"):
+                plan[layer + "attention." + norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sequence_parallel:
             # Attention takes (x, cos, sin, cache, layer, start_pos, cu_seqlens): only x is gathered.
             gather_x = (Shard(1),) + (None,) * 6
