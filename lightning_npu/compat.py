@@ -331,6 +331,11 @@ def set_device_mesh(owner: Any, mesh: Any) -> None:
     owner._device_mesh = mesh
 
 
+def has_device_mesh(owner: Any) -> bool:
+    """Whether a strategy has its mesh yet (its public ``device_mesh`` property raises until then)."""
+    return owner._device_mesh is not None
+
+
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """A 1-D view of ``mesh``'s dimensions, reachable from its root mesh as ``root[name]`` (a new process group)."""
     return mesh._flatten(name)

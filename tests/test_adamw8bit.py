@@ -11,7 +11,8 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_npu.facts import optim8bit
-from lightning_npu.optim import AdamW8bit, blockwise
+from lightning_npu.optim import AdamW8bit
+from lightning_npu.quant import blockwise
 from lightning_npu.optim.adamw8bit import full_state
 from lightning_npu.plan import ModelShape, PlanSpec, state_bytes
 from recipes.decoder.module import DecoderLM

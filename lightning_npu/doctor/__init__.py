@@ -3,12 +3,13 @@
 - ``report``: the report and its findings (level, subject, cause, fix).
 - ``cann``: finding the CANN toolkit on disk and its version.
 - ``probe``: ``import torch`` and the NPUs, probed in a child process (``_probe_child.py``) so that a failing or
-  crashing ``import torch`` is a diagnosis, not the doctor's death.
+  crashing ``import torch`` is a diagnosis, not the doctor's death; ``device_facts``: what is read from the NPUs
+  there (or here, when torch is already imported).
 - ``rules``: the environment variables shown and the rules for their values; the collective timeouts.
 - ``diagnosis``: findings about packages, torch, NPUs and CANN.
 - ``render``: the text report.
 
-Nothing here imports torch or Lightning (``probe.probe_devices`` does, inside the child); the CLI is
+Nothing here imports torch or Lightning (``device_facts.probe_devices`` does, inside the child); the CLI is
 ``lightning_npu/cli/doctor.py``.
 """
 

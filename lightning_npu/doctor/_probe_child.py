@@ -40,7 +40,7 @@ def main() -> None:
     _stage(PROBE_DEVICES)
     # Appended, not prepended: an installed lightning_npu (or a stand-in on PYTHONPATH) keeps its precedence.
     sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from lightning_npu.doctor.probe import probe_devices
+    from lightning_npu.doctor.device_facts import probe_devices
 
     print(MARKER + json.dumps({"torch_error": None, "facts": probe_devices()}))
 

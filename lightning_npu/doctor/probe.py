@@ -15,19 +15,18 @@ import re
 import signal
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from lightning_npu.doctor._probe_child import IMPORT_TORCH, MARKER, STAGE_MARKER
-from lightning_npu.facts.env import AUTOLOAD_ENV, SIMULATE_ENV, VISIBLE_DEVICES_ENV
+from lightning_npu.doctor.device_facts import probe_devices
+from lightning_npu.facts.env import AUTOLOAD_ENV
 
 #: How torch (>= 2.5, torch/__init__.py _import_device_backends) words a failing `torch.backends` entry point.
 AUTOLOAD_FAILURE = "Failed to load the backend extension"
 CHILD_SCRIPT = Path(__file__).with_name("_probe_child.py")
 #: How long the child may take to import torch and count the devices before it counts as hung (seconds).
 CHILD_TIMEOUT_S = 180
-GIB = 1024**3
 #: faulthandler's line for a Python frame: File "<path>", line <n> in <function>.
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
@@ -56,45 +55,6 @@ def gather_devices(env: Mapping[str, str]) -> tuple[dict[str, Any], Optional[dic
     torch_import["without_autoload"] = "ok" if retry.get("torch_error") is None else retry["torch_error"]
     torch_import["autoload"] = torch_import["autoload"] or retry.get("torch_error") is None
     return torch_import, retry.get("facts")
-
-
-def probe_devices() -> dict[str, Any]:
-    """NPU facts from this process's torch through lightning_npu's runtime (JSON-serialisable); problems are
-    ``{"cause": ..., "fix": ...}``. Imports torch."""
-    import torch
-
-    from lightning_npu.facts.chips import TFLOPS
-    from lightning_npu.facts.devices import simulated_count, visible_devices_problem
-    from lightning_npu.facts.problem import SettingError
-    from lightning_npu.runtime.probe import probe_npu
-
-    visible = visible_devices_problem(os.environ.get(VISIBLE_DEVICES_ENV))
-    facts: dict[str, Any] = {
-        "torch_version": torch.__version__,
-        "visible_devices_problem": visible and asdict(visible),
-        "simulated_devices": 0,
-        "simulate_problem": None,
-    }
-    try:
-        facts["simulated_devices"] = simulated_count(os.environ.get(SIMULATE_ENV))
-    except SettingError as error:
-        facts["simulate_problem"] = asdict(error.problem)
-    result = probe_npu()
-    facts.update(available=result.available, device_count=result.device_count, cause=result.cause, fix=result.fix)
-    if result.available:
-        from lightning_npu.runtime.npu import NPURuntime
-
-        runtime = NPURuntime()
-        chip = runtime.chip(0)
-        facts.update(
-            device_names=[runtime.device_name(index) for index in range(result.device_count)],
-            supports_bf16=chip.supports_bf16,
-            peak_bf16_tflops=None if chip.peak_bf16_flops is None else chip.peak_bf16_flops / TFLOPS,
-            memory_gib=runtime.total_memory(runtime.device(0)) / GIB,
-            hccl_backend=torch.distributed.is_available()
-            and torch.distributed.Backend.default_device_backend_map.get(runtime.device_type) == "hccl",
-        )
-    return facts
 
 
 def _guarded(probe: Callable[[], dict[str, Any]]) -> dict[str, Any]:

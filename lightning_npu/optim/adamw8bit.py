@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_npu.facts import optim8bit as rules
-from lightning_npu.optim import blockwise
+from lightning_npu.quant import blockwise
 
 #: The moments, and whether each one's map is signed (exp_avg) or not (exp_avg_sq, never negative).
 MOMENTS = {"exp_avg": True, "exp_avg_sq": False}

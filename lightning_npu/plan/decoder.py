@@ -24,7 +24,7 @@ from typing import Iterable, Optional
 
 from lightning_npu.facts import weight_quant
 from lightning_npu.facts.options import indivisible_by_tensor_parallel
-from lightning_npu.plan.spec import ModelShape, Parallelism, PlanError
+from lightning_npu.plan.shape import ModelShape, Parallelism, PlanError
 
 Shape = tuple[int, ...]
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 from lightning_npu.plan.decoder import DecoderProfile
-from lightning_npu.plan.spec import PlanError
+from lightning_npu.plan.shape import PlanError
 
 PROFILE_MODULE = "memory_profile"
 PROFILE_FUNCTION = "lightning_npu_memory_profile"

@@ -7,7 +7,8 @@ from typing import Any, Callable, Mapping, Optional
 
 from lightning_npu.facts.precisions import PRECISION_DTYPES
 from lightning_npu.plan.replay import estimate, max_micro_batch
-from lightning_npu.plan.spec import GIB, ITEMS, OPTIMIZER_8BIT_LABEL, PlanError, PlanSpec, chip_memory_gib
+from lightning_npu.plan.shape import PlanError
+from lightning_npu.plan.spec import GIB, ITEMS, OPTIMIZER_8BIT_LABEL, PlanSpec, chip_memory_gib
 
 KIB = 1024
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

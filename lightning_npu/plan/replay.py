@@ -42,7 +42,8 @@ from typing import Iterable, Optional
 
 from lightning_npu.facts import optim8bit, weight_quant
 from lightning_npu.plan.decoder import FP32_BYTES, DecoderProfile
-from lightning_npu.plan.spec import GIB, ITEMS, MIB, Estimate, Parallelism, PlanSpec, check_zero_stage
+from lightning_npu.plan.shape import Parallelism
+from lightning_npu.plan.spec import GIB, ITEMS, MIB, Estimate, PlanSpec, check_zero_stage
 
 #: HCCL holds two buffers of HCCL_BUFFSIZE per communicator.
 HCCL_BUFFERS_PER_COMMUNICATOR = 2

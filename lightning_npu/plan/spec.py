@@ -1,4 +1,5 @@
-"""What a plan is asked about and what it answers: the model's shape, the run's settings (validated), the estimate.
+"""What a plan is asked about and what it answers: the run's settings (validated) and the estimate; the model's
+shape and the parallelism beside FSDP are ``shape``'s.
 
 Nothing here imports torch. Memory sizes are GiB in the spec and bytes in the estimate.
 """
@@ -6,9 +7,8 @@ Nothing here imports torch. Memory sizes are GiB in the spec and bytes in the es
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from lightning_npu.facts import options, precisions
 from lightning_npu.facts.chips import (
@@ -19,9 +19,8 @@ from lightning_npu.facts.chips import (
     device_memory_gib,
 )
 from lightning_npu.facts.precisions import PRECISION_DTYPES, PrecisionDtypes
-
-if TYPE_CHECKING:
-    from lightning_npu.plan.decoder import DecoderProfile
+from lightning_npu.plan.decoder import DecoderProfile
+from lightning_npu.plan.shape import ModelShape, Parallelism, PlanError, check_positive_ints, checked
 
 GIB = 1024**3
 MIB = 1024**2
@@ -83,120 +82,6 @@ ITEMS = {
 }
 
 
-class PlanError(ValueError):
-    """A configuration the planner cannot model; the message names the value, why, and the fix."""
-
-
-@dataclass(frozen=True)
-class Parallelism:
-    """How npu_fsdp splits each layer beside FSDP (its options of the same names): ``tensor`` ranks
-    (tensor_parallel_size) split the block matrices, embedding and head; ``context`` ranks (context_parallel_size)
-    split every sequence, attention seeing the whole by ``context_algo`` (``"ulysses"`` | ``"ring"``);
-    ``sequence_parallel`` splits the norms and residuals between blocks by sequence over the tensor-parallel ranks;
-    ``loss_parallel`` keeps the logits split by vocabulary. The defaults: plain sharding."""
-
-    tensor: int = 1
-    context: int = 1
-    context_algo: str = options.DEFAULT_CONTEXT_PARALLEL_ALGO
-    sequence_parallel: bool = True
-    loss_parallel: bool = True
-
-    def __post_init__(self) -> None:
-        _checked(options.check_parallel_size, "tensor_parallel_size", self.tensor)
-        _checked(options.check_parallel_size, "context_parallel_size", self.context)
-        _checked(options.check_context_parallel_algo, self.context_algo)
-
-    @property
-    def between_blocks(self) -> int:
-        """How many ranks split the residual stream's tensors (norms, residuals, checkpointed inputs) of a rank's
-        tokens: the tensor-parallel ranks with sequence parallelism, else none (1: replicated over them)."""
-        return self.tensor if self.sequence_parallel and self.tensor > 1 else 1
-
-    @property
-    def split_vocabulary(self) -> bool:
-        """Whether the logits stay split by vocabulary over the tensor-parallel ranks (loss_parallel)."""
-        return self.tensor > 1 and self.loss_parallel
-
-    def describe(self) -> str:
-        parts = []
-        if self.tensor > 1:
-            extras = [name for name, on in (("sequence parallel", self.sequence_parallel),
-                                           ("loss parallel", self.loss_parallel)) if on]
-            parts.append(f"tensor parallel {self.tensor}" + (f" ({', '.join(extras)})" if extras else ""))
-        if self.context > 1:
-            parts.append(f"context parallel {self.context} ({self.context_algo})")
-        return ", ".join(parts) or "none"
-
-
-#: ``--model-shape`` keys -> ModelShape fields. ``kv_heads`` defaults to ``heads`` (multi-head attention).
-SHAPE_KEYS = {
-    "hidden": "dim",
-    "layers": "n_layers",
-    "heads": "n_heads",
-    "kv_heads": "n_kv_heads",
-    "ffn": "ffn_hidden_dim",
-    "vocab": "vocab_size",
-    "max_seq_len": "max_seq_len",
-}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The decoder dimensions the estimate needs (any object with these attribute names provides them).
-
-    ``head_dim`` is each attention head's width; left out it is ``dim // n_heads`` (LLaMA), given it may differ
-    (Qwen3: 32 heads of 128 on a 2048-wide residual stream, so the queries are wider than the stream)."""
-
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_hidden_dim: int
-    max_seq_len: int
-    head_dim: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        free_head_dim = self.head_dim is not None
-        if not free_head_dim and isinstance(self.dim, int) and isinstance(self.n_heads, int) and self.n_heads > 0:
-            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
-        _check_positive_ints(self, [f.name for f in dataclasses.fields(self)], "model ")
-        if (self.dim % self.n_heads and not free_head_dim) or self.n_heads % self.n_kv_heads:
-            raise PlanError(
-                f"model dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads} do not divide: heads"
-                " must divide dim (unless head_dim is given) and kv_heads must divide heads"
-            )
-
-    @property
-    def q_dim(self) -> int:
-        """The width of the queries (and of the attention's output): heads x head_dim."""
-        return self.n_heads * self.head_dim
-
-    @classmethod
-    def of(cls, config: Any) -> "ModelShape":
-        return cls(**{f.name: int(getattr(config, f.name)) for f in dataclasses.fields(cls)})
-
-    @classmethod
-    def parse(cls, text: str) -> "ModelShape":
-        """A shape from ``hidden=4096,layers=32,heads=32,kv_heads=32,ffn=11008,vocab=32000,max_seq_len=4096``."""
-        values: dict[str, int] = {}
-        for part in filter(None, (part.strip() for part in text.split(","))):
-            key, sep, value = part.partition("=")
-            key = key.strip()
-            if key not in SHAPE_KEYS:
-                hint = " (the trained length is --seq-len)" if key == "seq_len" else ""
-                raise PlanError(f"--model-shape key {key!r} is unknown{hint}; the keys are {', '.join(SHAPE_KEYS)}")
-            if not sep or not re.fullmatch(r"\s*\d+\s*", value):
-                raise PlanError(f"--model-shape {part!r}: give {key}=N with a positive integer N")
-            values[SHAPE_KEYS[key]] = int(value)
-        values.setdefault("n_kv_heads", values.get("n_heads", 0))
-        missing = [key for key, field in SHAPE_KEYS.items() if field not in values]
-        if missing:
-            raise PlanError(f"--model-shape {text!r} lacks {', '.join(missing)}; give every one of {', '.join(SHAPE_KEYS)}"
-                            " (kv_heads may be left out for multi-head attention)")
-        return cls(**values)
-
-
 @dataclass(frozen=True)
 class PlanSpec:
     """Everything the estimate depends on. Memory sizes in GiB; ``devices`` is per node, as in Lightning.
@@ -225,23 +110,21 @@ class PlanSpec:
     fragmentation: float = DEFAULT_FRAGMENTATION
     device_memory_gib: float = CHIP_MEMORY_GIB[DEFAULT_PLAN_CHIP]
     chip: str = DEFAULT_PLAN_CHIP
-    profile: Optional["DecoderProfile"] = None
+    profile: Optional[DecoderProfile] = None
     #: Tensor and context parallelism (npu_fsdp's mesh beside FSDP); the default is plain sharding.
     parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        from lightning_npu.plan.decoder import DecoderProfile
-
         if self.profile is None:
             object.__setattr__(self, "profile", DecoderProfile(self.model))
         elif self.profile.shape != self.model:
             raise PlanError(f"profile {self.profile.name!r} has the shape {self.profile.shape}, not {self.model}")
-        _check_positive_ints(self, ["seq_len", "micro_batch", "devices", "nodes", "accumulate_grad_batches"])
+        check_positive_ints(self, ["seq_len", "micro_batch", "devices", "nodes", "accumulate_grad_batches"])
         object.__setattr__(self, "precision", canonical_precision(self.precision))
         check_zero_stage(self.zero_stage)
-        _checked(options.check_sharding, self.sharding)
-        _checked(options.check_activation_checkpointing_ratio, self.ac_ratio)
+        checked(options.check_sharding, self.sharding)
+        checked(options.check_activation_checkpointing_ratio, self.ac_ratio)
         if self.kernels not in KERNELS:
             raise PlanError(f"kernels={self.kernels!r} is not one of {', '.join(KERNELS)}")
         if self.optimizer not in OPTIMIZERS:
@@ -275,12 +158,12 @@ class PlanSpec:
         parallel = self.parallel
         if parallel == Parallelism() and self.profile.parallel == parallel:
             return
-        layout = _checked(options.MeshLayout.for_run, num_nodes=self.nodes, devices_per_node=self.devices,
+        layout = checked(options.MeshLayout.for_run, num_nodes=self.nodes, devices_per_node=self.devices,
                           sharding=self.sharding, tensor_parallel_size=parallel.tensor,
                           context_parallel_size=parallel.context)
         if self.profile.expert_parallel_size > 1:
-            _checked(options.check_expert_parallel_size, self.profile.expert_parallel_size, layout, self.sharding)
-        _checked(options.check_context_parallel_shapes, parallel.context, parallel.context_algo,
+            checked(options.check_expert_parallel_size, self.profile.expert_parallel_size, layout, self.sharding)
+        checked(options.check_context_parallel_shapes, parallel.context, parallel.context_algo,
                  heads=self.model.n_heads, seq_len=self.seq_len, tp=parallel.tensor)
         object.__setattr__(self, "profile", self.profile.with_parallelism(parallel, seq_len=self.seq_len))
 
@@ -309,28 +192,13 @@ class PlanSpec:
         return PRECISIONS[self.precision]
 
 
-def _check_positive_ints(owner: Any, names: list[str], prefix: str = "") -> None:
-    for name in names:
-        value = getattr(owner, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PlanError(f"{prefix}{name}={value!r} is invalid: it must be a positive integer")
-
-
-def _checked(check: Any, *args: Any, **kwargs: Any) -> Any:
-    """``check(*args, **kwargs)`` (an npu_fsdp option check of lightning_npu.facts), its ValueError as a PlanError."""
-    try:
-        return check(*args, **kwargs)
-    except ValueError as error:
-        raise PlanError(str(error)) from None
-
-
 def check_zero_stage(stage: Any) -> None:
-    _checked(options.check_zero_stage, stage)
+    checked(options.check_zero_stage, stage)
 
 
 def canonical_precision(value: Any) -> str:
     """``value`` as one of PRECISIONS (``bf16`` -> ``bf16-mixed``, ...)."""
-    return _checked(precisions.canonical_precision, value)
+    return checked(precisions.canonical_precision, value)
 
 
 def chip_memory_gib(chip: str) -> float:

@@ -7,7 +7,7 @@ quantiles of the standard normal distribution, normalised to [-1, 1], with an ex
 negative half 7 the same way, so the code is asymmetric (8 positive, 7 negative values, and 0) and both ends are +-1.
 ``offset`` is the mean of 1 - 1/(2 * 15) and 1 - 1/(2 * 16): the extreme quantile of a 15- and of a 16-value grid,
 so that the largest entry is a finite quantile rather than the infinite one at probability 1. Blocks are
-quantized with the shared block quantizer (``lightning_npu.optim.blockwise.quantize_to``: absmax scale, nearest
+quantized with the shared block quantizer (``lightning_npu.quant.blockwise.quantize_to``: absmax scale, nearest
 table entry); two 4-bit codes share a byte.
 
 Eager torch only: it runs on every chip and on the CPU.
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_npu.facts import weight_quant as layout
-from lightning_npu.optim import blockwise
+from lightning_npu.quant import blockwise
 
 NF4_VALUES = 16
 #: The extreme quantile's probability, between a 15- and a 16-value grid's (see the module docstring).

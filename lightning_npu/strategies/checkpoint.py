@@ -322,17 +322,24 @@ def trainer_tensors(checkpoint: dict[str, Any]) -> dict[str, Any]:
 def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, options: Any) -> dict[str, Any]:
     """``optimizer``'s state for a checkpoint of the sharded ``module``: keyed by parameter name in a sharded
     checkpoint (DCP matches names), numbered as ``optimizer.state_dict()`` numbers them in a full one (so a plain
-    optimizer loads it, as it loads the full checkpoints of Lightning's FSDP strategies)."""
+    optimizer loads it, as it loads the full checkpoints of Lightning's FSDP strategies). A full state exists on
+    global rank 0 only, the rank that writes the file: the others get ``{}``, as from Lightning's FSDPStrategy."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    off_rank0 = options.full_state_dict and dist.is_initialized() and dist.get_rank() != 0
     if not optimizer.state:
         # Only the param groups to save. torch would first create the state by a step with a zero gradient
         # allocated per parameter: on every save of an optimizer that keeps none (SGD without momentum), a stall
         # longer than the copy of the weights and a gradients-sized peak; before another's first step, a state of
         # zeros, which a fresh optimizer equals anyway (loading restores exactly what was saved, see _only_saved).
+        if off_rank0:
+            return {}
         state = optimizer.state_dict()
         return state if options.full_state_dict else keyed_by_name(state, module, optimizer)
-    state = get_optimizer_state_dict(module, optimizer, options=options)
+    state = get_optimizer_state_dict(module, optimizer, options=options)  # a collective: every rank takes part
+    if off_rank0:
+        return {}
     # A full checkpoint holds AdamW8bit's moments dequantized, as torch's AdamW keeps and loads them.
     return keyed_by_index(full_state(state)) if options.full_state_dict else state
 

@@ -555,6 +555,10 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
+        if not compat.has_device_mesh(self):
+            # A Fabric made in a process another Fabric launched (`fabric._launched = True`, as Lightning's own FSDP
+            # tests do) never ran setup_environment: the process group exists, this strategy's mesh does not.
+            self._setup_sharded_environment()
         before = ReplacedParameters.before(module)
         self._shard(module, self.precision)
         self._replaced.record(module, before)

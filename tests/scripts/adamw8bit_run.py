@@ -23,7 +23,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_npu import NPUFSDPStrategy
-from lightning_npu.optim import blockwise
+from lightning_npu.quant import blockwise
 from lightning_npu.optim.adamw8bit import full_state
 from recipes.decoder.data import TextDataModule
 from recipes.decoder.module import DecoderLM

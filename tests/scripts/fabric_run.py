@@ -1,7 +1,8 @@
 """One Fabric run on the simulated NPUs (driven by the integration tests through a subprocess).
 
 Trains ``--steps`` AdamW steps of the test network, optionally resuming from / saving to a checkpoint,
-and writes ``<out>/result.json`` (per-step losses averaged over ranks, Linear output dtypes) from rank 0
+and writes ``<out>/result.json`` (per-step losses averaged over ranks, Linear output dtypes, the step-0 loss of a
+second Fabric made in the launched process) from rank 0
 and ``<out>/fraction_rank<r>.json`` (share of parameter elements held) from each rank.
 """
 
@@ -37,6 +38,19 @@ def train(fabric, model, optimizer, state, steps):
         yield losses
 
 
+def second_fabric_initial_loss(precision: str) -> float:
+    """A second Fabric in this already launched process, made as Lightning's FSDP tests make one (``_launched =
+    True`` in place of another ``launch()``): its freshly seeded model's rank-averaged loss on step 0's batches."""
+    strategy = lightning_npu.NPUFabricFSDPStrategy(auto_wrap_policy=[Block], zero_stage=3, timeout=120)
+    fabric = Fabric(accelerator="npu", devices=2, strategy=strategy, precision=precision)
+    fabric._launched = True
+    seed_everything(7)
+    model = fabric.setup(Net())
+    x, y = batch(0, fabric.global_rank)
+    loss = nn.functional.mse_loss(model(x.to(fabric.device)).float(), y.to(fabric.device))
+    return fabric.all_reduce(loss.detach(), reduce_op="mean").item()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -66,10 +80,13 @@ def main() -> None:
         if args.save and state["step"] == args.save_at:
             fabric.save(args.save, state)
 
+    second_loss = second_fabric_initial_loss(args.precision)
+
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"fraction_rank{fabric.global_rank}.json").write_text(json.dumps(sharded_fraction(model)))
     if fabric.global_rank == 0:
-        result = {"losses": losses, "linear_dtypes": sorted(dtypes), "strategy": type(fabric.strategy).__name__}
+        result = {"losses": losses, "linear_dtypes": sorted(dtypes), "strategy": type(fabric.strategy).__name__,
+                  "second_fabric_initial_loss": second_loss}
         (Path(args.out) / "result.json").write_text(json.dumps(result))
 
 

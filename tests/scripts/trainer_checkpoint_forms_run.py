@@ -89,6 +89,10 @@ def main() -> None:
     result["fsdp_losses"] = model.losses
     state = fsdp.strategy.optimizer_state(fsdp.optimizers[0])
     result["optimizer_state_keys"] = sorted(state.get("state", {}))
+    result["optimizer_state_entries"] = sorted(state)
+    # An optimizer without state (SGD without momentum) takes another path through optimizer_state.
+    stateless = torch.optim.SGD(fsdp.strategy.model.parameters(), lr=0.1)
+    result["stateless_optimizer_state_entries"] = sorted(fsdp.strategy.optimizer_state(stateless))
 
     # Evaluation from weights-only checkpoints, on a new Trainer and on the one that trained.
     evaluate = trainer("npu_fsdp")
