@@ -10,15 +10,15 @@ function error" text. Older torch_npu raised a plain ``RuntimeError`` with the s
 
 Lightning's ``is_oom_error`` knows only CUDA, cuDNN and CPU-allocator texts and ``garbage_collection_cuda``
 empties only the CUDA cache, so the batch-size finder (``Tuner.scale_batch_size`` / ``BatchSizeFinder``) crashes
-on the first NPU OOM instead of backing off. ``install()`` (run on ``import lightning_npu``) replaces both where
-Lightning looks them up: in ``lightning.pytorch.utilities.memory`` and in
+on the first NPU OOM instead of backing off. ``lightning_npu.lightning_patches.oom`` (run on ``import lightning_npu``)
+replaces both where Lightning looks them up: in ``lightning.pytorch.utilities.memory`` and in
 ``lightning.pytorch.tuner.batch_size_scaling``, which bound them with ``from ... import``. Each replacement runs
 Lightning's original first, so nothing changes for other accelerators: detection only adds NPU errors, and the
 NPU cache (the runtime's ``empty_cache``) is emptied only in a process that created the NPU runtime.
 
 The hint on a failed run: Lightning passes the exception that ends ``fit`` / ``validate`` / ``test`` /
 ``predict`` to the strategy's ``on_exception`` and then re-raises it unchanged (``trainer/call.py``); its own DDP
-strategy explains errors there. ``install()`` wraps ``on_exception`` of the Trainer's NPU strategies so that,
+strategy explains errors there. The same patch wraps ``on_exception`` of the Trainer's NPU strategies so that,
 with ``accelerator="npu"``, an NPU OOM gets one note (PEP 678) naming the fixes. The error stays the very object
 torch_npu raised -- same type, message, traceback and ``__cause__`` chain -- and the note prints below it. (A new
 chained exception would have to be raised above Lightning's private ``_call_and_handle_interrupt`` and would change
@@ -28,16 +28,12 @@ same note with ``except Exception as error: add_oom_hint(error); raise``.
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
-from typing import Any, Callable
 
 import torch
 
-from lightning_npu.accelerator import NPUAccelerator
 from lightning_npu.runtime import active_runtime
-from lightning_npu.strategies import STRATEGIES
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +43,6 @@ OOM_HINT = (
     " (activation_checkpointing_policy={your block class}, activation_checkpointing_ratio towards 1.0), or run"
     " `lightning-npu plan --config <your YAML>` to see the memory per device and the largest micro-batch that fits."
 )
-_PATCHED = "_lightning_npu_oom_patched"
 
 
 def is_npu_oom_error(error: BaseException) -> bool:
@@ -71,9 +66,9 @@ def add_oom_hint(error: BaseException) -> bool:
     return True
 
 
-def _collect_both(original: Callable[[], None]) -> None:
-    """Lightning's collection (gc, CUDA cache), then the NPU runtime's cache if this process uses that runtime."""
-    original()
+def empty_npu_cache() -> None:
+    """Empty the NPU runtime's cache if this process uses that runtime (what Lightning's ``garbage_collection_cuda``
+    misses); an OOM raised while emptying it is swallowed, as Lightning swallows CUDA's."""
     runtime = active_runtime()
     if runtime is None:
         return
@@ -82,35 +77,3 @@ def _collect_both(original: Callable[[], None]) -> None:
     except RuntimeError as error:
         if not is_npu_oom_error(error):
             raise
-
-
-def install() -> None:
-    """Teach Lightning's OOM handling NPU errors and hint on NPU OOMs (idempotent)."""
-    import lightning.pytorch.tuner.batch_size_scaling as batch_size_scaling
-    import lightning.pytorch.utilities.memory as memory
-
-    for module in (memory, batch_size_scaling):
-        _wrap(module, "is_oom_error", lambda original, error: original(error) or is_npu_oom_error(error))
-        _wrap(module, "garbage_collection_cuda", _collect_both)
-    for trainer_cls, _ in STRATEGIES.values():
-        _wrap(trainer_cls, "on_exception", _hint_on_npu)
-
-
-def _hint_on_npu(original: Callable[[Any, BaseException], None], strategy: Any, error: BaseException) -> None:
-    original(strategy, error)
-    if isinstance(strategy.accelerator, NPUAccelerator):
-        add_oom_hint(error)
-
-
-def _wrap(owner: Any, name: str, replacement: Callable[..., Any]) -> None:
-    """Replace ``owner.name`` by ``replacement(original, *args)`` unless it is already ours."""
-    original = getattr(owner, name)
-    if getattr(original, _PATCHED, False):
-        return
-
-    @functools.wraps(original)
-    def wrapped(*args: Any) -> Any:
-        return replacement(original, *args)
-
-    setattr(wrapped, _PATCHED, True)
-    setattr(owner, name, wrapped)

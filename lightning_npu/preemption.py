@@ -29,7 +29,8 @@ not exist). ``SLURMEnvironment(auto_requeue=False)`` keeps the job from being re
 
 Two thin adapters drive it: :class:`GracefulPreemption`, a Trainer callback (checked in ``on_train_batch_end``
 once ``global_step`` moved; saves with ``trainer.save_checkpoint``), added to every Trainer run on an NPU strategy
-by :func:`install` (wrapped into Lightning's signal connector at ``import lightning_npu``); and
+by ``lightning_npu.lightning_patches.preemption`` (wrapped into Lightning's signal connector at
+``import lightning_npu``); and
 :class:`FabricPreemption`, which a Fabric loop asks ``should_stop(step)`` before its own ``fabric.save`` and
 ``exit(path)``.
 
@@ -42,7 +43,6 @@ trades that against the stopping latency (at most that many steps).
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import signal
@@ -60,12 +60,8 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_npu import compat
-from lightning_npu.compat import CheckpointConnector, SignalConnector, TrainingEpochLoop
-
 from lightning_npu.facts.env import SLURM_ARRAY_JOB_ID, SLURM_ARRAY_TASK_ID, SLURM_JOB_ID
 
-_PATCHED = "_lightning_npu_patched"
 #: Lightning's name for the checkpoint a SLURM job saves on the requeue signal and resumes from (N from 1 up).
 HPC_CHECKPOINT = re.compile(r"hpc_ckpt_(?P<version>[0-9]+)\.ckpt")
 
@@ -357,7 +353,8 @@ def _hard_exit(signum: int, after_s: float) -> None:
     os._exit(128 + signum)
 
 
-def _preemption_callback(trainer: Trainer) -> GracefulPreemption:
+def preemption_callback(trainer: Trainer) -> GracefulPreemption:
+    """The Trainer's GracefulPreemption callback, added to its callbacks if it has none."""
     for callback in trainer.callbacks:
         if isinstance(callback, GracefulPreemption):
             return callback
@@ -366,44 +363,4 @@ def _preemption_callback(trainer: Trainer) -> GracefulPreemption:
     return callback
 
 
-def install() -> None:
-    """Replace Lightning's signal handlers by :class:`GracefulPreemption`'s, and its choice of the SLURM
-    checkpoint to resume from by :func:`latest_hpc_checkpoint`, for NPU strategies (idempotent)."""
-    if getattr(SignalConnector, _PATCHED, False):
-        return
-    from lightning_npu.strategies import NPU_STRATEGY_TYPES
-
-    original = SignalConnector.register_signal_handlers
-
-    @functools.wraps(original)
-    def register_signal_handlers(self: SignalConnector) -> None:
-        if not isinstance(self.trainer.strategy, NPU_STRATEGY_TYPES):
-            return original(self)
-        self.received_sigterm = False  # stays False: Lightning's own per-step broadcast then never stops a rank alone
-        compat.keep_signal_handlers(self)  # restored by Lightning's teardown()
-        _preemption_callback(self.trainer).arm(self.trainer.strategy)
-
-    original_broadcast = getattr(TrainingEpochLoop, compat.BROADCAST_SIGTERM)
-
-    @functools.wraps(original_broadcast)
-    def broadcast_sigterm_tensor(self: Any) -> None:
-        # Lightning's flag stays False under the handlers above: broadcasting it would only cost a collective
-        # and a host read before every batch. GracefulPreemption's check agrees on the signal instead.
-        if not isinstance(self.trainer.strategy, NPU_STRATEGY_TYPES):
-            original_broadcast(self)
-
-    original_resume_path = getattr(CheckpointConnector, compat.HPC_RESUME_PATH)
-
-    def hpc_resume_path(self: Any) -> Optional[str]:
-        # Lightning counts the digits of every name containing "ckpt_", a save's hidden temporary included.
-        if not isinstance(self.trainer.strategy, NPU_STRATEGY_TYPES):
-            return original_resume_path.fget(self)
-        return latest_hpc_checkpoint(str(self.trainer.default_root_dir))
-
-    SignalConnector.register_signal_handlers = register_signal_handlers
-    setattr(TrainingEpochLoop, compat.BROADCAST_SIGTERM, broadcast_sigterm_tensor)
-    setattr(CheckpointConnector, compat.HPC_RESUME_PATH, property(hpc_resume_path, doc=original_resume_path.__doc__))
-    setattr(SignalConnector, _PATCHED, True)
-
-
-__all__ = ["FabricPreemption", "GracefulPreemption", "Preempted", "Preemption", "install"]
+__all__ = ["FabricPreemption", "GracefulPreemption", "Preempted", "Preemption"]

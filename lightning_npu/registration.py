@@ -22,19 +22,17 @@ def register_with_lightning() -> None:
 
 
 def register() -> None:
-    """Add everything to the four registries, wrap the connectors, Lightning's OOM handling (``oom.py``), its
-    signal handlers (``preemption.py``) and its checkpoint loading; calling it again changes nothing."""
+    """Add everything to the four registries and install the patches of Lightning's own code
+    (``lightning_patches``: connectors, OOM handling, signal handlers, checkpoint loading); calling it again changes
+    nothing."""
     from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.accelerators import AcceleratorRegistry
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_npu import oom
+    from lightning_npu import lightning_patches
     from lightning_npu.accelerator import NPUAccelerator
-    from lightning_npu.connectors import install_all
-    from lightning_npu.preemption import install as install_preemption
     from lightning_npu.strategies import STRATEGIES
-    from lightning_npu.strategies.checkpoint import install_loader
 
     for registry in (AcceleratorRegistry, ACCELERATOR_REGISTRY):
         if "npu" not in registry:
@@ -43,7 +41,4 @@ def register() -> None:
         for registry, cls in ((StrategyRegistry, trainer_cls), (STRATEGY_REGISTRY, fabric_cls)):
             if name not in registry:
                 registry.register(name, cls, description=f"{cls.__doc__.splitlines()[0]} (lightning-npu)")
-    install_all()
-    oom.install()
-    install_loader()  # load_from_checkpoint & co. read npu_fsdp's sharded checkpoint directories
-    install_preemption()
+    lightning_patches.install()

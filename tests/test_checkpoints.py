@@ -156,7 +156,7 @@ def test_host_staging_refills_its_buffers_and_reallocates_only_what_changed():
     save inside inference mode (ModelCheckpoint after validation) does not leave buffers that a save outside it
     cannot refill."""
     from lightning_npu.runtime.simulated import SimulatedRuntime, SimulationWarning
-    from lightning_npu.strategies.staging import HostStaging
+    from lightning_npu.strategies.checkpoints.staging import HostStaging
 
     with pytest.warns(SimulationWarning):
         staging = HostStaging(SimulatedRuntime(1))
@@ -239,7 +239,7 @@ def test_a_filtered_sharded_fabric_save_says_what_to_do_and_writes_nothing(fabri
 def test_publish_and_recover_never_lose_the_previous_checkpoint(tmp_path):
     """The rename protocol on its own: a new directory replaces an old one; a crash between moving the old one aside
     and renaming the new one in is repaired by putting the old one back; stale temporaries are deleted."""
-    from lightning_npu.strategies.checkpoint import aside_path, publish, recover, temporary_path
+    from lightning_npu.strategies.checkpoints.publish import aside_path, publish, recover, temporary_path
 
     target = tmp_path / "last.ckpt"
     target.mkdir()

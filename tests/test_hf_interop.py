@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_npu.strategies.checkpoint import is_sharded_checkpoint
+from lightning_npu.strategies.checkpoints.layout import is_sharded_checkpoint
 from recipes import convert
 from recipes.decoder import checkpoint_layout, hf_checkpoint
 from recipes.models.llama.config import LLaMAConfig

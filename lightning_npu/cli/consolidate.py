@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_npu.strategies.checkpoint import consolidate, is_sharded_checkpoint
+    from lightning_npu.strategies.checkpoints.layout import is_sharded_checkpoint
+    from lightning_npu.strategies.checkpoints.offline import consolidate
 
     if not is_sharded_checkpoint(args.checkpoint):
         reason = "does not exist" if not args.checkpoint.exists() else "is not a directory with a .metadata file"

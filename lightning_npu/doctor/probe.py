@@ -10,7 +10,6 @@ TORCH_DEVICE_BACKEND_AUTOLOAD=0 to tell torch_npu's part from torch's.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess

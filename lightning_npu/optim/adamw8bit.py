@@ -15,9 +15,9 @@ included) without re-quantizing. A layout whose shards would cut a tensor's bloc
 read the tensor's codes from a sharded checkpoint: load the consolidated file (``lightning-npu consolidate``) there.
 The others keep fp32 ``exp_avg`` / ``exp_avg_sq`` as torch's AdamW does; the first step logs how many.
 
-Full (unsharded) checkpoints hold the moments dequantized to fp32 under torch's names (``full_state``), which
-``torch.optim.AdamW`` loads; a torch AdamW state loads back here re-quantized (``load_state_dict``,
-``quantized_full_state``).
+Full (unsharded) checkpoints hold the moments dequantized to fp32 under torch's names (``to_full_state``, on
+``full_state``), which ``torch.optim.AdamW`` loads; a torch AdamW state loads back here re-quantized
+(``load_state_dict``, ``from_full_state``).
 """
 
 from __future__ import annotations
@@ -158,8 +158,14 @@ class AdamW8bit(Optimizer):
     def _block_size(self, param: Tensor) -> int:
         return next(g["block_size"] for g in self.param_groups if any(p is param for p in g["params"]))
 
-    def quantized_full_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A full (unsharded) state dict with fp32 moments, as ``full_state`` writes it, turned into the codes and
+    def to_full_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """What a full (unsharded) checkpoint holds of this optimizer's gathered ``state_dict``: the moments
+        dequantized to fp32 under torch's names (``full_state``), which ``torch.optim.AdamW`` loads. The checkpoint
+        code calls it on any optimizer that has it (``strategies.checkpoints.optimizer_state``)."""
+        return full_state(state_dict)
+
+    def from_full_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A full (unsharded) state dict with fp32 moments, as ``to_full_state`` writes it, turned into the codes and
         scales of the whole tensors this optimizer quantizes: what a full-state load under FSDP2 needs, since it
         shards the saved tensors onto the live state's keys. Parameters are matched by position in the groups."""
         saved_groups = state_dict.get("param_groups", [])

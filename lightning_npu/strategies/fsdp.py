@@ -36,11 +36,10 @@ from lightning_npu.facts.options import (
 from lightning_npu.precision import mixed_precision_policy, precision_name
 from lightning_npu.strategies import initial_state
 from lightning_npu.strategies.backward_sync import RestoresBackwardSync, gradients_unsynced
-from lightning_npu.strategies.checkpoint import (
+from lightning_npu.strategies.checkpoints.layout import directory_error, is_sharded_checkpoint
+from lightning_npu.strategies.checkpoints.load import load_into
+from lightning_npu.strategies.checkpoints.save import (
     CheckpointWriter,
-    directory_error,
-    is_sharded_checkpoint,
-    load_into,
     optimizer_state_dict,
     split_fabric_state,
     trainer_tensors,
@@ -252,7 +251,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
         memory_fraction: share (0..1] of each NPU's memory this process may use.
         process_group_backend: override the backend (default: hccl on NPUs, gloo when simulated).
         async_save: write sharded checkpoints in the background while training continues (see
-            ``lightning_npu.strategies.checkpoint``); saves are atomic either way.
+            ``lightning_npu.strategies.checkpoints``); saves are atomic either way.
         tensor_parallel_size: devices (consecutive ranks, inside one node) that split each layer between them and
             train on the same batch; FSDP shards over the rest (``lightning_npu.strategies.mesh``).
         context_parallel_size: devices that split each sequence between them and train on the same batch; FSDP
@@ -404,7 +403,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
                 _offload_parameters(model)
         setattr(model, _SHARDED_HERE, True)
 
-    # ---- checkpoints (lightning_npu.strategies.checkpoint does the work) ----
+    # ---- checkpoints (lightning_npu.strategies.checkpoints does the work) ----
 
     def _state_dict_options(self) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions

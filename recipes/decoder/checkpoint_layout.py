@@ -34,7 +34,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_npu.strategies.checkpoint import read_sharded_state_dict
+from lightning_npu.strategies.checkpoints.offline import read_sharded_state_dict
 from recipes import families, legacy
 from recipes.decoder.transformer import is_fused_gate_up, split_fused_gate_up
 

@@ -1,6 +1,7 @@
 """The explicit-instance path on the simulated NPUs with Lightning's connectors as Lightning ships them.
 
-``import lightning_npu`` wraps three private connector methods (``lightning_npu/connectors.py``); this script
+``import lightning_npu`` wraps three private connector methods
+(``lightning_npu/lightning_patches/connectors.py``); this script
 undoes the wraps first, then fits ``Trainer(accelerator=NPUAccelerator(), strategy=NPUFSDPStrategy(...),
 plugins=[MixedPrecision("bf16-mixed", device=<the runtime's device type>)])`` on two ranks and writes
 ``<out>/result.json`` from rank 0.

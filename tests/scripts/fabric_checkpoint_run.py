@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 import lightning_npu
-from lightning_npu.strategies.checkpoint import read_sharded
+from lightning_npu.strategies.checkpoints.offline import read_sharded
 from tests.scripts.fabric_run import train
 from tests.scripts.trainer_run import Block, Net
 

@@ -1,4 +1,4 @@
-"""Teach Lightning's Trainer and Fabric connectors the NPU choices they cannot make themselves.
+"""Lightning's Trainer and Fabric connectors, taught the NPU choices they cannot make themselves.
 
 Lightning 2.6 has no hook for third-party accelerators beyond its registries, and its connectors assume
 CUDA in three places that matter here, and refuses a precision it does not know before the plugin could say why.
@@ -137,6 +137,7 @@ def install(connector_cls: type, plugins_namespace: ModuleType) -> None:
 
 
 def install_all() -> None:
+    """Wrap the Trainer's and Fabric's connectors (idempotent)."""
     import lightning.fabric.plugins.precision as fabric_precision
     import lightning.pytorch.plugins.precision as trainer_precision
 

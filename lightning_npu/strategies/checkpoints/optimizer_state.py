@@ -1,0 +1,67 @@
+"""An optimizer's state as checkpoints hold it: keyed by parameter name (what DCP and torch's state-dict API match) or
+numbered as ``optimizer.state_dict()`` numbers it (what a plain optimizer loads), and in its full form.
+
+The full form is the optimizer's own business: an optimizer whose live state is not laid out as torch's optimizers
+lay theirs out (``lightning_npu.optim.AdamW8bit``: 8-bit codes and scales for its moments) defines
+``to_full_state(state_dict)`` -- the state a full checkpoint holds, which a plain torch optimizer loads -- and
+``from_full_state(state_dict)``, its inverse, applied before a full state is loaded into it. Other optimizers need
+neither: their full state is their state dict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_npu import compat
+
+
+def to_full_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """What a full checkpoint holds of ``optimizer``'s ``state_dict`` (the optimizer's ``to_full_state``, if any)."""
+    convert = getattr(optimizer, "to_full_state", None)
+    return state_dict if convert is None else convert(state_dict)
+
+
+def from_full_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A full checkpoint's ``state_dict`` in the layout of ``optimizer``'s live state (its ``from_full_state``)."""
+    convert = getattr(optimizer, "from_full_state", None)
+    return state_dict if convert is None else convert(state_dict)
+
+
+def keyed_by_name(optimizer_state: dict[str, Any], module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name (what ``set_optimizer_state_dict`` takes), from one keyed by
+    index (plain ``optimizer.state_dict()``) or by name. Works when the state is empty (an optimizer without state,
+    such as SGD without momentum, before or after its first step)."""
+    groups = optimizer_state.get("param_groups", [])
+    ids = [p for group in groups for p in group.get("params", [])]
+    if not ids or not isinstance(ids[0], int):
+        return optimizer_state  # already keyed by name
+    # The names DCP's state-dict API keys parameters by (a compiled submodule's `_orig_mod.` is not in them).
+    name_of = {id(p): next(iter(compat.dcp_parameter_fqns(module, name))) for name, p in module.named_parameters()}
+    live = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    if len(live) != len(ids):
+        raise ValueError(
+            f"the checkpoint's optimizer state covers {len(ids)} parameters, the optimizer has {len(live)}: the"
+            " checkpoint was written for another model or optimizer"
+        )
+    names = dict(zip(sorted(ids), live))
+    return {
+        "state": {names[index]: value for index, value in optimizer_state.get("state", {}).items()},
+        "param_groups": [{**group, "params": [names[p] for p in group["params"]]} for group in groups],
+    }
+
+
+def keyed_by_index(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """The inverse for one file readable by a plain ``optimizer.load_state_dict``: parameters numbered in
+    param-group order, as ``torch.optim.Optimizer.state_dict`` numbers them."""
+    groups = optimizer_state.get("param_groups", [])
+    order = [name for group in groups for name in group.get("params", [])]
+    if not order or isinstance(order[0], int):
+        return optimizer_state
+    index = {name: i for i, name in enumerate(order)}
+    return {
+        "state": {index[name]: value for name, value in optimizer_state.get("state", {}).items()},
+        "param_groups": [{**group, "params": [index[p] for p in group["params"]]} for group in groups],
+    }
