@@ -23,6 +23,7 @@ from recipes.models.moe import hf as moe_hf
 from recipes.models.moe.config import MoEConfig
 from recipes.models.moe.model import MoE
 from recipes.models.moe.router import load_balancing_loss
+from tests.hf_models import random_hf_model, random_tokens, saved
 
 _COMMON = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                rms_norm_eps=1e-6, num_experts_per_tok=2)
@@ -41,26 +42,12 @@ MOE_LAYERS = {"mixtral": [0, 1], "qwen2_moe": [0, 2], "qwen3_moe": [1, 3]}
 
 
 def hf_model(arch: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A tiny random transformers model of ``arch`` in eval mode; every weight random (norm gains around 1,
-    biases included) so each feature of the architecture moves the logits."""
     config_class, model_class, fields = HF_MODELS[arch]
-    torch.manual_seed(seed)
-    model = model_class(config_class(**_COMMON, **fields)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 0.2)
-            if "norm" in name:
-                param.add_(1.0)
-    return model
-
-
-def saved(model: transformers.PreTrainedModel, path) -> object:
-    model.save_pretrained(path)
-    return path
+    return random_hf_model(config_class, model_class, {**_COMMON, **fields}, seed=seed)
 
 
 def tokens(seed: int = 1, batch: int = 2, seq: int = 12) -> torch.Tensor:
-    return torch.randint(0, _COMMON["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return random_tokens(_COMMON["vocab_size"], seed=seed, batch=batch, seq=seq)
 
 
 def recipe_model(path) -> MoE:

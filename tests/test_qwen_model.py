@@ -17,6 +17,7 @@ from recipes.generate import generate, load_model
 from recipes.models.qwen import hf as qwen_hf
 from recipes.models.qwen.config import QwenConfig
 from recipes.models.qwen.model import Qwen
+from tests.hf_models import random_hf_model, random_tokens, saved
 
 _COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40,
                max_position_embeddings=64, rms_norm_eps=1e-6)
@@ -36,26 +37,12 @@ HF_MODELS = {
 
 
 def hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A tiny random transformers model in eval mode; every weight random (norm gains around 1, biases included) so
-    each feature moves the logits."""
     config_class, model_class, fields = HF_MODELS[name]
-    torch.manual_seed(seed)
-    model = model_class(config_class(**_COMMON, **fields)).eval()
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            param.normal_(0.0, 0.2)
-            if "norm" in param_name:
-                param.add_(1.0)
-    return model
-
-
-def saved(model: transformers.PreTrainedModel, path) -> object:
-    model.save_pretrained(path)
-    return path
+    return random_hf_model(config_class, model_class, {**_COMMON, **fields}, seed=seed)
 
 
 def tokens(seed: int = 1, batch: int = 2, seq: int = 12) -> torch.Tensor:
-    return torch.randint(0, _COMMON["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return random_tokens(_COMMON["vocab_size"], seed=seed, batch=batch, seq=seq)
 
 
 @pytest.mark.parametrize("name", sorted(HF_MODELS))

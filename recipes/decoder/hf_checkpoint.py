@@ -54,6 +54,38 @@ def hf_feed_forward_names(ours: str, theirs: str) -> dict[str, tuple[str, ...]]:
     }
 
 
+def hf_attention_names(ours: str, theirs: str, *, qkv_bias: bool = False,
+                       qk_norm: bool = False) -> dict[str, tuple[str, ...]]:
+    """The name map of an ``Attention`` at ``ours`` (``"layers.0.attention."``) whose HF attention is at ``theirs``
+    (``"model.layers.0.self_attn."``): q, k, v, o projections, the q/k/v biases with ``qkv_bias`` and the per-head
+    q/k norm gains with ``qk_norm``, one HF tensor each."""
+    names: dict[str, tuple[str, ...]] = {}
+    for mine, hf in {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}.items():
+        names[f"{ours}{mine}.weight"] = (f"{theirs}{hf}.weight",)
+        if qkv_bias and mine != "wo":
+            names[f"{ours}{mine}.bias"] = (f"{theirs}{hf}.bias",)
+    if qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            names[f"{ours}{norm}.weight"] = (f"{theirs}{norm}.weight",)
+    return names
+
+
+def hf_decoder_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config fields every family with grouped-query attention reads alike from an HF ``config.json``:
+    vocabulary, width, depth, heads, KV heads (default: one per head), head_dim (default: hidden / heads) and tied
+    embeddings. (Defaults that differ by family, as the RMSNorm epsilon's, stay with the family.)"""
+    hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+    return dict(
+        vocab_size=hf_config["vocab_size"],
+        dim=hidden,
+        n_layers=hf_config["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf_config.get("num_key_value_heads") or heads,
+        head_dim=hf_config.get("head_dim") or hidden // heads,
+        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+    )
+
+
 def hf_name_map(config: Any) -> dict[str, tuple[str, ...]]:
     """Recipe parameter name -> the Hugging Face names it is made of, by the family of ``config``."""
     return families.of_config(config).hf.name_map(config)

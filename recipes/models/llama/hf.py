@@ -10,7 +10,9 @@ from typing import Any, Mapping, Optional
 import torch
 
 from recipes.decoder.checkpoint_layout import CheckpointError
-from recipes.decoder.hf_checkpoint import HF_EMBEDDING, HF_HEAD, hf_decoder_entries, hf_feed_forward_names
+from recipes.decoder.hf_checkpoint import (
+    HF_EMBEDDING, HF_HEAD, hf_attention_names, hf_decoder_entries, hf_feed_forward_names,
+)
 from recipes.models.llama.config import ROPE_SCALING_KEYS, ROPE_SCALING_TYPE, LLaMAConfig, normalise_rope_scaling
 
 #: The ``config.json`` model types of the family (the first is what exports write).
@@ -37,10 +39,7 @@ def hf_name_map(config: LLaMAConfig) -> dict[str, tuple[str, ...]]:
         names.update(
             {
                 ours + "attention_norm.weight": (theirs + "input_layernorm.weight",),
-                ours + "attention.wq.weight": (theirs + "self_attn.q_proj.weight",),
-                ours + "attention.wk.weight": (theirs + "self_attn.k_proj.weight",),
-                ours + "attention.wv.weight": (theirs + "self_attn.v_proj.weight",),
-                ours + "attention.wo.weight": (theirs + "self_attn.o_proj.weight",),
+                **hf_attention_names(ours + "attention.", theirs + "self_attn."),
                 ours + "ffn_norm.weight": (theirs + "post_attention_layernorm.weight",),
                 **hf_feed_forward_names(ours + "feed_forward.", theirs + "mlp."),
             }

@@ -19,7 +19,9 @@ import torch
 from torch import Tensor
 
 from recipes.decoder.checkpoint_layout import CheckpointError
-from recipes.decoder.hf_checkpoint import HF_EMBEDDING, HF_HEAD, hf_decoder_entries, hf_feed_forward_names
+from recipes.decoder.hf_checkpoint import (
+    HF_EMBEDDING, HF_HEAD, hf_attention_names, hf_decoder_entries, hf_decoder_fields, hf_feed_forward_names,
+)
 from recipes.models.moe.config import MoEConfig
 
 #: The ``config.json`` model types of the family, one per ``MoEConfig.architecture`` (each exports as itself).
@@ -45,14 +47,8 @@ def hf_name_map(config: MoEConfig) -> dict[str, tuple[str, ...]]:
     names: dict[str, tuple[str, ...]] = {"tok_embeddings.weight": (HF_EMBEDDING,)}
     for i in range(config.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        projections = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
-        for mine, hf in projections.items():
-            names[f"{ours}attention.{mine}.weight"] = (f"{theirs}self_attn.{hf}.weight",)
-            if config.qkv_bias and mine != "wo":
-                names[f"{ours}attention.{mine}.bias"] = (f"{theirs}self_attn.{hf}.bias",)
-        if config.qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                names[f"{ours}attention.{norm}.weight"] = (f"{theirs}self_attn.{norm}.weight",)
+        names.update(hf_attention_names(ours + "attention.", theirs + "self_attn.", qkv_bias=config.qkv_bias,
+                                        qk_norm=config.qk_norm))
         names[ours + "attention_norm.weight"] = (theirs + "input_layernorm.weight",)
         names[ours + "ffn_norm.weight"] = (theirs + "post_attention_layernorm.weight",)
         mlp, hf_mlp = ours + "feed_forward.", theirs + "mlp."
@@ -110,20 +106,13 @@ def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json")
     if arch not in MODEL_TYPES:
         raise CheckpointError(f"{source}: model_type={arch!r}; the MoE family reads {list(MODEL_TYPES)}.")
     _refuse_unsupported(hf_config, arch, source)
-    hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
     fields: dict[str, Any] = dict(
         architecture=arch,
-        vocab_size=hf_config["vocab_size"],
-        dim=hidden,
-        n_layers=hf_config["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=hf_config.get("num_key_value_heads") or heads,
-        head_dim=hf_config.get("head_dim") or hidden // heads,
+        **hf_decoder_fields(hf_config),
         top_k=hf_config["num_experts_per_tok"],
         max_seq_len=hf_config["max_position_embeddings"],
         norm_eps=hf_config["rms_norm_eps"],
         rope_theta=_rope_theta(hf_config, arch, source),
-        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         router_aux_loss_coef=(
             float(hf_config.get("router_aux_loss_coef", _DEFAULT_AUX_LOSS_COEF))
             if hf_config.get("output_router_logits") else 0.0

@@ -9,7 +9,9 @@ from typing import Any, Mapping, Optional
 import torch
 
 from recipes.decoder.checkpoint_layout import CheckpointError
-from recipes.decoder.hf_checkpoint import HF_EMBEDDING, HF_HEAD, hf_decoder_entries, hf_feed_forward_names
+from recipes.decoder.hf_checkpoint import (
+    HF_EMBEDDING, HF_HEAD, hf_attention_names, hf_decoder_entries, hf_decoder_fields, hf_feed_forward_names,
+)
 from recipes.models.llama.hf import PEFT_TARGETS, rope_from_hf, rope_to_hf
 from recipes.models.qwen.config import ARCHITECTURES, QwenConfig
 
@@ -18,7 +20,6 @@ __all__ = ["MODEL_TYPES", "PEFT_TARGETS", "config_from_hf", "hf_config_dict", "h
 #: The ``config.json`` model types of the family, one per ``QwenConfig.architecture`` (each exports as itself).
 MODEL_TYPES = ARCHITECTURES
 _HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_PROJECTIONS = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
 
 
 def hf_name_map(config: QwenConfig) -> dict[str, tuple[str, ...]]:
@@ -27,13 +28,8 @@ def hf_name_map(config: QwenConfig) -> dict[str, tuple[str, ...]]:
     for i in range(config.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         names[ours + "attention_norm.weight"] = (theirs + "input_layernorm.weight",)
-        for mine, hf in _PROJECTIONS.items():
-            names[f"{ours}attention.{mine}.weight"] = (f"{theirs}self_attn.{hf}.weight",)
-            if config.qkv_bias and mine != "wo":
-                names[f"{ours}attention.{mine}.bias"] = (f"{theirs}self_attn.{hf}.bias",)
-        if config.qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                names[f"{ours}attention.{norm}.weight"] = (f"{theirs}self_attn.{norm}.weight",)
+        names.update(hf_attention_names(ours + "attention.", theirs + "self_attn.", qkv_bias=config.qkv_bias,
+                                        qk_norm=config.qk_norm))
         names[ours + "ffn_norm.weight"] = (theirs + "post_attention_layernorm.weight",)
         names.update(hf_feed_forward_names(ours + "feed_forward.", theirs + "mlp."))
     names["norm.weight"] = ("model.norm.weight",)
@@ -78,22 +74,15 @@ def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json")
             " trained without it, as the released Qwen2.5 and Qwen3 models were."
         )
     rope_theta, rope_scaling = rope_from_hf(hf_config, source=source)
-    hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
     try:
         return QwenConfig(
             architecture=arch,
-            vocab_size=hf_config["vocab_size"],
-            dim=hidden,
-            n_layers=hf_config["num_hidden_layers"],
-            n_heads=heads,
-            n_kv_heads=hf_config.get("num_key_value_heads") or heads,
-            head_dim=hf_config.get("head_dim") or hidden // heads,
+            **hf_decoder_fields(hf_config),
             ffn_hidden_dim=hf_config["intermediate_size"],
             max_seq_len=hf_config.get("max_position_embeddings", 32768),
             norm_eps=hf_config.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         )
     except ValueError as error:
         raise CheckpointError(f"{source}: {error}") from None
