@@ -13,7 +13,7 @@ import inspect
 import typing
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Literal, Optional, Union
 
 #: What each supported ZeRO stage means under FSDP2 (``reshard_after_forward``), in order of preference.
 ZERO_STAGES = {
@@ -245,7 +245,7 @@ def evenly_spaced(count: int, ratio: float) -> list[int]:
 def check_flag(option: str, value: Any) -> bool:
     """``value`` if it is True or False; ValueError otherwise (``"false"`` is a true string in Python)."""
     if not isinstance(value, bool):
-        raise ValueError(f"{option}={value!r} must be True or False")
+        raise ValueError(f"{option}={value!r} must be True or False (in YAML: true or false)")
     return value
 
 
@@ -333,8 +333,8 @@ class FSDPChoices:
         " it yourself)")
     tensor_parallel_plan: TensorParallelPlan = option(
         None, None, "import path of (or) a function `plan(model, tp_mesh, *, sequence_parallel, loss_parallel)`"
-        " returning `parallelize_module`'s plan; unset: the model's own `tensor_parallel_plan(tp_mesh, *,"
-        " sequence_parallel, loss_parallel)` method, if any")
+        " returning `parallelize_module`'s plan (`{\"layers.0.w1\": ColwiseParallel(), ...}`); unset: the model's"
+        " own `tensor_parallel_plan(tp_mesh, *, sequence_parallel, loss_parallel)` method, if any")
     expert_parallel_size: int = option(
         1, check_parallel_size, "devices (consecutive ranks of those FSDP shards over, dp_shard x cp) that split each"
         " MoE layer's experts between them and exchange its tokens by all_to_all; must divide dp_shard x cp and"
