@@ -7,9 +7,9 @@ torch-free tools (``lightning-npu plan`` and ``doctor``) and the training code c
   matched by the exact name ``torch.npu.get_device_name()`` returns; the planner's default chip.
 - ``precisions``: the precision settings NPU runs accept, Lightning's aliases, their dtypes, and why the rest
   cannot run (``canonical_precision``).
-- ``options``: ``npu_fsdp``'s torch-free options (zero_stage, sharding, activation checkpointing ratio,
-  memory_fraction, tensor / context parallel sizes): defaults, validation with the fix in the message, which blocks
-  a ratio checkpoints, the mesh layout those sizes give a run (``MeshLayout``).
+- ``options``: every ``npu_fsdp`` option declared once (``FSDPChoices``): default, type, validation with the fix in
+  the message, one-line help; the strategies' signature, docstring and the README table are generated from it.
+  Also which blocks a ratio checkpoints, and the mesh layout the sizes give a run (``MeshLayout``).
 - ``env``: the name of every environment variable the package reads or writes.
 - ``optim8bit``: which tensors AdamW8bit keeps 8-bit (from shape and shard count) and the bytes its state takes.
 - ``devices``: device ids -- torch_npu's reading of ``ASCEND_RT_VISIBLE_DEVICES`` and a ``devices=`` value.

@@ -1,14 +1,19 @@
-"""The ``npu_fsdp`` options that are facts rather than torch objects: their defaults, the values each accepts
-(with the error that names the value, why and the fix), and which blocks a checkpointing ratio selects.
+"""The ``npu_fsdp`` options, declared once (``FSDPChoices``): their defaults, types, the values each accepts (with the
+error that names the value, why and the fix) and their help, from which the strategies' signature, their
+docstring and the README's table are generated; which blocks a checkpointing ratio selects; the mesh layout.
 
-``strategies.fsdp.FSDPOptions`` adds the module-class policies and the torch-side work on top of
-``FSDPChoices``; ``lightning-npu plan`` validates the same options here without importing torch.
+``strategies.fsdp.FSDPOptions`` adds the checks that need torch (importing ``tensor_parallel_plan``);
+``lightning-npu plan`` reads a config's ``trainer.strategy.init_args`` with ``FSDPChoices`` without importing torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+import difflib
+import inspect
+import typing
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from typing import Any, Callable, Iterable, Literal, Optional, Union
 
 #: What each supported ZeRO stage means under FSDP2 (``reshard_after_forward``), in order of preference.
 ZERO_STAGES = {
@@ -16,7 +21,18 @@ ZERO_STAGES = {
     2: "parameters kept gathered until backward, less communication",
 }
 #: ``"full"``: every parameter sharded over all devices; ``"hybrid"``: sharded within a node, replicated across.
-SHARDINGS = ("full", "hybrid")
+Sharding = Literal["full", "hybrid"]
+SHARDINGS = typing.get_args(Sharding)
+#: ``"sharded"``: a distributed checkpoint directory; ``"full"``: one consolidated file.
+StateDictType = Literal["sharded", "full"]
+STATE_DICT_TYPES = typing.get_args(StateDictType)
+#: Module classes, their names or import paths (``auto_wrap_policy``, ``activation_checkpointing_policy``).
+ModuleClasses = Optional[Iterable[Union[str, type]]]
+#: A callable ``plan(model, tp_mesh, *, sequence_parallel, loss_parallel)`` returning ``parallelize_module``'s plan
+#: (module name -> ParallelStyle), or its import path (``"pkg.module.function"``).
+TensorParallelPlan = Optional[Union[str, Callable[..., Any]]]
+#: A process-group timeout: seconds (YAML) or a timedelta (Python); None: the default.
+Timeout = Optional[Union[float, timedelta]]
 
 DEFAULT_ZERO_STAGE = 3
 DEFAULT_SHARDING = "full"
@@ -226,35 +242,115 @@ def evenly_spaced(count: int, ratio: float) -> list[int]:
     return [i for i in range(count) if int((i + 1) * ratio) > int(i * ratio)]
 
 
+def check_flag(option: str, value: Any) -> bool:
+    """``value`` if it is True or False; ValueError otherwise (``"false"`` is a true string in Python)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{option}={value!r} must be True or False (in YAML: true or false)")
+    return value
+
+
+def check_state_dict_type(value: Any) -> str:
+    """``value`` if it is one of ``STATE_DICT_TYPES``; ValueError with the choices otherwise."""
+    if value not in STATE_DICT_TYPES:
+        raise ValueError(
+            f"state_dict_type={value!r} is not supported; use 'sharded' (a distributed checkpoint directory)"
+            " or 'full' (one consolidated file)"
+        )
+    return value
+
+
+def check_timeout(value: Any) -> Timeout:
+    """``value`` if it is None, a timedelta or a positive number of seconds; ValueError otherwise."""
+    if value is None or isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"timeout={value!r} must be a positive number of seconds, e.g. timeout=1800")
+    return value
+
+
+def option(default: Any, check: Optional[Callable[[str, Any], Any]], help: str) -> Any:
+    """One ``npu_fsdp`` option of ``FSDPChoices``: its default, its check (called with the option's name and value;
+    None: any value of its type) and its one-line help (the docstring and the README table)."""
+    return field(default=default, metadata={"check": check, "help": help})
+
+
+def value_check(check: Callable[[Any], Any]) -> Callable[[str, Any], Any]:
+    """An option check from one that names its option itself (``check_zero_stage``)."""
+    return lambda option, value: check(value)
+
+
 @dataclass(frozen=True)
 class FSDPChoices:
-    """The ``npu_fsdp`` options that need no torch, with their defaults, validated at construction."""
+    """Every ``npu_fsdp`` option, declared once: the strategies' keyword arguments, in this order (their signature is
+    generated from it, ``constructor_signature``), defaults, types, checks, docs (``options_table``) and the
+    planner's reading of ``trainer.strategy.init_args``. Adding an option is one field here plus its behaviour."""
 
-    zero_stage: int = DEFAULT_ZERO_STAGE
-    sharding: str = DEFAULT_SHARDING
-    activation_checkpointing_ratio: float = DEFAULT_ACTIVATION_CHECKPOINTING_RATIO
-    cpu_offload: bool = False
-    memory_fraction: Optional[float] = None
-    tensor_parallel_size: int = 1
-    context_parallel_size: int = 1
-    #: Under context parallelism: how attention sees the whole sequence (``CONTEXT_PARALLEL_ALGOS``).
-    context_parallel_algo: str = DEFAULT_CONTEXT_PARALLEL_ALGO
-    #: Under tensor parallelism: norms and residuals sharded over the sequence (the plan decides how).
-    sequence_parallel: bool = True
-    #: Under tensor parallelism: the loss computed on vocabulary-sharded logits (torch's ``loss_parallel``).
-    loss_parallel: bool = True
-    #: Ranks (of the FSDP shard ranks, ``dp_shard x cp``) that split each MoE layer's experts between them.
-    expert_parallel_size: int = 1
+    auto_wrap_policy: ModuleClasses = option(
+        None, None, "module classes (or names / import paths) that become FSDP units, e.g. the decoder block; unset:"
+        " the repeated block (the class with several instances holding the most parameters); `[]`: one unit")
+    zero_stage: int = option(
+        DEFAULT_ZERO_STAGE, value_check(check_zero_stage),
+        "3 reshards parameters after forward (least memory); 2 keeps them gathered until backward")
+    sharding: Sharding = option(
+        DEFAULT_SHARDING, value_check(check_sharding),
+        "`\"full\"` over all devices, or `\"hybrid\"`: shard within a node, replicate across nodes")
+    activation_checkpointing_policy: ModuleClasses = option(
+        None, None, "module classes (or names / import paths) whose activations are recomputed in backward")
+    activation_checkpointing_ratio: float = option(
+        DEFAULT_ACTIVATION_CHECKPOINTING_RATIO, value_check(check_activation_checkpointing_ratio),
+        "fraction (0..1) of those modules, evenly spaced, that recompute")
+    cpu_offload: bool = option(
+        False, check_flag, "keep sharded parameters, gradients and optimizer states in host memory")
+    state_dict_type: StateDictType = option(
+        "sharded", value_check(check_state_dict_type),
+        "`\"sharded\"`: a DCP directory, each rank writes its shard; `\"full\"`: one consolidated file that also"
+        " loads into a plain, unsharded model")
+    timeout: Timeout = option(
+        None, value_check(check_timeout), "process-group timeout in seconds (or a timedelta); unset: 30 min, or"
+        " more when the HCCL timeouts in the environment need it")
+    memory_fraction: Optional[float] = option(
+        None, value_check(check_memory_fraction), "share (0..1] of each NPU's memory this process may allocate")
+    process_group_backend: Optional[str] = option(
+        None, None, "the process-group backend; unset: hccl on NPUs, gloo when simulated")
+    async_save: bool = option(
+        False, check_flag, "write sharded checkpoints in the background while training continues (needs"
+        " `state_dict_type=\"sharded\"`); saves are atomic either way")
+    tensor_parallel_size: int = option(
+        1, check_parallel_size, "devices (consecutive ranks, inside one node) that split each layer between them and"
+        " train on the same batch; FSDP shards over the rest")
+    context_parallel_size: int = option(
+        1, check_parallel_size, "devices that split each sequence between them and train on the same batch; FSDP"
+        " shards over them too (the model's modules that declare `context_parallel = None` get the group)")
+    context_parallel_algo: str = option(
+        DEFAULT_CONTEXT_PARALLEL_ALGO, value_check(check_context_parallel_algo),
+        "`\"ulysses\"` (all-to-all over heads; heads % (tp x cp) == 0; packed rows work) or `\"ring\"` (keys and"
+        " values around the ranks; any head count; seq_len % (2 x cp) == 0)")
+    sequence_parallel: bool = option(
+        True, check_flag, "under tensor parallelism, passed to the plan: norms and residuals split by sequence")
+    loss_parallel: bool = option(
+        True, check_flag, "under tensor parallelism, passed to the plan (vocabulary-sharded logits); the Trainer runs"
+        " the steps and backward inside torch's `loss_parallel()` (Fabric: wrap your loss and `fabric.backward` in"
+        " it yourself)")
+    tensor_parallel_plan: TensorParallelPlan = option(
+        None, None, "import path of (or) a function `plan(model, tp_mesh, *, sequence_parallel, loss_parallel)`"
+        " returning `parallelize_module`'s plan (`{\"layers.0.w1\": ColwiseParallel(), ...}`); unset: the model's"
+        " own `tensor_parallel_plan(tp_mesh, *, sequence_parallel, loss_parallel)` method, if any")
+    expert_parallel_size: int = option(
+        1, check_parallel_size, "devices (consecutive ranks of those FSDP shards over, dp_shard x cp) that split each"
+        " MoE layer's experts between them and exchange its tokens by all_to_all; must divide dp_shard x cp and"
+        " every layer's expert count")
 
     def __post_init__(self) -> None:
-        check_zero_stage(self.zero_stage)
-        check_sharding(self.sharding)
-        check_activation_checkpointing_ratio(self.activation_checkpointing_ratio)
-        check_memory_fraction(self.memory_fraction)
-        check_parallel_size("tensor_parallel_size", self.tensor_parallel_size)
-        check_parallel_size("context_parallel_size", self.context_parallel_size)
-        check_context_parallel_algo(self.context_parallel_algo)
-        check_parallel_size("expert_parallel_size", self.expert_parallel_size)
+        for spec in fields(FSDPChoices):
+            check = spec.metadata["check"]
+            if check is not None:
+                check(spec.name, getattr(self, spec.name))
+        if self.async_save and self.state_dict_type != "sharded":
+            raise ValueError(
+                "async_save=True needs state_dict_type='sharded': a full checkpoint is gathered on rank 0, which"
+                " blocks training anyway; use state_dict_type='sharded' (consolidate later with"
+                " `lightning-npu consolidate`) or async_save=False"
+            )
 
     def layout(self, num_nodes: int, devices_per_node: int) -> MeshLayout:
         """The mesh these options give ``num_nodes x devices_per_node`` devices (ValueError if they cannot)."""
@@ -268,3 +364,49 @@ class FSDPChoices:
     def reshard_after_forward(self) -> bool:
         """FSDP2's ``reshard_after_forward`` for ``zero_stage``."""
         return self.zero_stage == 3
+
+
+def check_option_names(names: Iterable[str], where: str) -> None:
+    """TypeError naming each of ``names`` that is no ``npu_fsdp`` option, with the closest option (``where``: who was
+    given them, for the message)."""
+    known = [spec.name for spec in fields(FSDPChoices)]
+    unknown = [name for name in names if name not in known]
+    if not unknown:
+        return
+    problems = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1)
+        problems.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise TypeError(
+        f"{where}: {', '.join(problems)} {'is not an option' if len(unknown) == 1 else 'are not options'} of"
+        f" npu_fsdp; its options are {', '.join(known)}"
+    )
+
+
+def constructor_signature() -> inspect.Signature:
+    """``__init__(self, <every option of FSDPChoices, in order, with its default and type>)``: what LightningCLI
+    (jsonargparse), ``help()`` and IDEs read from a constructor that takes the options as ``**kwargs``."""
+    types = typing.get_type_hints(FSDPChoices)
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature(
+        [inspect.Parameter("self", kind)]
+        + [inspect.Parameter(spec.name, kind, default=spec.default, annotation=types[spec.name])
+           for spec in fields(FSDPChoices)],
+        return_annotation=None,
+    )
+
+
+def options_docstring() -> str:
+    """The constructor's ``Args:`` section (Google style, as jsonargparse reads it), one line per option."""
+    return "Args:\n" + "".join(f"    {spec.name}: {spec.metadata['help']}\n" for spec in fields(FSDPChoices))
+
+
+def options_table() -> str:
+    """The Markdown table of every option, its default and its help (the README's, ``tools/readme_options.py``)."""
+    rows = [f"| `{spec.name}` | `{_shown(spec.default)}` | {spec.metadata['help']} |" for spec in fields(FSDPChoices)]
+    return "\n".join(["| option | default | meaning |", "|---|---|---|", *rows]) + "\n"
+
+
+def _shown(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+

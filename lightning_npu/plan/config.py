@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 
 from lightning_npu.facts import env
 from lightning_npu.facts.chips import DEFAULT_PLAN_CHIP
-from lightning_npu.facts.options import FSDPChoices
+from lightning_npu.facts.options import FSDPChoices, check_option_names
 from lightning_npu.plan.decoder import DecoderProfile
 from lightning_npu.plan.profile import class_arguments, class_paths, find_profile, load_profile
 from lightning_npu.plan.spec import (
@@ -75,23 +75,17 @@ def load_spec(
         decoder = DecoderProfile(model_shape, name="decoder (--model-shape)", adapters=adapters)
     if lora_base is not None:
         decoder = _with_lora_base(decoder, lora_base)
-    strategy = _strategy(trainer) if path is not None else {}
-    options = {**dataclasses.asdict(FSDPChoices()), **strategy}  # npu_fsdp's defaults where the YAML is silent
-    ac_policy = _class_names(strategy.get("activation_checkpointing_policy"), "activation_checkpointing_policy",
-                             decoder)
-    wrap = _class_names(strategy.get("auto_wrap_policy"), "auto_wrap_policy", decoder)
-    ratio = float(options["activation_checkpointing_ratio"]) if ac_policy else 0.0
     overrides = {"tensor_parallel_size": tensor_parallel_size, "context_parallel_size": context_parallel_size,
                  "context_parallel_algo": context_parallel_algo}
-    options.update({key: value for key, value in overrides.items() if value is not None})
-    parallel = Parallelism(tensor=options["tensor_parallel_size"], context=options["context_parallel_size"],
-                           context_algo=options["context_parallel_algo"],
-                           sequence_parallel=bool(options["sequence_parallel"]),
-                           loss_parallel=bool(options["loss_parallel"]))
-    experts = options.get("expert_parallel_size", 1)
-    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
-        raise PlanError(f"config {str(path)!r}: expert_parallel_size={experts!r} must be a positive integer (1: none)")
-    decoder = decoder.with_expert_parallelism(experts)
+    options = _options(_strategy(trainer) if path is not None else {},
+                       {key: value for key, value in overrides.items() if value is not None}, path)
+    ac_policy = _class_names(options.activation_checkpointing_policy, "activation_checkpointing_policy", decoder)
+    wrap = _class_names(options.auto_wrap_policy, "auto_wrap_policy", decoder)
+    ratio = float(options.activation_checkpointing_ratio) if ac_policy else 0.0
+    parallel = Parallelism(tensor=options.tensor_parallel_size, context=options.context_parallel_size,
+                           context_algo=options.context_parallel_algo, sequence_parallel=options.sequence_parallel,
+                           loss_parallel=options.loss_parallel)
+    decoder = decoder.with_expert_parallelism(options.expert_parallel_size)
     notes = []
     if ac_ratio is not None:
         ratio = float(ac_ratio)
@@ -113,11 +107,11 @@ def load_spec(
             nodes=int(nodes if nodes is not None else settings["num_nodes"]),
             precision=canonical_precision(precision if precision is not None else settings["precision"]),
             accumulate_grad_batches=int(settings["accumulate_grad_batches"]),
-            zero_stage=int(zero_stage if zero_stage is not None else options["zero_stage"]),
-            sharding=str(options["sharding"]),
+            zero_stage=int(zero_stage if zero_stage is not None else options.zero_stage),
+            sharding=options.sharding,
             wrap_blocks=bool(wrap) or path is None,  # shapes alone: each block is an FSDP unit, as npu_fsdp advises
             ac_ratio=ratio,
-            cpu_offload=bool(options["cpu_offload"]),
+            cpu_offload=options.cpu_offload,
             kernels=kernels,
             optimizer=optimizer or ("adamw8bit" if class_arguments(model_section).get("optimizer") == "adamw8bit"
                                     else "fused"),
@@ -203,6 +197,20 @@ def _class_names(policy: Any, option: str, profile: DecoderProfile) -> list[str]
             f" {', '.join(unknown)}; use {expected}"
         )
     return names
+
+
+def _options(init_args: Mapping[str, Any], flags: Mapping[str, Any], path: Optional[str | os.PathLike]
+             ) -> FSDPChoices:
+    """npu_fsdp's options from the config's ``init_args`` (its defaults where they are silent) and the flags, checked
+    as the strategy checks them: an unknown name with the closest option, a bad value with the fix."""
+    where = f"config {str(path)!r}"
+    try:
+        check_option_names(init_args, f"{where}: trainer.strategy.init_args")
+        return FSDPChoices(**{**init_args, **flags})
+    except TypeError as error:
+        raise PlanError(str(error)) from None
+    except ValueError as error:
+        raise PlanError(f"{where}: {error}" if path is not None else str(error)) from None
 
 
 def _strategy(trainer: Mapping[str, Any]) -> dict[str, Any]:

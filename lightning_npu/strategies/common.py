@@ -12,23 +12,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_npu import compat
 from lightning_npu.facts.env import HCCL_TIMEOUTS
+from lightning_npu.facts.options import Timeout, check_timeout
 from lightning_npu.strategies.clean_exit import destroy_at_exit
 from lightning_npu.strategies.sync_batchnorm import HostSyncBatchNormDDP, host_sync_batchnorm
 from lightning_npu.timeouts import default_timeout_s, timeout_problem
 
-TIMEOUT = Union[float, timedelta]
 
-
-def as_timedelta(timeout: Optional[TIMEOUT]) -> timedelta:
+def as_timedelta(timeout: Timeout) -> timedelta:
     """A process-group timeout given in seconds (YAML) or as a timedelta (Python). None: 30 min, or more when
     the HCCL timeouts in the environment need it (see lightning_npu/timeouts.py)."""
     if timeout is None:
         return timedelta(seconds=default_timeout_s(os.environ))
-    if isinstance(timeout, timedelta):
-        return timeout
-    if float(timeout) <= 0:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, e.g. timeout=1800")
-    return timedelta(seconds=float(timeout))
+    check_timeout(timeout)
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
 
 
 def wrap_ddp(module: torch.nn.Module, root_device: torch.device, ddp_kwargs: dict[str, Any]) -> DistributedDataParallel:

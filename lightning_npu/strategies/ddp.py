@@ -11,7 +11,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_npu import compat
-from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta, wrap_ddp
+from lightning_npu.facts.options import Timeout
+from lightning_npu.strategies.common import BackendFromRuntime, as_timedelta, wrap_ddp
 
 
 def ddp_options(find_unused_parameters: bool, gradient_as_bucket_view: bool, static_graph: bool) -> dict[str, Any]:
@@ -27,7 +28,7 @@ class NPUDDPStrategy(BackendFromRuntime, DDPStrategy):
 
     strategy_name = "npu_ddp"
 
-    def __init__(self, timeout: Optional[TIMEOUT] = None, process_group_backend: Optional[str] = None,
+    def __init__(self, timeout: Timeout = None, process_group_backend: Optional[str] = None,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, accelerator: Any = None, parallel_devices: Any = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None) -> None:
@@ -46,7 +47,7 @@ class NPUDDPStrategy(BackendFromRuntime, DDPStrategy):
 class NPUFabricDDPStrategy(BackendFromRuntime, FabricDDPStrategy):
     """Fabric DDP on NPUs."""
 
-    def __init__(self, timeout: Optional[TIMEOUT] = None, process_group_backend: Optional[str] = None,
+    def __init__(self, timeout: Timeout = None, process_group_backend: Optional[str] = None,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, accelerator: Any = None, parallel_devices: Any = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None, precision: Any = None) -> None:

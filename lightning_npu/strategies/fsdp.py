@@ -11,7 +11,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterable, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Generator, Iterable, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
@@ -26,12 +26,11 @@ from typing_extensions import override
 
 from lightning_npu import compat
 from lightning_npu.facts.options import (
-    DEFAULT_ACTIVATION_CHECKPOINTING_RATIO,
-    DEFAULT_CONTEXT_PARALLEL_ALGO,
-    DEFAULT_SHARDING,
-    DEFAULT_ZERO_STAGE,
     FSDPChoices,
     MeshLayout,
+    check_option_names,
+    constructor_signature,
+    options_docstring,
 )
 from lightning_npu.precision import mixed_precision_policy, precision_name
 from lightning_npu.strategies import initial_state
@@ -45,16 +44,13 @@ from lightning_npu.strategies.checkpoints.save import (
     trainer_tensors,
 )
 from lightning_npu.strategies.clean_exit import destroy_at_exit
-from lightning_npu.strategies.common import TIMEOUT, BackendFromRuntime, as_timedelta, with_host_backend
+from lightning_npu.strategies.common import BackendFromRuntime, as_timedelta, with_host_backend
 from lightning_npu.strategies.fsdp1 import fsdp1_wrap_reported, refuse_fsdp1_units
 from lightning_npu.strategies.expert_parallel import apply_expert_parallel, shard_experts
 from lightning_npu.strategies.grad_norm import clip_grad_norm_, use_for_trainer_clipping
 from lightning_npu.strategies.mesh import build_expert_mesh, build_mesh, fsdp_mesh
 from lightning_npu.strategies.parallelize import (
-    MODULE_CLASSES,
-    SHARDING,
     STEP_METHODS,
-    TENSOR_PARALLEL_PLAN,
     apply_activation_checkpointing,
     apply_context_parallel,
     apply_fsdp,
@@ -69,8 +65,6 @@ from lightning_npu.strategies.parallelize import (
 from lightning_npu.strategies.rebind import ReplacedParameters
 from lightning_npu.strategies.sync_batchnorm import host_sync_batchnorm
 
-STATE_DICT_TYPE = Literal["sharded", "full"]
-
 # Lightning warns that any strategy overriding model_sharded_context cannot support `trainer.init_module()`;
 # npu_fsdp shards and initialises models built there like any other (tests/test_compatibility.py).
 warnings.filterwarnings("ignore", message=r"`trainer.init_module` cannot fully support .* `NPUFSDPStrategy`")
@@ -78,12 +72,8 @@ warnings.filterwarnings("ignore", message=r"`trainer.init_module` cannot fully s
 
 @dataclass(frozen=True)
 class FSDPOptions(FSDPChoices):
-    """The sharding choices both FSDP strategies accept, validated once: the torch-free ones (``FSDPChoices``,
-    which the planner shares) and the module-class policies."""
-
-    auto_wrap_policy: MODULE_CLASSES = None
-    activation_checkpointing_policy: MODULE_CLASSES = None
-    tensor_parallel_plan: TENSOR_PARALLEL_PLAN = None
+    """The options both FSDP strategies accept (``FSDPChoices`` declares them, the planner shares them), with the
+    check that needs torch: a ``tensor_parallel_plan`` must import."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -239,90 +229,30 @@ def _explained(name: str) -> Any:
 class _FSDPStrategyBase(BackendFromRuntime):
     """What the Trainer and Fabric FSDP strategies share: options, mesh, sampler split, parameter device.
 
-    Args:
-        auto_wrap_policy: module classes (or names) that become FSDP units, e.g. the decoder block.
-        zero_stage: 3 reshards parameters after forward; 2 keeps them gathered until backward.
-        sharding: ``"full"`` over all devices, or ``"hybrid"``: shard within a node, replicate across nodes.
-        activation_checkpointing_policy: module classes whose activations are recomputed in backward.
-        activation_checkpointing_ratio: fraction (0..1) of those modules, evenly spaced, to recompute.
-        cpu_offload: keep sharded parameters, gradients and optimizer states in host memory.
-        state_dict_type: ``"sharded"`` (a DCP directory, each rank writes its shard) or ``"full"`` (one file).
-        timeout: process-group timeout in seconds.
-        memory_fraction: share (0..1] of each NPU's memory this process may use.
-        process_group_backend: override the backend (default: hccl on NPUs, gloo when simulated).
-        async_save: write sharded checkpoints in the background while training continues (see
-            ``lightning_npu.strategies.checkpoints``); saves are atomic either way.
-        tensor_parallel_size: devices (consecutive ranks, inside one node) that split each layer between them and
-            train on the same batch; FSDP shards over the rest (``lightning_npu.strategies.mesh``).
-        context_parallel_size: devices that split each sequence between them and train on the same batch; FSDP
-            shards over them too. The model's modules that declare ``context_parallel = None`` are given the group
-            (``lightning_npu.kernels.context_parallel.ContextParallel``) to shard the batch and run attention with.
-        context_parallel_algo: ``"ulysses"`` (all-to-all over heads; heads % (tp x cp) == 0; packed rows work) or
-            ``"ring"`` (keys and values around the ranks; any head count; seq_len % (2 x cp) == 0).
-        expert_parallel_size: devices (consecutive ranks of those FSDP shards over, ``dp_shard x cp``) that split
-            each MoE layer's experts between them and exchange its tokens by all_to_all
-            (``lightning_npu.strategies.expert_parallel``); must divide ``dp_shard x cp`` and every layer's expert
-            count. With context parallelism the experts' mesh is a view of the one mesh (``mesh.build_expert_mesh``).
-        sequence_parallel: under tensor parallelism, passed to the plan: norms and residuals split by sequence.
-        loss_parallel: under tensor parallelism, passed to the plan (vocabulary-sharded logits); the Trainer runs
-            the steps and backward inside torch's ``loss_parallel()``.
-        tensor_parallel_plan: import path of (or) a function ``plan(model, tp_mesh, *, sequence_parallel,
-            loss_parallel)`` returning ``parallelize_module``'s plan; default: the model's own
-            ``tensor_parallel_plan(tp_mesh, *, sequence_parallel, loss_parallel)`` method, if any.
+    The constructor takes the options ``FSDPChoices`` declares (its signature and ``Args`` are generated from it).
     """
 
     options: FSDPOptions
     device_mesh: Any
 
-    def __init__(
-        self,
-        auto_wrap_policy: MODULE_CLASSES = None,
-        zero_stage: int = DEFAULT_ZERO_STAGE,
-        sharding: SHARDING = DEFAULT_SHARDING,
-        activation_checkpointing_policy: MODULE_CLASSES = None,
-        activation_checkpointing_ratio: float = DEFAULT_ACTIVATION_CHECKPOINTING_RATIO,
-        cpu_offload: bool = False,
-        state_dict_type: STATE_DICT_TYPE = "sharded",
-        timeout: Optional[TIMEOUT] = None,
-        memory_fraction: Optional[float] = None,
-        process_group_backend: Optional[str] = None,
-        async_save: bool = False,
-        tensor_parallel_size: int = 1,
-        context_parallel_size: int = 1,
-        context_parallel_algo: str = DEFAULT_CONTEXT_PARALLEL_ALGO,
-        sequence_parallel: bool = True,
-        loss_parallel: bool = True,
-        tensor_parallel_plan: TENSOR_PARALLEL_PLAN = None,
-        expert_parallel_size: int = 1,
-    ) -> None:
-        if async_save and not _is_sharded(state_dict_type):
-            raise ValueError(
-                "async_save=True needs state_dict_type='sharded': a full checkpoint is gathered on rank 0, which"
-                " blocks training anyway; use state_dict_type='sharded' (consolidate later with"
-                " `lightning-npu consolidate`) or async_save=False"
-            )
-        timeout = as_timedelta(timeout)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_option_names(kwargs, type(self).__name__)
+        self.options = FSDPOptions(*args, **kwargs)
+        timeout = as_timedelta(self.options.timeout)
         super().__init__(
-            save_distributed_checkpoint=_is_sharded(state_dict_type),
-            process_group_backend=process_group_backend,
+            save_distributed_checkpoint=self.options.state_dict_type == "sharded",
+            process_group_backend=self.options.process_group_backend,
             timeout=timeout,
             **self._base_kwargs(),
         )
-        self.options = FSDPOptions(
-            auto_wrap_policy=auto_wrap_policy, zero_stage=zero_stage, sharding=sharding,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            activation_checkpointing_ratio=activation_checkpointing_ratio, cpu_offload=cpu_offload,
-            memory_fraction=memory_fraction, tensor_parallel_size=tensor_parallel_size,
-            context_parallel_size=context_parallel_size, context_parallel_algo=context_parallel_algo,
-            sequence_parallel=sequence_parallel,
-            loss_parallel=loss_parallel, tensor_parallel_plan=tensor_parallel_plan,
-            expert_parallel_size=expert_parallel_size,
-        )
-        self._checkpoints = CheckpointWriter(bool(async_save), timeout)
+        self._checkpoints = CheckpointWriter(self.options.async_save, timeout)
         # What rank 0's configure_model built (Trainer), and which parameters sharding replaced (Fabric).
         self._built_in_configure_model: Optional[initial_state.BuiltParameters] = None
         self._replaced = ReplacedParameters()
         self._expert_mesh: Optional[Any] = None  # the experts' mesh under expert parallelism (mesh.build_expert_mesh)
+
+    __init__.__signature__ = constructor_signature()  # type: ignore[attr-defined]  # what LightningCLI reads
+    __init__.__doc__ = options_docstring()
 
     def _base_kwargs(self) -> dict[str, Any]:
         return {}
@@ -639,15 +569,6 @@ def _offload_parameters(model: nn.Module) -> None:
     model.to("cpu")
     for module, name, device in buffers:
         setattr(module, name, getattr(module, name).to(device))  # assigning a registered buffer keeps it one
-
-
-def _is_sharded(state_dict_type: str) -> bool:
-    if state_dict_type not in ("sharded", "full"):
-        raise ValueError(
-            f"state_dict_type={state_dict_type!r} is not supported; use 'sharded' (a distributed checkpoint directory)"
-            " or 'full' (one consolidated file)"
-        )
-    return state_dict_type == "sharded"
 
 
 __all__ = ["FSDPOptions", "NPUFSDPStrategy", "NPUFabricFSDPStrategy"]
