@@ -11,7 +11,7 @@ import torch
 
 from recipes.decoder.checkpoint_layout import CheckpointError
 from recipes.decoder.hf_checkpoint import (
-    HF_EMBEDDING, HF_HEAD, hf_attention_names, hf_decoder_entries, hf_feed_forward_names,
+    HF_EMBEDDING, HF_HEAD, hf_attention_names, hf_decoder_entries, hf_decoder_fields, hf_feed_forward_names,
 )
 from recipes.models.llama.config import ROPE_SCALING_KEYS, ROPE_SCALING_TYPE, LLaMAConfig, normalise_rope_scaling
 
@@ -61,25 +61,20 @@ def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json")
         if hf_config.get(flag):
             raise CheckpointError(f"{source}: {flag}=true; the recipe's projections have no bias.")
     rope_theta, rope_scaling = rope_from_hf(hf_config, source=source)
-    hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
-    head_dim = hf_config.get("head_dim") or hidden // heads
+    fields = hf_decoder_fields(hf_config)
+    head_dim, heads, hidden = fields.pop("head_dim"), fields["n_heads"], fields["dim"]
     if head_dim * heads != hidden:
         raise CheckpointError(
             f"{source}: head_dim={head_dim} x num_attention_heads={heads} != hidden_size={hidden}; "
             "the recipe needs head_dim = hidden_size / num_attention_heads."
         )
     return LLaMAConfig(
-        vocab_size=hf_config["vocab_size"],
-        dim=hidden,
-        n_layers=hf_config["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=hf_config.get("num_key_value_heads") or heads,
+        **fields,
         ffn_hidden_dim=hf_config["intermediate_size"],
         max_seq_len=hf_config.get("max_position_embeddings", 4096),
         norm_eps=hf_config.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
     )
 
 
