@@ -74,10 +74,13 @@ ExpertLoRASite = tuple[str, str, int, int]
 class DecoderFamily:
     """A model family: its config and model classes, its Hugging Face format, and where each LoRA target
     (``lora_config.TARGETS``) sits in its blocks: ``lora_sites`` for a projection (one per target it supports),
-    ``expert_lora_sites`` for the stacked experts' projections (none for a family without experts)."""
+    ``expert_lora_sites`` for the stacked experts' projections (none for a family without experts).
+    ``context_parallel``: whether its attention runs under npu_fsdp's ``context_parallel_size`` (its attention
+    modules declare ``context_parallel``); the recipe refuses the option for a family whose attention does not."""
 
     config_class: type
     model_class: type[nn.Module]
     hf: HFFormat
     lora_sites: Mapping[str, LoRASite]
     expert_lora_sites: Mapping[str, ExpertLoRASite] = field(default_factory=dict)
+    context_parallel: bool = True

@@ -11,4 +11,5 @@ FAMILY = DecoderFamily(
     hf=HFFormat.of_module(hf),
     # MLA's output projection; its latent and up-projections are not LoRA targets of the recipe yet.
     lora_sites={"o": ("attention.wo", 0, 1)},
+    context_parallel=False,  # MLAttention takes no context-parallel attention yet (Dv != Dk, the shared rotary key)
 )
