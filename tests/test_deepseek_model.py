@@ -220,3 +220,19 @@ def test_real_size_presets_have_transformers_parameter_count_and_the_published_s
     assert hf.model.layers[0].self_attn.scaling == pytest.approx(config.softmax_scale, rel=1e-12)
     assert abs(config.num_params() / total - 1) < 0.005 and abs(config.active_params() / active - 1) < 0.005
     assert config.softmax_scale == pytest.approx(scale, abs=1e-6)
+
+
+def test_a_bf16_checkpoint_with_transformers_fp32_router_round_trips_bit_exactly(tmp_path):
+    """transformers keeps DeepSeek-V3's router (gate weight, correction bias) in fp32 in a bf16 model; the export
+    takes its one dtype from the other tensors (before, it refused the checkpoint for mixing dtypes)."""
+    saved(hf_model("v3-q-lora-yarn"), tmp_path / "fp32")
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16)
+    saved(bf16, tmp_path / "hf")
+    theirs = load_file(tmp_path / "hf" / "model.safetensors")
+    assert theirs["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    config, state_dict = hf_checkpoint.load_hf_checkpoint(tmp_path / "hf")
+    hf_checkpoint.save_hf_checkpoint(config, state_dict, tmp_path / "out")
+    ours = load_file(tmp_path / "out" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == theirs[k].dtype
+                                                for k in ours)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"

@@ -32,7 +32,8 @@ class HFFormat:
     ``to_saved_layout(hf_state_dict, config)``, when set: where the tensors a checkpoint stores differ from those
     ``name_map`` names (transformers 5 keeps MoE experts stacked in memory but saves one tensor per expert, as
     transformers 4 did), any stored layout the family reads -> the named one, and back to what ``save_pretrained``
-    writes.
+    writes. ``fp32_names``: endings of the HF tensor names transformers keeps in fp32 whatever the model's dtype (its
+    ``_keep_in_fp32_modules_strict``: DeepSeek-V3's router), left out when a checkpoint's one dtype is worked out.
     """
 
     model_types: tuple[str, ...]
@@ -42,12 +43,13 @@ class HFFormat:
     peft_targets: Mapping[str, str]
     from_saved_layout: Optional[Callable[[dict[str, Any], Any], dict[str, Any]]] = None
     to_saved_layout: Optional[Callable[[dict[str, Any], Any], dict[str, Any]]] = None
+    fp32_names: tuple[str, ...] = ()
 
     @classmethod
     def of_module(cls, hf: Any) -> "HFFormat":
         """The format a family's ``hf.py`` module defines under the conventional names: ``MODEL_TYPES``,
         ``config_from_hf``, ``hf_config_dict``, ``hf_name_map``, ``PEFT_TARGETS`` and optionally
-        ``from_saved_layout`` and ``to_saved_layout``."""
+        ``from_saved_layout``, ``to_saved_layout`` and ``FP32_NAMES``."""
         return cls(
             model_types=hf.MODEL_TYPES,
             config_from_hf=hf.config_from_hf,
@@ -56,6 +58,7 @@ class HFFormat:
             peft_targets=hf.PEFT_TARGETS,
             from_saved_layout=getattr(hf, "from_saved_layout", None),
             to_saved_layout=getattr(hf, "to_saved_layout", None),
+            fp32_names=getattr(hf, "FP32_NAMES", ()),
         )
 
 

@@ -231,7 +231,8 @@ def save_hf_checkpoint(
 
     out_dir = Path(out_dir)
     hf_state_dict = recipe_to_hf_state_dict(state_dict, config)
-    dtypes = {t.dtype for t in hf_state_dict.values()}
+    fp32 = families.of_config(config).hf.fp32_names  # kept in fp32 by transformers in a model of any dtype
+    dtypes = {t.dtype for name, t in hf_state_dict.items() if not name.endswith(fp32)} or {torch.float32}
     if len(dtypes) != 1:
         raise CheckpointError(f"The checkpoint mixes dtypes {sorted(map(str, dtypes))}; HF configs carry one dtype.")
     extra: dict[str, Any] = {}

@@ -24,7 +24,7 @@ from recipes.decoder.hf_checkpoint import HF_EMBEDDING, HF_HEAD, hf_decoder_entr
 from recipes.models.deepseek.config import ARCHITECTURES, YARN_KEYS, DeepSeekConfig
 from recipes.models.moe import hf as moe_hf
 
-__all__ = ["MODEL_TYPES", "PEFT_TARGETS", "config_from_hf", "dequantize_fp8", "from_saved_layout", "hf_config_dict",
+__all__ = ["FP32_NAMES", "MODEL_TYPES", "PEFT_TARGETS", "config_from_hf", "dequantize_fp8", "from_saved_layout", "hf_config_dict",
            "hf_name_map", "to_saved_layout"]
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 MODEL_TYPES = ARCHITECTURES
 _HF_CLASSES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
 PEFT_TARGETS = {"o": "self_attn.o_proj"}
+#: What transformers keeps in fp32 in a bf16 DeepSeek-V3 (``_keep_in_fp32_modules_strict``): the router.
+FP32_NAMES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 _ATTENTION = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
               "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
 #: The block edge of the official FP8 checkpoints' scales (``weight_scale_inv`` [ceil(rows/128), ceil(cols/128)]).
