@@ -46,3 +46,20 @@ def test_tiny_deepseek_trains_and_exports_what_transformers_decodes_alike(tmp_pa
     with torch.no_grad():
         expected = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(generate(model, prompt, 12), expected)
+
+
+def test_tiny_deepseek_trains_with_expert_parallelism_with_the_losses_of_plain_sharding(tmp_path):
+    """expert_parallel_size 2 on 2 simulated NPUs (each rank holds 4 of the 8 routed experts of the 2 MoE layers;
+    the shared experts, the dense layer and MLA stay whole) gives plain sharding's per-step losses from the same
+    seed: the stacked experts split through the existing StackedExperts mechanism."""
+    losses = {}
+    for ep in (1, 2):
+        root = tmp_path / f"ep{ep}"
+        out = run_python([str(REPO / "recipes/train.py"), "fit", "--config", TINY_DEEPSEEK, *SMALL,
+                          "--trainer.strategy.init_args.expert_parallel_size", str(ep), "--trainer.max_steps", "6",
+                          "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(root)], simulate=2)
+        if ep == 2:
+            assert "expert parallelism over 2 ranks: the experts of 2 modules split" in out.stdout + out.stderr
+        losses[ep] = torch.tensor(list(logged_losses(root, 0).values()))
+    assert len(losses[1]) == 6 and losses[1][-1] < losses[1][0]
+    torch.testing.assert_close(losses[2], losses[1], rtol=0, atol=1e-3)
