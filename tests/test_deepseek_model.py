@@ -167,18 +167,72 @@ def test_fp8_block_quantized_weights_are_dequantized_on_import():
     assert torch.equal(ours["layers.0.attention.wkv_b.weight"], (codes.float() * scale).bfloat16())  # one block
 
 
-def test_multi_token_prediction_layers_are_dropped_on_import_with_a_log_line(caplog):
+def test_multi_token_prediction_exports_at_layer_n_imports_back_and_is_skipped_by_generation(tmp_path, caplog):
     hf = hf_model("v3-q-lora-yarn")
-    config = deepseek_hf.config_from_hf({**hf.config.to_dict(), "num_nextn_predict_layers": 1})
-    state = dict(hf.state_dict())
-    mtp = {"model.layers.3.eh_proj.weight": torch.zeros(32, 64), "model.layers.3.enorm.weight": torch.ones(32),
-           "model.layers.3.self_attn.kv_b_proj.weight": torch.zeros(4, 4)}
+    config = deepseek_hf.config_from_hf(hf.config.to_dict())
+    assert config.mtp_layers == 0  # transformers writes num_nextn_predict_layers 1 but saves no MTP layer
+    torch.manual_seed(5)
+    ours = DeepSeek(DeepSeekConfig.from_dict({**config.to_dict(), "mtp_layers": 1}))
+    ours.load_state_dict(hf_checkpoint.hf_to_recipe_state_dict(hf.state_dict(), config), strict=False)
+    hf_checkpoint.save_hf_checkpoint(ours.config, ours.state_dict(), tmp_path / "out")
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert {"model.layers.3.eh_proj.weight", "model.layers.3.shared_head.norm.weight",
+            "model.layers.3.self_attn.kv_b_proj.weight", "model.layers.3.mlp.experts.7.down_proj.weight"} <= set(written)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    again, state_dict = hf_checkpoint.load_hf_checkpoint(tmp_path / "out")
+    assert again == ours.config and all(torch.equal(state_dict[k], v) for k, v in ours.state_dict().items())
+    # transformers' model ignores the layer; generation through the recipe skips it and decodes as transformers.
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    prompt = tokens(seed=4, batch=2, seq=5)
+    with torch.no_grad():
+        expected = loaded.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(ours.eval(), prompt, 6), expected)
+    # A model without MTP drops a checkpoint's MTP layers (and the release's copies of the embedding and head).
+    extra = {"model.layers.3.embed_tokens.weight": written["model.embed_tokens.weight"], **written}
     with caplog.at_level(logging.WARNING):
-        ours = hf_checkpoint.hf_to_recipe_state_dict({**state, **mtp}, config)
-    assert "multi-token-prediction layer(s) [3]" in caplog.text
-    assert ours.keys() == hf_checkpoint.hf_to_recipe_state_dict(state, config).keys()
-    with pytest.raises(ValueError, match=r"mtp_layers=1: multi-token prediction training is not implemented"):
-        DeepSeekConfig.from_preset("tiny", mtp_layers=1)
+        plain = hf_checkpoint.hf_to_recipe_state_dict(extra, config)
+    assert "multi-token-prediction layer(s) [3]" in caplog.text and not any(k.startswith("mtp.") for k in plain)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_multi_token_loss_predicts_two_ahead_within_each_row_or_sample(packed):
+    """The depth-1 loss is the cross-entropy of the depth run on the trunk's hidden states of positions 0 .. n-2 and
+    the embeddings of tokens 1 .. n-1 of each sample alone, against tokens 2 .. n: what rolling and masking must
+    give (a roll across a sample boundary would predict the next sample's tokens)."""
+    torch.manual_seed(0)
+    config = DeepSeekConfig.from_preset("tiny", n_layers=2, mtp_layers=1, mtp_loss_weight=0.5, vocab_size=64)
+    model = DeepSeek(config).train()
+    ids = torch.randint(0, 64, (1, 12) if packed else (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = torch.cat((ids[:, 1:], torch.full((ids.shape[0], 1), -100)), dim=1)
+    bounds = [0, 5, 12] if packed else None
+    if packed:
+        labels[0, 4] = -100  # a sample's last token has no next token
+    model(ids, cu_seqlens=bounds)
+    loss = model.multi_token_loss(labels)
+    loss.backward()
+    assert model.mtp[0].eh_proj.weight.grad.abs().sum() > 0
+    samples = [(0, 5), (5, 12)] if packed else [(0, 12)]
+    rows = range(ids.shape[0])
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            for start, end in samples:
+                sample = ids[row:row + 1, start:end]
+                h, cos, sin, _ = model.embed(sample, None, 0, None, None)
+                model._ahead = None
+                for block in model.layers:
+                    h = block(h, cos, sin)
+                n = end - start
+                hidden = model.mtp[0](h[:, : n - 1], model.tok_embeddings(sample[:, 1:]), cos[: n - 1], sin[: n - 1], None)
+                logits = model.output(model.mtp[0].norm(hidden)).float()
+                target = labels[row, start + 1:end]
+                valid = target != -100
+                total += torch.nn.functional.cross_entropy(logits[0][valid], target[valid], reduction="sum")
+                count += int(valid.sum())
+    torch.testing.assert_close(loss.detach(), 0.5 * total / count, rtol=1e-5, atol=1e-6)
+    model.eval()
+    model(ids, cu_seqlens=bounds)
+    assert model.multi_token_loss(labels).item() == 0.0  # evaluation runs no MTP
 
 
 def test_hf_configs_and_recipe_configs_the_model_cannot_hold_are_refused():
@@ -199,6 +253,8 @@ def test_hf_configs_and_recipe_configs_the_model_cannot_hold_are_refused():
         (dict(top_k=6, topk_group=2), r"top_k=6 exceeds the 4 experts of the topk_group=2 groups"),
         (dict(first_k_dense=3), r"first_k_dense=3 leaves no MoE layer"),
         (dict(router_aux_loss_coef=0.01), r"router_aux_loss_coef=0.01: the sequence-wise auxiliary loss"),
+        (dict(architecture="deepseek_v2", norm_topk_prob=False, router_bias_update_rate=0.0, mtp_layers=1),
+         r"deepseek_v2 has no multi-token prediction"),
         (dict(architecture="deepseek_v2", norm_topk_prob=True, router_bias_update_rate=0.0), r"never renormalises"),
     ]:
         with pytest.raises(ValueError, match=message):

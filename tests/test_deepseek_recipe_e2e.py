@@ -63,3 +63,31 @@ def test_tiny_deepseek_trains_with_expert_parallelism_with_the_losses_of_plain_s
         losses[ep] = torch.tensor(list(logged_losses(root, 0).values()))
     assert len(losses[1]) == 6 and losses[1][-1] < losses[1][0]
     torch.testing.assert_close(losses[2], losses[1], rtol=0, atol=1e-3)
+
+
+def test_tiny_deepseek_trains_multi_token_prediction_and_exports_it_at_layer_n(tmp_path):
+    """--model.config {mtp_layers: 1}: the logged loss (next-token plus 0.3 x the depth-1 MTP loss) falls, the export
+    holds the MTP depth as DeepSeek's release does (model.layers.3.*, num_nextn_predict_layers 1), imports back with
+    it, and transformers, which ignores it, decodes as the recipe's generation (which skips it) does."""
+    from transformers import AutoModelForCausalLM
+
+    from recipes.decoder.hf_checkpoint import load_hf_checkpoint
+    from recipes.generate import generate, load_model
+
+    run_python([str(REPO / "recipes/train.py"), "fit", "--config", TINY_DEEPSEEK, *SMALL, "--model.config",
+                "{mtp_layers: 1}", "--trainer.max_steps", "10", "--trainer.log_every_n_steps", "1",
+                "--trainer.default_root_dir", str(tmp_path)], simulate=2)
+    losses = list(logged_losses(tmp_path, 0).values())
+    assert len(losses) == 10 and max(losses[-3:]) < min(losses[:3]) - 0.5, losses
+    ckpt = last_checkpoint(tmp_path, 0)
+    hf_dir = tmp_path / "hf"
+    run_python([str(REPO / "recipes/convert.py"), "to-hf", str(ckpt), str(hf_dir)], simulate=None)
+    assert json.loads((hf_dir / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert "model.layers.3.eh_proj.weight" in load_file(hf_dir / "model.safetensors")
+    assert load_hf_checkpoint(hf_dir)[0].mtp_layers == 1
+    model, _ = load_model(ckpt)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    prompt = torch.tensor([[5, 17, 99, 3]])
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(model, prompt, 8), expected)

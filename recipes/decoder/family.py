@@ -43,13 +43,14 @@ class HFFormat:
     peft_targets: Mapping[str, str]
     from_saved_layout: Optional[Callable[[dict[str, Any], Any], dict[str, Any]]] = None
     to_saved_layout: Optional[Callable[[dict[str, Any], Any], dict[str, Any]]] = None
+    config_from_weights: Optional[Callable[[Any, Any], Any]] = None
     fp32_names: tuple[str, ...] = ()
 
     @classmethod
     def of_module(cls, hf: Any) -> "HFFormat":
         """The format a family's ``hf.py`` module defines under the conventional names: ``MODEL_TYPES``,
         ``config_from_hf``, ``hf_config_dict``, ``hf_name_map``, ``PEFT_TARGETS`` and optionally
-        ``from_saved_layout``, ``to_saved_layout`` and ``FP32_NAMES``."""
+        ``from_saved_layout``, ``to_saved_layout``, ``config_from_weights`` and ``FP32_NAMES``."""
         return cls(
             model_types=hf.MODEL_TYPES,
             config_from_hf=hf.config_from_hf,
@@ -58,6 +59,7 @@ class HFFormat:
             peft_targets=hf.PEFT_TARGETS,
             from_saved_layout=getattr(hf, "from_saved_layout", None),
             to_saved_layout=getattr(hf, "to_saved_layout", None),
+            config_from_weights=getattr(hf, "config_from_weights", None),
             fp32_names=getattr(hf, "FP32_NAMES", ()),
         )
 

@@ -212,8 +212,11 @@ def load_hf_checkpoint(hf_dir: PathLike) -> tuple[Any, dict[str, Tensor]]:
         raise CheckpointError(f"{hf_dir} has no config.json; it is not a Hugging Face model directory.")
     hf_config = json.loads(config_path.read_text())
     config = config_from_hf(hf_config, source=str(config_path))
-    state_dict = hf_to_recipe_state_dict(load_hf_state_dict(hf_dir), config)
-    return config, state_dict
+    hf_state_dict = load_hf_state_dict(hf_dir)
+    from_weights = families.of_config(config).hf.config_from_weights
+    if from_weights is not None:  # what config.json leaves open, the weights say (DeepSeek-V3's MTP layers)
+        config = from_weights(config, hf_state_dict.keys())
+    return config, hf_to_recipe_state_dict(hf_state_dict, config)
 
 
 def save_hf_checkpoint(

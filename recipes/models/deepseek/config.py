@@ -47,8 +47,13 @@ class DeepSeekConfig(ConfigDict):
     ``routed_scaling_factor``), plus ``n_shared_experts`` shared experts every token runs (one SwiGLU MLP of width
     ``n_shared_experts * expert_hidden_dim``). V3's router holds ``e_score_correction_bias`` (the recipe's
     ``expert_bias``), added to the scores for the choice only; ``router_bias_update_rate`` > 0 trains it
-    (auxiliary-loss-free balancing, DeepSeek-V3 uses 0.001). ``router_aux_loss_coef`` and ``mtp_layers``
-    (multi-token prediction) are not implemented and must stay 0.
+    (auxiliary-loss-free balancing, DeepSeek-V3 uses 0.001). ``router_aux_loss_coef`` (the sequence-wise auxiliary
+    loss) is not implemented and must stay 0.
+
+    ``mtp_layers`` > 0 (V3's ``num_nextn_predict_layers``) adds that many multi-token-prediction modules: depth k
+    predicts the token k + 1 ahead from depth k - 1's hidden state and the embedding of the token k ahead, through
+    one more DeepSeekMoE layer and the shared output head; training adds ``mtp_loss_weight`` x their mean
+    cross-entropy (DeepSeek-V3: 0.3, later 0.1). Generation does not run them.
     """
 
     architecture: str = "deepseek_v3"
@@ -80,6 +85,7 @@ class DeepSeekConfig(ConfigDict):
     router_bias_update_rate: float = 0.0
     router_aux_loss_coef: float = 0.0
     mtp_layers: int = 0
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
         if self.rope_scaling is not None:
@@ -99,7 +105,7 @@ class DeepSeekConfig(ConfigDict):
         )
         if self.q_lora_rank is not None:
             self.require_positive(("q_lora_rank",))
-        for name in ("n_shared_experts", "first_k_dense"):
+        for name in ("n_shared_experts", "first_k_dense", "mtp_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{where}.{name}={value!r} is invalid: it must be an integer >= 0.")
@@ -126,7 +132,7 @@ class DeepSeekConfig(ConfigDict):
         if self.architecture == "deepseek_v3" and self.n_group > 1 and self.n_experts // self.n_group < 2:
             raise ValueError(f"{where}: DeepSeek-V3 scores a group by its two best experts, so each of the"
                              f" n_group={self.n_group} groups needs at least 2 of the n_experts={self.n_experts}.")
-        for name in ("router_bias_update_rate", "router_aux_loss_coef"):
+        for name in ("router_bias_update_rate", "router_aux_loss_coef", "mtp_loss_weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{where}.{name}={value!r} is invalid: it must be a number >= 0.")
@@ -134,11 +140,6 @@ class DeepSeekConfig(ConfigDict):
             raise ValueError(
                 f"{where}.router_aux_loss_coef={self.router_aux_loss_coef}: the sequence-wise auxiliary loss is not"
                 " implemented for DeepSeek; balance with router_bias_update_rate (DeepSeek-V3: 0.001) instead."
-            )
-        if self.mtp_layers:
-            raise ValueError(
-                f"{where}.mtp_layers={self.mtp_layers}: multi-token prediction training is not implemented; set it to"
-                " 0 (imports drop a checkpoint's MTP layers, which generation does not use)."
             )
         if self.architecture == "deepseek_v2":
             if not self.rope_interleave:
@@ -149,6 +150,9 @@ class DeepSeekConfig(ConfigDict):
             if self.router_bias_update_rate:
                 raise ValueError(f"{where}: deepseek_v2's router has no correction bias, so router_bias_update_rate"
                                  " must be 0; use architecture deepseek_v3 for auxiliary-loss-free balancing.")
+            if self.mtp_layers:
+                raise ValueError(f"{where}: deepseek_v2 has no multi-token prediction; set mtp_layers=0 or use"
+                                 " architecture deepseek_v3.")
 
     @property
     def n_kv_heads(self) -> int:
@@ -167,7 +171,7 @@ class DeepSeekConfig(ConfigDict):
 
     @property
     def moe_layers(self) -> list[int]:
-        """Indices of the DeepSeekMoE layers."""
+        """Indices of the DeepSeekMoE layers of the trunk (the multi-token-prediction layers are MoE layers too)."""
         return list(range(self.first_k_dense, self.n_layers))
 
     @property
@@ -230,6 +234,8 @@ class DeepSeekConfig(ConfigDict):
     def _params(self, experts: int, include_embedding: bool) -> int:
         moe, dense = self._block_params(experts)
         total = len(self.moe_layers) * moe + self.first_k_dense * dense + self.dim + self.vocab_size * self.dim
+        # Each multi-token-prediction module: an MoE layer, eh_proj [dim, 2 dim] and three norms (head shared).
+        total += self.mtp_layers * (moe + 2 * self.dim * self.dim + 3 * self.dim)
         if include_embedding and not self.tie_embeddings:
             total += self.vocab_size * self.dim
         return total
@@ -244,11 +250,14 @@ class DeepSeekConfig(ConfigDict):
 
     def flops_per_token(self, seq_len: Optional[int] = None) -> int:
         """Training FLOPs per token at ``seq_len`` (default ``max_seq_len``): ``6 x`` the active non-embedding
-        parameters plus ``6 * n_layers * seq_len * n_heads * (qk_head_dim + v_head_dim)`` for the attention scores
-        and their weighted values (``LLaMAConfig``'s ``12 * L * S * H * head_dim`` with unequal q/k and v widths)."""
+        parameters (and the output head once more per MTP depth) plus ``6 * L * seq_len * n_heads * (qk_head_dim +
+        v_head_dim)`` over the L = n_layers + mtp_layers layers for the attention scores and their weighted values
+        (``LLaMAConfig``'s ``12 * L * S * H * head_dim`` with unequal q/k and v widths)."""
         seq_len = self.max_seq_len if seq_len is None else seq_len
-        attention = 6 * self.n_layers * seq_len * self.n_heads * (self.qk_head_dim + self.v_head_dim)
-        return 6 * self.active_params(include_embedding=False) + attention
+        layers = self.n_layers + self.mtp_layers
+        attention = 6 * layers * seq_len * self.n_heads * (self.qk_head_dim + self.v_head_dim)
+        heads = self.mtp_layers * self.vocab_size * self.dim  # each MTP depth runs the shared head once more
+        return 6 * (self.active_params(include_embedding=False) + heads) + attention
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "DeepSeekConfig":

@@ -6,15 +6,17 @@ The experts are stacked in memory as transformers 5 holds them (``mlp.experts.ga
 downloads and ``save_pretrained`` store one tensor per expert (``mlp.experts.{j}.gate_proj`` ...), read and written
 by the MoE family's ``from_saved_layout`` / ``to_saved_layout``. The official DeepSeek-V3 weights are FP8
 (``float8_e4m3fn``) with one fp32 ``weight_scale_inv`` per 128 x 128 block: they are dequantized to bf16 on import.
-Their layer ``num_hidden_layers`` (and beyond) is the multi-token-prediction module, which the recipe does not train
-and generation does not use: it is dropped on import, with a log line.
+Their layer ``num_hidden_layers`` (and beyond) is the multi-token-prediction module: imported as the model's
+``mtp_layers`` (``config_from_weights``), trained with ``mtp_loss_weight``, exported at the same keys; generation does
+not run it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -24,7 +26,7 @@ from recipes.decoder.hf_checkpoint import HF_EMBEDDING, HF_HEAD, hf_decoder_entr
 from recipes.models.deepseek.config import ARCHITECTURES, YARN_KEYS, DeepSeekConfig
 from recipes.models.moe import hf as moe_hf
 
-__all__ = ["FP32_NAMES", "MODEL_TYPES", "PEFT_TARGETS", "config_from_hf", "dequantize_fp8", "from_saved_layout", "hf_config_dict",
+__all__ = ["FP32_NAMES", "MODEL_TYPES", "PEFT_TARGETS", "config_from_hf", "config_from_weights", "dequantize_fp8", "from_saved_layout", "hf_config_dict",
            "hf_name_map", "to_saved_layout"]
 
 log = logging.getLogger(__name__)
@@ -40,31 +42,45 @@ _ATTENTION = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq
 #: The block edge of the official FP8 checkpoints' scales (``weight_scale_inv`` [ceil(rows/128), ceil(cols/128)]).
 FP8_BLOCK = 128
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+#: What DeepSeek's release stores in each MTP layer besides the module: copies of the shared embedding and head.
+_MTP_SHARED_COPIES = (".embed_tokens.weight", ".shared_head.head.weight")
+
+
+def _layer_names(config: DeepSeekConfig, ours: str, theirs: str, moe: bool) -> dict[str, tuple[str, ...]]:
+    """The name map of one ``DeepSeekBlock`` at ``ours`` (``"layers.0."``) whose HF layer is at ``theirs``."""
+    low_rank = ("wq_a", "q_norm", "wq_b") if config.q_lora_rank is not None else ("wq",)
+    names = {ours + "attention_norm.weight": (theirs + "input_layernorm.weight",)}
+    for mine in (*low_rank, "wkv_a", "kv_norm", "wkv_b", "wo"):
+        names[f"{ours}attention.{mine}.weight"] = (f"{theirs}self_attn.{_ATTENTION[mine]}.weight",)
+    names[ours + "ffn_norm.weight"] = (theirs + "post_attention_layernorm.weight",)
+    mlp, hf_mlp = ours + "feed_forward.", theirs + "mlp."
+    if moe:
+        names[mlp + "router.weight"] = (hf_mlp + "gate.weight",)
+        if config.architecture == "deepseek_v3":
+            names[mlp + "router.expert_bias"] = (hf_mlp + "gate.e_score_correction_bias",)
+        names[mlp + "experts.w_gate_up"] = (hf_mlp + "experts.gate_up_proj",)
+        names[mlp + "experts.w_down"] = (hf_mlp + "experts.down_proj",)
+        if config.n_shared_experts:
+            names.update(hf_feed_forward_names(mlp + "shared_expert.", hf_mlp + "shared_experts."))
+    else:
+        names.update(hf_feed_forward_names(mlp, hf_mlp))
+    return names
 
 
 def hf_name_map(config: DeepSeekConfig) -> dict[str, tuple[str, ...]]:
-    """Recipe parameter name -> the Hugging Face (transformers 5) name it is (one each)."""
+    """Recipe parameter name -> the Hugging Face (transformers 5) name it is (one each); the multi-token-prediction
+    depths as DeepSeek's release stores them, at layers ``n_layers ..`` (``enorm``, ``hnorm``, ``eh_proj``,
+    ``shared_head.norm`` and a decoder layer's tensors)."""
     names: dict[str, tuple[str, ...]] = {"tok_embeddings.weight": (HF_EMBEDDING,)}
-    low_rank = ("wq_a", "q_norm", "wq_b") if config.q_lora_rank is not None else ("wq",)
     for i in range(config.n_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        names[ours + "attention_norm.weight"] = (theirs + "input_layernorm.weight",)
-        for mine in (*low_rank, "wkv_a", "kv_norm", "wkv_b", "wo"):
-            names[f"{ours}attention.{mine}.weight"] = (f"{theirs}self_attn.{_ATTENTION[mine]}.weight",)
-        names[ours + "ffn_norm.weight"] = (theirs + "post_attention_layernorm.weight",)
-        mlp, hf_mlp = ours + "feed_forward.", theirs + "mlp."
-        if i in config.moe_layers:
-            names[mlp + "router.weight"] = (hf_mlp + "gate.weight",)
-            if config.architecture == "deepseek_v3":
-                names[mlp + "router.expert_bias"] = (hf_mlp + "gate.e_score_correction_bias",)
-            names[mlp + "experts.w_gate_up"] = (hf_mlp + "experts.gate_up_proj",)
-            names[mlp + "experts.w_down"] = (hf_mlp + "experts.down_proj",)
-            if config.n_shared_experts:
-                names.update(hf_feed_forward_names(mlp + "shared_expert.", hf_mlp + "shared_experts."))
-        else:
-            names.update(hf_feed_forward_names(mlp, hf_mlp))
+        names.update(_layer_names(config, f"layers.{i}.", f"model.layers.{i}.", i in config.moe_layers))
     names["norm.weight"] = ("model.norm.weight",)
     names["output.weight"] = (HF_HEAD,)
+    for k in range(config.mtp_layers):
+        ours, theirs = f"mtp.{k}.", f"model.layers.{config.n_layers + k}."
+        for mine, hf in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("norm", "shared_head.norm")):
+            names[f"{ours}{mine}.weight"] = (f"{theirs}{hf}.weight",)
+        names.update(_layer_names(config, ours + "block.", theirs, True))
     return names
 
 
@@ -91,18 +107,32 @@ def dequantize_fp8(hf_state_dict: dict[str, Tensor], *, dtype: torch.dtype = tor
 
 
 def from_saved_layout(hf_state_dict: dict[str, Tensor], config: DeepSeekConfig) -> dict[str, Tensor]:
-    """Any stored DeepSeek state dict in the stacked layout ``hf_name_map`` names: the multi-token-prediction layers
-    (``model.layers.{n_layers}`` ..) dropped (logged), FP8 weights dequantized (``dequantize_fp8``), per-expert
-    tensors stacked (the MoE family's ``from_saved_layout``)."""
-    mtp = sorted({int(m.group(1)) for name in hf_state_dict if (m := _LAYER.match(name)) and int(m.group(1)) >= config.n_layers})
-    if mtp:
-        log.warning("Dropping the multi-token-prediction layer(s) %s of the checkpoint (num_nextn_predict_layers): the"
-                    " recipe does not train MTP and generation does not use it; exports will not have it.", mtp)
-        hf_state_dict = {k: v for k, v in hf_state_dict.items()
-                         if not ((m := _LAYER.match(k)) and int(m.group(1)) >= config.n_layers)}
+    """Any stored DeepSeek state dict in the stacked layout ``hf_name_map`` names: multi-token-prediction layers
+    beyond ``config.mtp_layers`` dropped (logged), the copies of the shared embedding and head the release keeps in
+    each MTP layer dropped, FP8 weights dequantized (``dequantize_fp8``), per-expert tensors stacked (the MoE
+    family's ``from_saved_layout``)."""
+    last = config.n_layers + config.mtp_layers
+    extra = sorted({int(m.group(1)) for name in hf_state_dict if (m := _LAYER.match(name)) and int(m.group(1)) >= last})
+    if extra:
+        log.warning("Dropping the multi-token-prediction layer(s) %s of the checkpoint: the model keeps"
+                    " mtp_layers=%d of them; generation does not use them.", extra, config.mtp_layers)
+    hf_state_dict = {name: tensor for name, tensor in hf_state_dict.items()
+                     if not ((m := _LAYER.match(name)) and (int(m.group(1)) >= last or name.endswith(_MTP_SHARED_COPIES)))}
     if any(name.endswith(".weight_scale_inv") for name in hf_state_dict):
         hf_state_dict = dequantize_fp8(hf_state_dict)
     return moe_hf.from_saved_layout(hf_state_dict, config)
+
+
+def config_from_weights(config: DeepSeekConfig, names: Iterable[str]) -> DeepSeekConfig:
+    """``config`` with ``mtp_layers`` the multi-token-prediction layers the checkpoint holds (transformers writes
+    ``num_nextn_predict_layers`` 1 by default but saves no MTP layer; DeepSeek's release has layer 61)."""
+    if config.architecture != "deepseek_v3":
+        return config
+    held = {int(m.group(1)) for name in names if (m := _LAYER.match(name)) and name.endswith(".eh_proj.weight")}
+    depths = 0
+    while config.n_layers + depths in held:
+        depths += 1
+    return dataclasses.replace(config, mtp_layers=depths)
 
 
 def to_saved_layout(hf_state_dict: dict[str, Tensor], config: DeepSeekConfig) -> dict[str, Tensor]:
@@ -131,7 +161,8 @@ def _rope_from_hf(hf_config: Mapping[str, Any], source: str) -> tuple[float, Opt
 
 
 def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json") -> DeepSeekConfig:
-    """``DeepSeekConfig`` from the fields of an HF ``config.json``; what transformers' model would run differently
+    """``DeepSeekConfig`` from the fields of an HF ``config.json`` (``mtp_layers`` 0: the weights say how many,
+    ``config_from_weights``); what transformers' model would run differently
     (attention or MLP biases, activations other than silu, grouped key/value heads, V2 top-k methods other than
     greedy and group_limited_greedy) is refused. Like transformers, V3 ignores ``topk_method`` / ``scoring_func``
     and V2 ignores ``norm_topk_prob``."""
@@ -222,7 +253,8 @@ def hf_config_dict(
         "scoring_func": "sigmoid" if v3 else "softmax",
     }
     if v3:
-        out.update(rope_interleave=config.rope_interleave, num_nextn_predict_layers=0, topk_method="noaux_tc")
+        out.update(rope_interleave=config.rope_interleave, num_nextn_predict_layers=config.mtp_layers,
+                   topk_method="noaux_tc")
     else:
         out.update(mlp_bias=False, topk_method="group_limited_greedy" if config.n_group > 1 else "greedy")
     out.update(extra or {})

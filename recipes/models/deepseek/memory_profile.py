@@ -115,6 +115,10 @@ def profile_of(config: DeepSeekConfig, name: str, lora: Any = None) -> DeepSeekP
     shape = ModelShape(vocab_size=config.vocab_size, dim=config.dim, n_layers=config.n_layers,
                        n_heads=config.n_heads, n_kv_heads=config.n_heads, ffn_hidden_dim=config.ffn_hidden_dim,
                        max_seq_len=config.max_seq_len, head_dim=config.qk_head_dim)
+    if config.mtp_layers:
+        raise ValueError(f"model.config.mtp_layers={config.mtp_layers}: multi-token prediction is not planned yet;"
+                         " plan with mtp_layers=0 (an underestimate by one MoE layer and one more output head's"
+                         " logits per depth)")
     if config.tie_embeddings:
         raise ValueError("model.config.tie_embeddings=true is not planned for DeepSeek models; plan with false (an"
                          " upper bound: one more [vocab, dim] matrix)")

@@ -31,6 +31,10 @@ Parameter names (``hf.py`` maps them to Hugging Face's)::
     layers.{i}.feed_forward.w_gate.weight, w_up.weight      [ffn_hidden_dim, dim]
     layers.{i}.feed_forward.w_down.weight                   [dim, ffn_hidden_dim]
     norm.weight, output.weight                              as LLaMA's
+  multi-token prediction depth k (mtp_layers > 0; HF: model.layers.{n_layers + k}.*):
+    mtp.{k}.enorm.weight, hnorm.weight, norm.weight         [dim]  (norm: HF shared_head.norm)
+    mtp.{k}.eh_proj.weight                                  [dim, 2 * dim]
+    mtp.{k}.block.*                                         an MoE layer's, as above
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ class DeepSeekBlock(DecoderBlock):
     """One layer: MLA, then a dense SwiGLU MLP (the first ``first_k_dense`` layers) or DeepSeekMoE."""
 
     def __init__(self, config: DeepSeekConfig, layer_id: int) -> None:
-        if layer_id in config.moe_layers:
+        if layer_id >= config.first_k_dense:  # the trunk's MoE layers and the multi-token-prediction ones
             feed_forward: nn.Module = MoEFeedForward(
                 config.dim, config.n_experts, config.expert_hidden_dim, config.routing,
                 shared_hidden_dim=config.shared_expert_hidden_dim, shared_gate=False,
@@ -164,11 +168,39 @@ def yarn_frequencies(config: DeepSeekConfig, device: Optional[torch.device] = No
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
+class MultiTokenPrediction(nn.Module):
+    """One depth of DeepSeek-V3's multi-token prediction: ``block(eh_proj([enorm(embedded); hnorm(h)]))`` for the
+    previous depth's hidden state ``h`` and the embedding of the tokens one step further ahead; ``norm`` precedes
+    the shared output head (HF ``shared_head.norm``)."""
+
+    def __init__(self, config: DeepSeekConfig, depth: int) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(config.dim, config.norm_eps)
+        self.hnorm = RMSNorm(config.dim, config.norm_eps)
+        self.eh_proj = Linear(2 * config.dim, config.dim)
+        # layer_id past the trunk's: it is never given a KV cache (generation does not run it).
+        self.block = DeepSeekBlock(config, config.n_layers + depth)
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, h: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor, bounds: Optional[list[int]]) -> Tensor:
+        x = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(h)), dim=-1))
+        return self.block(x, cos, sin, None, 0, bounds)
+
+
 class DeepSeek(RoutedDecoder):
-    """DeepSeek-V3 / V2 decoder: token ids [batch, seq] -> next-token logits [batch, seq, vocab] (fp32)."""
+    """DeepSeek-V3 / V2 decoder: token ids [batch, seq] -> next-token logits [batch, seq, vocab] (fp32).
+
+    With ``mtp_layers`` a training forward also runs the multi-token-prediction depths on the trunk's last hidden
+    state (inputs rolled ahead by the depth, positions not), keeping their logits for ``multi_token_loss``."""
 
     def __init__(self, config: DeepSeekConfig) -> None:
         super().__init__(config, (DeepSeekBlock(config, i) for i in range(config.n_layers)))
+        if config.mtp_layers:
+            self.mtp = nn.ModuleList(MultiTokenPrediction(config, k) for k in range(config.mtp_layers))
+        self._ahead: Optional[tuple] = None
+        #: The last training forward's logits of each MTP depth [batch, seq, vocab] and the sample ends of its tokens.
+        self.mtp_logits: Optional[list[Tensor]] = None
+        self._sample_ends: Optional[Tensor] = None
 
     def rotary_cos_sin(self, device: Optional[torch.device] = None) -> tuple[Tensor, Tensor]:
         """fp32 cos/sin [max_seq_len, qk_rope_head_dim] (halves layout), times YaRN's attention factor."""
@@ -177,3 +209,48 @@ class DeepSeek(RoutedDecoder):
         angles = torch.cat((angles, angles), dim=-1)
         factor = self.config.rope_attention_factor
         return angles.cos() * factor, angles.sin() * factor
+
+    def embed(self, tokens, cache, start_pos, cu_seqlens, position_ids):
+        """``CausalDecoder.embed``; a training forward with MTP keeps what the depths take for ``logits``."""
+        out = super().embed(tokens, cache, start_pos, cu_seqlens, position_ids)
+        trains_mtp = self.training and self.config.mtp_layers and cache is None
+        self._ahead = (tokens, *out[1:]) if trains_mtp else None
+        return out
+
+    def logits(self, h: Tensor) -> Tensor:
+        if self._ahead is not None:
+            tokens, cos, sin, bounds = self._ahead
+            self._ahead = None
+            self.mtp_logits = []
+            hidden, flat = h, tokens.flatten()
+            for k, depth in enumerate(self.mtp, start=1):
+                # Token i + k at position i; the last k of each row or sample are masked in the loss.
+                ahead = self.tok_embeddings(flat.roll(-k).view_as(tokens))
+                hidden = depth(hidden, ahead, cos, sin, bounds)
+                self.mtp_logits.append(self.output(depth.norm(hidden)).float())
+            self._sample_ends = _sample_ends(tokens, bounds)
+        return super().logits(h)
+
+    def multi_token_loss(self, labels: Tensor) -> Tensor:
+        """``mtp_loss_weight`` x the mean over depths of each depth's cross-entropy against ``labels`` (the
+        next-token labels of the last forward, -100 ignored) moved k ahead, its targets past the end of a row or
+        sample ignored; 0 when the last forward ran no MTP (evaluation, or ``mtp_layers`` 0)."""
+        if not self.mtp_logits:
+            return self.tok_embeddings.weight.new_zeros(())
+        flat, index = labels.flatten(), torch.arange(labels.numel(), device=labels.device)
+        losses = []
+        for k, logits in enumerate(self.mtp_logits, start=1):
+            target = flat.roll(-k).masked_fill(index + k >= self._sample_ends, -100)
+            losses.append(F.cross_entropy(logits.flatten(0, 1), target))
+        self.mtp_logits = None
+        return self.config.mtp_loss_weight * torch.stack(losses).mean()
+
+
+def _sample_ends(tokens: Tensor, bounds: Optional[list[int]]) -> Tensor:
+    """The flat index one past the end of each token's row (or, for packed rows, its sample) [batch * seq]."""
+    batch, seq = tokens.shape
+    index = torch.arange(batch * seq, device=tokens.device)
+    if bounds is None:
+        return (index // seq + 1) * seq
+    lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], device=tokens.device)
+    return torch.tensor(bounds[1:], device=tokens.device).repeat_interleave(lengths)
