@@ -109,7 +109,8 @@ STEPS = 4  # optimizer steps per run (a case's "steps" overrides it); the first 
 
 
 #: Each family's block class, by family name (a case's ``family``, default LLaMA's): the FSDP unit.
-BLOCKS = {"llama": "recipes.models.llama.model.TransformerBlock", "moe": "recipes.models.moe.model.MoEBlock"}
+BLOCKS = {"llama": "recipes.models.llama.model.TransformerBlock", "moe": "recipes.models.moe.model.MoEBlock",
+          "deepseek": "recipes.models.deepseek.model.DeepSeekBlock"}
 
 
 def case_spec(case: dict[str, Any]):

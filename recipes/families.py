@@ -16,6 +16,7 @@ FAMILIES: dict[str, str] = {
     "llama": "recipes.models.llama.family",  # LLaMA-2, LLaMA-3 / 3.1 / 3.2
     "moe": "recipes.models.moe.family",  # Mixtral, Qwen2-MoE, Qwen3-MoE
     "qwen": "recipes.models.qwen.family",  # Qwen2, Qwen2.5, Qwen3 (dense)
+    "deepseek": "recipes.models.deepseek.family",  # DeepSeek-V3 / R1, Moonlight, Kimi-K2, DeepSeek-V2 (MLA + MoE)
 }
 #: The family of configs and checkpoints that name none: all of those written before families existed.
 DEFAULT_FAMILY = "llama"

@@ -39,6 +39,12 @@ CASES = {
         architecture="qwen2_moe", shared_expert_hidden_dim=192, dense_layers=[0], dense_hidden_dim=256, qkv_bias=True,
         norm_topk_prob=False), seq=128, batch=4, devices=2, zero=2, ac=0.0, steps=2,
         lora=dict(rank=8, targets=["q", "k", "v", "o"])),
+    # DeepSeek (recipes/models/deepseek/memory_profile.py): the tiny DeepSeek-V3 (MLA with a query low rank, v
+    # narrower than q/k and padded for the kernel, 8 routed + 1 shared experts, the first layer dense) with half its
+    # blocks checkpointed; without the query low rank under ZeRO-2.
+    "deepseek_zero3_ac05": dict(family="deepseek", model={}, seq=128, batch=4, devices=2, zero=3, ac=0.5, steps=2),
+    "deepseek_no_q_lora_zero2": dict(family="deepseek", model=dict(q_lora_rank=None), seq=128, batch=4, devices=2,
+                                     zero=2, ac=0.0, steps=2),
     # Tensor and context parallelism (npu_fsdp's tensor_parallel_size / context_parallel_size, the recipe's TP plan
     # with sequence parallelism and loss_parallel): one rank's share of the split weights, of the tokens, of the
     # logits, and what Ulysses' all-to-alls and ring attention keep.
@@ -70,7 +76,8 @@ def test_planner_estimate_is_within_the_stated_error_of_the_measured_peak(name, 
     moe_qwen2_lora_zero2): the planner before the MoE profile found no profile for the family's configs; planning the
     experts as one dense SwiGLU of top_k x their width (no router, permutation or unpermute tensors) is -8.8% and
     -13.9% off, the routed rows as one per token instead of top_k is -9.8% and -5.9%, and keeping the frozen experts'
-    grouped-matmul inputs under LoRA puts moe_qwen2_lora_zero2 6.4% high. TP / CP (tp2, cp2_ulysses, cp2_ring,
+    grouped-matmul inputs under LoRA puts moe_qwen2_lora_zero2 6.4% high. DeepSeek (measured -2.5% and +1.0%): the
+    planner before its profile found none for the family. TP / CP (tp2, cp2_ulysses, cp2_ring,
     tp2_cp2_ulysses): the planner before them refused tensor_parallel_size and context_parallel_size; planning them
     as plain sharding over the same devices is +25.9%, +17.8%, +19.6% and +67.4% off. Also fails if the benchmark's
     profiler calibration is off (``compare`` raises)."""

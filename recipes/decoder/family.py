@@ -32,7 +32,8 @@ class HFFormat:
     ``to_saved_layout(hf_state_dict, config)``, when set: where the tensors a checkpoint stores differ from those
     ``name_map`` names (transformers 5 keeps MoE experts stacked in memory but saves one tensor per expert, as
     transformers 4 did), any stored layout the family reads -> the named one, and back to what ``save_pretrained``
-    writes.
+    writes. ``fp32_names``: endings of the HF tensor names transformers keeps in fp32 whatever the model's dtype (its
+    ``_keep_in_fp32_modules_strict``: DeepSeek-V3's router), left out when a checkpoint's one dtype is worked out.
     """
 
     model_types: tuple[str, ...]
@@ -42,12 +43,14 @@ class HFFormat:
     peft_targets: Mapping[str, str]
     from_saved_layout: Optional[Callable[[dict[str, Any], Any], dict[str, Any]]] = None
     to_saved_layout: Optional[Callable[[dict[str, Any], Any], dict[str, Any]]] = None
+    config_from_weights: Optional[Callable[[Any, Any], Any]] = None
+    fp32_names: tuple[str, ...] = ()
 
     @classmethod
     def of_module(cls, hf: Any) -> "HFFormat":
         """The format a family's ``hf.py`` module defines under the conventional names: ``MODEL_TYPES``,
         ``config_from_hf``, ``hf_config_dict``, ``hf_name_map``, ``PEFT_TARGETS`` and optionally
-        ``from_saved_layout`` and ``to_saved_layout``."""
+        ``from_saved_layout``, ``to_saved_layout``, ``config_from_weights`` and ``FP32_NAMES``."""
         return cls(
             model_types=hf.MODEL_TYPES,
             config_from_hf=hf.config_from_hf,
@@ -56,6 +59,8 @@ class HFFormat:
             peft_targets=hf.PEFT_TARGETS,
             from_saved_layout=getattr(hf, "from_saved_layout", None),
             to_saved_layout=getattr(hf, "to_saved_layout", None),
+            config_from_weights=getattr(hf, "config_from_weights", None),
+            fp32_names=getattr(hf, "FP32_NAMES", ()),
         )
 
 
@@ -74,10 +79,13 @@ ExpertLoRASite = tuple[str, str, int, int]
 class DecoderFamily:
     """A model family: its config and model classes, its Hugging Face format, and where each LoRA target
     (``lora_config.TARGETS``) sits in its blocks: ``lora_sites`` for a projection (one per target it supports),
-    ``expert_lora_sites`` for the stacked experts' projections (none for a family without experts)."""
+    ``expert_lora_sites`` for the stacked experts' projections (none for a family without experts).
+    ``context_parallel``: whether its attention runs under npu_fsdp's ``context_parallel_size`` (its attention
+    modules declare ``context_parallel``); the recipe refuses the option for a family whose attention does not."""
 
     config_class: type
     model_class: type[nn.Module]
     hf: HFFormat
     lora_sites: Mapping[str, LoRASite]
     expert_lora_sites: Mapping[str, ExpertLoRASite] = field(default_factory=dict)
+    context_parallel: bool = True

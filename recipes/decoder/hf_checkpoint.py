@@ -244,8 +244,11 @@ def load_hf_checkpoint(hf_dir: PathLike) -> tuple[Any, dict[str, Tensor]]:
         raise CheckpointError(f"{hf_dir} has no config.json; it is not a Hugging Face model directory.")
     hf_config = json.loads(config_path.read_text())
     config = config_from_hf(hf_config, source=str(config_path))
-    state_dict = hf_to_recipe_state_dict(load_hf_state_dict(hf_dir), config)
-    return config, state_dict
+    hf_state_dict = load_hf_state_dict(hf_dir)
+    from_weights = families.of_config(config).hf.config_from_weights
+    if from_weights is not None:  # what config.json leaves open, the weights say (DeepSeek-V3's MTP layers)
+        config = from_weights(config, hf_state_dict.keys())
+    return config, hf_to_recipe_state_dict(hf_state_dict, config)
 
 
 def save_hf_checkpoint(
@@ -263,7 +266,8 @@ def save_hf_checkpoint(
 
     out_dir = Path(out_dir)
     hf_state_dict = recipe_to_hf_state_dict(state_dict, config)
-    dtypes = {t.dtype for t in hf_state_dict.values()}
+    fp32 = families.of_config(config).hf.fp32_names  # kept in fp32 by transformers in a model of any dtype
+    dtypes = {t.dtype for name, t in hf_state_dict.items() if not name.endswith(fp32)} or {torch.float32}
     if len(dtypes) != 1:
         raise CheckpointError(f"The checkpoint mixes dtypes {sorted(map(str, dtypes))}; HF configs carry one dtype.")
     extra: dict[str, Any] = {}

@@ -155,7 +155,8 @@ class DecoderLM(LightningModule):
 
     def _loss(self, batch: dict[str, Any]) -> Tensor:
         """Mean cross-entropy over the labelled tokens (-100 marks the others: prompts and padding in SFT rows), plus
-        the model's ``auxiliary_loss()`` of that forward if its family defines one.
+        the model's ``auxiliary_loss()`` of that forward and its ``multi_token_loss(labels)`` if its family defines
+        them.
         Packed rows (``cu_seqlens``, ``position_ids``: ``sft_data.collate_packed``) attend within each sample.
         Under context parallelism each rank computes its share on its part of every sequence (the strategy averages
         the shares: the mean over all labelled tokens however many each part holds)."""
@@ -171,7 +172,10 @@ class DecoderLM(LightningModule):
         if cp is not None:
             loss = cp.token_mean(loss, (labels != -100).sum())
         auxiliary = getattr(self.model, "auxiliary_loss", None)  # a family's extra training term (MoE: load balance)
-        return loss if auxiliary is None else loss + auxiliary()
+        if auxiliary is not None:
+            loss = loss + auxiliary()
+        ahead = getattr(self.model, "multi_token_loss", None)  # a family's multi-token prediction (DeepSeek-V3 MTP)
+        return loss if ahead is None else loss + ahead(batch["labels"])
 
     def _sequence_shard(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This context-parallel rank's part of each sequence of ``batch`` (ids, labels, packed positions; the

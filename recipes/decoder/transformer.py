@@ -47,7 +47,7 @@ class KVCache:
     """Keys and values of every layer for positions ``[0, capacity)``, for incremental decoding.
 
     Each layer's tensors are [batch, capacity, n_kv_heads, head_dim] (BSND, like the attention
-    kernel). ``CausalDecoder.forward(tokens, cache=cache, start_pos=p)`` writes the new tokens' keys/values at
+    kernel), its values ``value_dim`` wide when that is given (MLA: narrower than the keys). ``CausalDecoder.forward(tokens, cache=cache, start_pos=p)`` writes the new tokens' keys/values at
     positions ``p .. p + len - 1`` and attends over ``0 .. p + len - 1``.
     """
 
@@ -61,12 +61,14 @@ class KVCache:
         *,
         device: Optional[torch.device] = None,
         dtype: torch.dtype = torch.float32,
+        value_dim: Optional[int] = None,
     ) -> None:
         shape = (batch_size, capacity, n_kv_heads, head_dim)
+        value_shape = shape if value_dim is None else (*shape[:-1], value_dim)
         self.batch_size = batch_size
         self.capacity = capacity
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(value_shape, device=device, dtype=dtype) for _ in range(n_layers)]
 
     def check(self, batch_size: int, start_pos: int, seq_len: int) -> None:
         """Raise ``ValueError`` if ``seq_len`` tokens of a batch of ``batch_size`` cannot go at ``start_pos``."""
@@ -250,7 +252,7 @@ class CausalDecoder(nn.Module):
     output projection. A family subclasses it with its blocks and its rotary tables (:meth:`rotary_cos_sin`).
 
     ``config`` needs ``vocab_size``, ``dim``, ``n_layers``, ``n_kv_heads``, ``head_dim``, ``max_seq_len``,
-    ``norm_eps`` and ``tie_embeddings``.
+    ``norm_eps`` and ``tie_embeddings``; ``v_head_dim`` where values are narrower than keys (MLA's cache).
 
     Under context parallelism (``context_parallel``, set by npu_fsdp) ``tokens`` (and ``position_ids``) are this
     rank's part of each sequence (``context_parallel.shard``), rotary gets their global positions, ``cu_seqlens`` are
@@ -316,6 +318,7 @@ class CausalDecoder(nn.Module):
             self.config.head_dim,
             device=weight.device if device is None else device,
             dtype=weight.dtype if dtype is None else dtype,
+            value_dim=getattr(self.config, "v_head_dim", None),
         )
 
     def rotary(self, start_pos: int, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from lightning_npu.strategies.clean_exit import destroy_at_exit, destroy_process_groups
 from recipes.decoder.tensor_parallel import decoder_plan
 from recipes.models.qwen.config import QwenConfig
 from recipes.models.qwen.model import Qwen
@@ -61,7 +62,9 @@ def worker(rank: int, port: int) -> None:
         result = check(architecture, mesh)
         if rank == 0:
             print(json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    dist.barrier()
+    destroy_at_exit(mesh)  # torch's DTensor caches keep the mesh's group alive: released with the others
+    destroy_process_groups()
 
 
 if __name__ == "__main__":

@@ -136,6 +136,14 @@ class MoEConfig(ConfigDict):
         return self.architecture == "qwen3_moe"
 
     @property
+    def routing(self) -> Any:
+        """How the MoE layers pick and weigh experts (``router.Routing``): softmax top_k, renormalised with
+        ``norm_topk_prob``."""
+        from recipes.models.moe.router import Routing  # here: the planner reads this module without torch
+
+        return Routing(self.top_k, normalise=self.norm_topk_prob)
+
+    @property
     def moe_layers(self) -> list[int]:
         """Indices of the layers whose MLP is a Mixture of Experts (HF's rule)."""
         return [i for i in range(self.n_layers) if i not in self.dense_layers and (i + 1) % self.sparse_step == 0]

@@ -44,7 +44,7 @@ from lightning_npu.strategies.expert_parallel import StackedExperts
 from recipes.decoder.layers import INIT_STD, Linear
 from recipes.decoder.transformer import Attention, CausalDecoder, DecoderBlock, FeedForward
 from recipes.models.moe.config import MoEConfig
-from recipes.models.moe.router import Router, expert_load, load_balancing_loss, route
+from recipes.models.moe.router import Router, Routing, expert_load, load_balancing_loss
 
 
 class Experts(StackedExperts):
@@ -80,20 +80,23 @@ class Experts(StackedExperts):
 
 
 class MoEFeedForward(nn.Module):
-    """An MoE MLP: the router picks each token's experts, their gated sum is the output, plus the shared expert's
-    output scaled by its sigmoid gate when the config has one. The last forward's router logits are kept in
+    """An MoE MLP: the router picks each token's experts (``routing``: ``router.Routing``), their weighted sum is
+    the output, plus the shared expert's output (width ``shared_hidden_dim``, none at 0), scaled by a sigmoid gate
+    with ``shared_gate`` (Qwen2-MoE; DeepSeek's shared experts are ungated). ``balancing_bias``: the router keeps
+    the bias ``route`` adds for the choice (``Router``). The last forward's router logits are kept in
     ``router_logits`` [tokens, n_experts] for the load-balancing loss (``MoE.forward(output_router_logits=True)``)."""
 
-    def __init__(self, config: MoEConfig) -> None:
+    def __init__(self, dim: int, n_experts: int, hidden_dim: int, routing: Routing, *, shared_hidden_dim: int = 0,
+                 shared_gate: bool = True, balancing_bias: bool = False) -> None:
         super().__init__()
-        self.top_k = config.top_k
-        self.n_experts = config.n_experts
-        self.norm_topk_prob = config.norm_topk_prob
-        self.router = Router(config.dim, config.n_experts, balancing_bias=config.router_bias_update_rate > 0)
-        self.experts = Experts(config.n_experts, config.dim, config.expert_hidden_dim)
-        if config.shared_expert_hidden_dim:
-            self.shared_expert = FeedForward(config.dim, config.shared_expert_hidden_dim)
-            self.shared_expert_gate = Linear(config.dim, 1)
+        self.routing = routing
+        self.n_experts = n_experts
+        self.router = Router(dim, n_experts, balancing_bias=balancing_bias)
+        self.experts = Experts(n_experts, dim, hidden_dim)
+        if shared_hidden_dim:
+            self.shared_expert = FeedForward(dim, shared_hidden_dim)
+            if shared_gate:
+                self.shared_expert_gate = Linear(dim, 1)
         self.router_logits: Optional[Tensor] = None
         #: Tokens routed to each expert [n_experts] by this rank's training forwards since ``take_routed``.
         self.routed: Optional[Tensor] = None
@@ -114,14 +117,16 @@ class MoEFeedForward(nn.Module):
         if not recompute:
             self.router_logits = logits
         bias = getattr(self.router, "expert_bias", None)
-        probs, expert_ids = route(logits, self.top_k, normalise=self.norm_topk_prob, bias=bias)
+        probs, expert_ids = self.routing(logits, bias)
         # The probs go in the tokens' dtype: the fused unpermute's backward gives NaN for mixed dtypes (moe-facts.md).
         permuted, counts, permutation = permute_tokens(tokens, expert_ids, probs.to(tokens.dtype), self.n_experts)
         if bias is not None and self.training and not recompute:  # what the balancing bias moves by
             self.routed = counts.detach() if self.routed is None else self.routed + counts.detach()
         out = unpermute_tokens(self.experts(permuted, counts), permutation)
-        if hasattr(self, "shared_expert"):
+        if hasattr(self, "shared_expert_gate"):
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
+        elif hasattr(self, "shared_expert"):
+            out = out + self.shared_expert(tokens)
         return out.view_as(x)
 
 
@@ -134,20 +139,23 @@ class MoEBlock(DecoderBlock):
             qkv_bias=config.qkv_bias, qk_norm_eps=config.norm_eps if config.qk_norm else None,
         )
         if layer_id in config.moe_layers:
-            feed_forward: nn.Module = MoEFeedForward(config)
+            feed_forward: nn.Module = MoEFeedForward(
+                config.dim, config.n_experts, config.expert_hidden_dim, config.routing,
+                shared_hidden_dim=config.shared_expert_hidden_dim, balancing_bias=config.router_bias_update_rate > 0,
+            )
         else:
             feed_forward = FeedForward(config.dim, config.dense_hidden_dim)
         super().__init__(layer_id, config.dim, config.norm_eps, attention, feed_forward)
 
 
-class MoE(CausalDecoder):
-    """MoE decoder: token ids [batch, seq] -> next-token logits [batch, seq, vocab] (fp32)."""
+class RoutedDecoder(CausalDecoder):
+    """What a decoder with MoE layers adds to ``CausalDecoder``, for any family whose config has ``moe_layers``,
+    ``routing`` (``router.Routing``), ``router_aux_loss_coef`` and ``router_bias_update_rate``, and whose MoE
+    layers' ``feed_forward`` is an ``MoEFeedForward``: the router logits, the auxiliary loss, the balancing bias's
+    update and the routing balance ``DecoderLM`` logs."""
 
-    def __init__(self, config: MoEConfig) -> None:
-        super().__init__(config, (MoEBlock(config, i) for i in range(config.n_layers)))
-
-    def rotary_cos_sin(self, device: Optional[torch.device] = None) -> tuple[Tensor, Tensor]:
-        return rotary_tables(self.config.max_seq_len, self.config.head_dim, theta=self.config.rope_theta, device=device)
+    def _moe_layers(self) -> list[MoEFeedForward]:
+        return [self.layers[i].feed_forward for i in self.config.moe_layers]
 
     def forward(self, tokens: Tensor, *, output_router_logits: bool = False, **kwargs) -> Tensor | tuple:
         """``CausalDecoder.forward``'s logits; with ``output_router_logits``, ``(logits, router_logits)``: the
@@ -155,7 +163,7 @@ class MoE(CausalDecoder):
         logits = super().forward(tokens, **kwargs)
         if not output_router_logits:
             return logits
-        return logits, tuple(self.layers[i].feed_forward.router_logits for i in self.config.moe_layers)
+        return logits, tuple(layer.router_logits for layer in self._moe_layers())
 
     def auxiliary_loss(self) -> Tensor:
         """``router_aux_loss_coef`` x the load-balancing loss of the last forward's routing (what ``DecoderLM``
@@ -163,8 +171,7 @@ class MoE(CausalDecoder):
         coef = self.config.router_aux_loss_coef
         if not coef:
             return self.tok_embeddings.weight.new_zeros(())
-        logits = [self.layers[i].feed_forward.router_logits for i in self.config.moe_layers]
-        return coef * load_balancing_loss(logits, self.config.top_k)
+        return coef * load_balancing_loss([layer.router_logits for layer in self._moe_layers()], self.config.top_k)
 
     def balance_experts(self, reduce: Callable[[Tensor], Tensor]) -> None:
         """After an optimizer step, with ``router_bias_update_rate``: move each MoE layer's balancing bias towards
@@ -173,7 +180,7 @@ class MoE(CausalDecoder):
         rate = self.config.router_bias_update_rate
         if not rate:
             return
-        layers = [self.layers[i].feed_forward for i in self.config.moe_layers]
+        layers = self._moe_layers()
         routed = reduce(torch.stack([layer.take_routed().float() for layer in layers]))
         for layer, counts in zip(layers, routed):
             layer.router.balance(counts, rate)
@@ -181,6 +188,17 @@ class MoE(CausalDecoder):
     def expert_load(self) -> Tensor:
         """The last forward's routing balance (``router.expert_load``: max / mean tokens per expert, worst layer),
         which ``DecoderLM`` logs as ``expert_load``."""
-        layers = [self.layers[i].feed_forward for i in self.config.moe_layers]
+        layers = self._moe_layers()
         return expert_load([layer.router_logits for layer in layers], self.config.top_k,
-                           [getattr(layer.router, "expert_bias", None) for layer in layers])
+                           [getattr(layer.router, "expert_bias", None) for layer in layers],
+                           routing=self.config.routing)
+
+
+class MoE(RoutedDecoder):
+    """MoE decoder: token ids [batch, seq] -> next-token logits [batch, seq, vocab] (fp32)."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__(config, (MoEBlock(config, i) for i in range(config.n_layers)))
+
+    def rotary_cos_sin(self, device: Optional[torch.device] = None) -> tuple[Tensor, Tensor]:
+        return rotary_tables(self.config.max_seq_len, self.config.head_dim, theta=self.config.rope_theta, device=device)
