@@ -11,7 +11,7 @@ import torch
 from lightning_npu.facts.options import check_context_parallel_shapes
 from tests.helpers import SCRIPTS, read_json, run_python
 from tests.recipe_runs import train_tiny
-from tests.test_kernels import _take_npu_branch
+from tests.test_kernels import _take_npu_branch, install_cann
 from tests.test_recipe_e2e import STRATEGY, _assert_fails_before_workers
 from tests.prefetch import PREFETCHED
 
@@ -39,22 +39,27 @@ def test_sizes_that_cannot_split_the_heads_or_the_sequence_are_refused_with_the_
     check_context_parallel_shapes(1, algo, heads=heads, seq_len=seq_len, tp=tp)  # no context parallelism: no rule
 
 
+@pytest.mark.parametrize(("dv", "cann"), [(8, None), (6, "8.1.RC1"), (6, "8.2.RC1")],
+                         ids=["dv=dk", "mla-cann8.1-padded", "mla-cann8.2-unpadded"])
 @pytest.mark.parametrize("release", RELEASES)
-def test_the_ring_npu_block_merges_and_differentiates_like_the_exact_block(monkeypatch, release):
+def test_the_ring_npu_block_merges_and_differentiates_like_the_exact_block(monkeypatch, tmp_path, release, dv, cann):
     """One query block against two key/value blocks (the causal diagonal, then a full one), merged through their
     softmax statistics, and each block's backward from the merged statistics: npu_fusion_attention and
     npu_fusion_attention_grad (strict fake) give the exact fp32 block's outputs and gradients, called as documented
-    (sparse_mode 3 with the compressed mask on the diagonal only; [B, N, Sq, 8] fp32 statistics)."""
-    fake = _take_npu_branch(monkeypatch, release=release)
+    (sparse_mode 3 with the compressed mask on the diagonal only; [B, N, Sq, 8] fp32 statistics). With v heads
+    smaller than q/k's (MLA), on a CANN before 8.2.RC1 (whose fake refuses Dv < Dk) v, out and dout reach both ops
+    zero-padded; from 8.2.RC1 on unpadded."""
+    install_cann(monkeypatch, tmp_path, cann)
+    fake = _take_npu_branch(monkeypatch, release=release, cann_version=cann)
     generator = torch.Generator().manual_seed(0)
     b, s, h, hkv, d = 2, 6, 4, 2, 8
     q = torch.randn(b, s, h, d, generator=generator)
-    blocks = [(torch.randn(b, s, hkv, d, generator=generator), torch.randn(b, s, hkv, d, generator=generator))
+    blocks = [(torch.randn(b, s, hkv, d, generator=generator), torch.randn(b, s, hkv, dv, generator=generator))
               for _ in range(2)]
-    dout = torch.randn(b, s, h, d, generator=generator)
+    dout = torch.randn(b, s, h, dv, generator=generator)
 
     def run(block):
-        out = torch.zeros(b, s, h, d)
+        out = torch.zeros(b, s, h, dv)
         row_max, row_sum = torch.full((b, h, s), float("-inf")), torch.zeros(b, h, s)
         for (k, v), causal in zip(blocks, (True, False)):
             cp_mod._merge(out, row_max, row_sum, slice(None), block.forward(q, k, v, causal, 0.3))
@@ -73,6 +78,9 @@ def test_the_ring_npu_block_merges_and_differentiates_like_the_exact_block(monke
     assert forward[0]["atten_mask"].shape == (2048, 2048) and "atten_mask" not in forward[1]
     grad = fake.calls_to("npu_fusion_attention_grad")
     assert len(grad) == 2 and grad[0]["softmax_max"].shape == (b, h, s, 8) and grad[0]["sparse_mode"] == 3
+    sent = d if cann == "8.1.RC1" else dv
+    assert {call["value"].shape[-1] for call in forward + grad} == {sent}
+    assert {call[name].shape[-1] for call in grad for name in ("dy", "attention_in")} == {sent}
 
 
 def test_the_exact_block_merged_over_key_blocks_is_attention_over_all_keys():
@@ -107,16 +115,17 @@ def attention_runs(tmp_path_factory):
 def test_ulysses_and_ring_attention_equal_full_causal_attention_forward_and_backward(attention_runs, path):
     """On 4 gloo processes (cp = 4, and cp = 2 in two groups): Ulysses (GQA with key/value heads repeated, packed
     rows crossing the chunk boundaries) and ring attention (head-tail chunks, GQA) give each rank its shard of full
-    causal attention and of its q/k/v gradients; on the NPU branch through the fake's npu_fusion_attention and
+    causal attention and of its q/k/v gradients, also with v heads smaller than q/k's (MLA: Dk 24, Dv 16, cp 2); on the NPU branch through the fake's npu_fusion_attention and
     npu_fusion_attention_grad. The tiny LLaMA gives the same logits and parameter gradients through them, and a
     loss over unevenly placed labelled tokens averages (token_mean) to the mean over the whole sequences."""
     result = attention_runs[path]
-    cases = ["ulysses_gqa_repeat", "ulysses_mha", "ulysses_packed", "ring_cp4_gqa", "ring_cp2"]
+    cases = ["ulysses_gqa_repeat", "ulysses_mha", "ulysses_packed", "ring_cp4_gqa", "ring_cp2", "ulysses_cp2_mla",
+             "ulysses_cp2_packed_mla", "ring_cp2_mla"]
     if path == "reference":
         cases += ["model_ulysses_packed", "model_ring", "token_mean"]
     else:
-        # Ulysses' 3 causal calls, then 4 + 2 ring steps forward, and each ring step's backward.
-        assert result["npu_calls"] == {"npu_fusion_attention": 9, "npu_fusion_attention_grad": 6}
+        # Ulysses' 3 + 2 (MLA) causal calls, then 4 + 2 + 2 (MLA) ring steps forward, and each ring step's backward.
+        assert result["npu_calls"] == {"npu_fusion_attention": 13, "npu_fusion_attention_grad": 8}
     for case in cases:
         assert max(result[case].values()) < 1e-5, (case, result[case])
     refusals = result["refusals"]

@@ -18,6 +18,7 @@ from lightning_npu.kernels import (
     apply_rotary,
     causal_attention,
     grouped_matmul,
+    packed_causal_attention,
     permute_tokens,
     reference_grouped_matmul,
     rms_norm,
@@ -53,6 +54,8 @@ def _take_npu_branch(monkeypatch, release=DEFAULT_RELEASE, **fake_options):
     """Install the fake torch_npu ``release`` and make every kernel treat CPU tensors as NPU tensors."""
     monkeypatch.setattr(_dispatch, "_announced", set())
     monkeypatch.setattr(_dispatch, "_device_name", {})
+    monkeypatch.setattr(attention_mod, "_cann", {})
+    monkeypatch.setattr(attention_mod, "_announced_value_paths", set())
     fake = install_fake_torch_npu(monkeypatch, release=release, **fake_options)
     monkeypatch.setattr(_dispatch, "_on_npu", lambda x: True)
     return fake
@@ -158,6 +161,110 @@ def test_npu_branch_reuses_one_compressed_mask_per_device(npu):
 def test_causal_attention_rejects_bad_shapes_with_the_fix(bad, why):
     with pytest.raises(ValueError, match=why):
         causal_attention(*_qkv(*bad))
+
+
+# ---------------------------------------------------------------- attention with v heads smaller than q/k's (MLA)
+
+MLA_DK, MLA_DV = 24, 16
+
+
+def _mla_qkv(b=2, sq=5, skv=5, hq=4, hkv=2, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, sq, hq, MLA_DK, generator=g), torch.randn(b, skv, hkv, MLA_DK, generator=g),
+            torch.randn(b, skv, hkv, MLA_DV, generator=g))
+
+
+def naive_attention(q, k, v, scale):
+    """softmax(Q K^T * scale + causal mask) V, one head at a time in loops of plain matmuls: no SDPA, no einsum."""
+    b, sq, hq, _ = q.shape
+    skv, hkv = k.shape[1], k.shape[2]
+    keep = torch.arange(skv)[None, :] <= torch.arange(sq)[:, None] + (skv - sq)
+    heads = []
+    for h in range(hq):
+        kv = h // (hq // hkv)
+        scores = (q[:, :, h] @ k[:, :, kv].transpose(-1, -2)) * scale
+        heads.append(torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v[:, :, kv])
+    return torch.stack(heads, dim=2)
+
+
+def install_cann(monkeypatch, tmp_path, version):
+    """A CANN toolkit home of ``version`` on disk, as the installer lays it out (None: a home whose version cannot be
+    read), named by ASCEND_HOME_PATH: where the kernels read the installed CANN from."""
+    home = tmp_path / "cann"
+    (home / "x86_64-linux").mkdir(parents=True)
+    if version is not None:
+        (home / "x86_64-linux" / "ascend_toolkit_install.info").write_text(f"package_name=Ascend-cann-toolkit\nversion={version}\n")
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(home))
+    monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
+    monkeypatch.setattr("lightning_npu.doctor.cann.DEFAULT_CANN_HOMES", ())
+
+
+def test_the_reference_path_with_smaller_value_heads_equals_naive_softmax_attention_forward_and_backward():
+    """Dk=24, Dv=16, GQA, a KV cache (q_len < kv_len) and an explicit scale: causal_attention on CPU tensors gives
+    naive softmax(Q K^T scale) V and its q/k/v gradients within 1e-6 in fp32, the output with v's head dim."""
+    for sq in (5, 2):
+        inputs = _mla_qkv(sq=sq)
+        mine, naive = _leaves(*inputs), _leaves(*inputs)
+        out = causal_attention(*mine, scale=0.3)
+        expected = naive_attention(*naive, 0.3)
+        assert out.shape == (2, sq, 4, MLA_DV)
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+        grad_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(sq))
+        (out * grad_out).sum().backward()
+        (expected * grad_out).sum().backward()
+        for got, want in zip(mine, naive):
+            torch.testing.assert_close(got.grad, want.grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("cann", "padded"),
+    [("8.1.RC1", True), ("8.0.0", True), (None, True), ("8.2.RC1", False), ("9.0.0-beta.1", False)],
+    ids=["8.1.RC1-pads", "8.0.0-pads", "unreadable-pads", "8.2.RC1-unpadded", "9.0-unpadded"],
+)
+@pytest.mark.parametrize("release", RELEASES)
+def test_smaller_value_heads_run_npu_fusion_attention_padded_only_where_the_cann_needs_it(
+        monkeypatch, tmp_path, caplog, release, cann, padded):
+    """BSND (causal_attention) and TND (packed_causal_attention) with Dk=24 > Dv=16 on the NPU branch: the fake, on a
+    CANN before 8.2.RC1, refuses Dv < Dk, so v must reach it zero-padded to 24 (and the output come back sliced); on
+    8.2.RC1 and later v goes unpadded. Either way outputs and gradients equal naive attention, the scale is passed,
+    and which path ran is logged once."""
+    install_cann(monkeypatch, tmp_path, cann)
+    fake = _take_npu_branch(monkeypatch, release=release, cann_version=cann or "8.0.RC1")
+    q, k, v = _mla_qkv()
+    with caplog.at_level(logging.INFO, logger="lightning_npu.kernels"):
+        _check_forward_backward(lambda q, k, v: causal_attention(q, k, v, scale=0.3),
+                                lambda q, k, v: naive_attention(q, k, v, 0.3), (q, k, v), torch.float32)
+        packed = packed_causal_attention(q[0], k[0], v[0], [0, 2, 5], scale=0.3)
+    torch.testing.assert_close(packed[2:], naive_attention(q[:1, 2:], k[:1, 2:], v[:1, 2:], 0.3)[0], **FP32_TOL)
+    calls = fake.calls_to("npu_fusion_attention")
+    assert [call["input_layout"] for call in calls] == ["BSND", "TND"]
+    for call in calls:
+        assert call["value"].shape[-1] == (MLA_DK if padded else MLA_DV) and call["scale"] == 0.3
+        if padded:
+            assert torch.equal(call["value"][..., MLA_DV:], torch.zeros_like(call["value"][..., MLA_DV:]))
+    messages = [r.getMessage() for r in caplog.records if "head dim 16 < q/k's 24" in r.getMessage()]
+    assert len(messages) == 1, messages
+    assert ("zero-padded to 24" in messages[0]) == padded and ("unpadded on CANN" in messages[0]) == (not padded)
+    assert (f"CANN {cann}" if cann else "could not be read") in messages[0]
+
+
+def test_the_fake_refuses_unpadded_smaller_value_heads_before_cann_8_2(monkeypatch, tmp_path):
+    """Catches a kernel that forgets to pad on an older CANN: the fake rejects Dv < Dk there, as the op may."""
+    install_cann(monkeypatch, tmp_path, "8.1.RC1")
+    _take_npu_branch(monkeypatch, cann_version="8.1.RC1")
+    monkeypatch.setattr(attention_mod, "value_padding", lambda head_dim, v_head_dim: 0)
+    with pytest.raises(ValueError, match=r"value head dim 16 < query/key head dim 24: this fake's CANN 8.1.RC1"):
+        causal_attention(*_mla_qkv())
+
+
+def test_value_heads_larger_than_the_query_key_heads_are_refused_with_the_fix():
+    q, k, _ = _mla_qkv()
+    v = torch.randn(*k.shape[:3], MLA_DK + 8)
+    with pytest.raises(ValueError, match=r"v's head_dim=32 exceeds q/k's head_dim=24: npu_fusion_attention takes"
+                                         r" Dq == Dk >= Dv only .* zero-pad q and k to v's head dim"):
+        causal_attention(q, k, v)
+    with pytest.raises(ValueError, match=r"v's head_dim=32 exceeds q/k's head_dim=24"):
+        packed_causal_attention(q[0], k[0], v[0], [0, 5])
 
 
 def _decode_inputs():

@@ -20,6 +20,7 @@ from lightning_npu.runtime.npu import NPURuntime
 from lightning_npu.selftest import collectives, kernels, report, training
 from tests.helpers import REPO, WARM_PYTHON, run_python
 from tests.npu_fake import install_fake_torch_npu
+from tests.test_kernels import attention_mod, install_cann
 
 E2E_TIMEOUT_S = 180
 
@@ -120,6 +121,8 @@ def fake_npu(monkeypatch):
     """The strict fake torch_npu with the kernels treating CPU tensors as NPU tensors (as tests/test_kernels.py)."""
     monkeypatch.setattr(_dispatch, "_announced", set())
     monkeypatch.setattr(_dispatch, "_device_name", {})
+    monkeypatch.setattr(attention_mod, "_cann", {})
+    monkeypatch.setattr(attention_mod, "_announced_value_paths", set())
     fake = install_fake_torch_npu(monkeypatch)
     monkeypatch.setattr(_dispatch, "_on_npu", lambda x: True)
     return fake
@@ -191,6 +194,45 @@ def test_packed_attention_attending_across_samples_fails_the_attention_check(fak
     unpacked = [case for case in cases if "packed" not in case.name]
     results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=unpacked)
     assert [r.verdict for r in results] == ["pass"] * 3
+
+
+@pytest.mark.slow
+def test_attention_that_mishandles_smaller_value_heads_fails_the_attention_check_at_the_mla_cases(
+        fake_npu, monkeypatch, tmp_path):
+    """Catches a selftest blind to MLA's head dims (q/k 192, v 128; v unpadded on CANN 8.2.RC1): an
+    npu_fusion_attention that takes its scale from v's head dim when it is smaller than k's must fail
+    kernels/attention naming an MLA case, while the cases with one head dim still pass."""
+    install_cann(monkeypatch, tmp_path, "8.2.RC1")
+    original = fake_npu.torch_npu.npu_fusion_attention
+
+    def value_scaled(query, key, value, *args, **kwargs):
+        if value.shape[-1] < key.shape[-1]:
+            kwargs = {**kwargs, "scale": value.shape[-1] ** -0.5}
+        return original(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(fake_npu.torch_npu, "npu_fusion_attention", value_scaled)
+    cases = [case for case in _tiny_cases() if case.op == "attention"]
+    mla = [case for case in cases if "mla" in case.name]
+    assert [case.name for case in mla] == ["tiny mla b2 q64 kv64 h4/4 d192/128",
+                                           "tiny mla packed 3 samples T64 h4/4 d192/128",
+                                           "tiny mla ring step b1 q32 kv64 h4/4 d192/128"]
+    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=mla)
+    assert [r.verdict for r in results] == ["fail"] * 3
+    assert all("differs from the PyTorch reference at tiny mla" in r.detail for r in results)
+    one_head_dim = [case for case in cases if "mla" not in case.name]
+    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=one_head_dim)
+    assert [r.verdict for r in results] == ["pass"] * 3
+
+
+@pytest.mark.slow
+def test_mla_attention_cases_pass_with_v_unpadded_on_cann_8_2(fake_npu, monkeypatch, tmp_path):
+    """The MLA cases pass with v reaching the op at its own head dim on CANN 8.2.RC1 (the quick-tier run above reads
+    no CANN, so pads)."""
+    install_cann(monkeypatch, tmp_path, "8.2.RC1")
+    mla = [case for case in _tiny_cases() if "mla" in case.name]
+    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=mla)
+    assert [r.verdict for r in results] == ["pass"] * 3
+    assert {call["value"].shape[-1] for call in fake_npu.calls_to("npu_fusion_attention")} == {128}
 
 
 def test_bf16_is_not_available_on_a_chip_without_it(monkeypatch):

@@ -172,9 +172,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: Any, *, cu_seqlens
     if cu_seqlens is None:
         out = _attention.causal_attention(q, k, v, scale=scale)
     else:
-        b, seq, h, d = q.shape
+        b, seq, h = q.shape[:3]
         out = packed_causal_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, scale=scale)
-        out = out.view(b, seq, h, d)
+        out = out.view(b, seq, h, v.shape[-1])
     return _heads_to_sequence(out, group, cp)
 
 
@@ -279,23 +279,17 @@ class _NPUBlock(_Block):
     elsewhere) and its ``npu_fusion_attention_grad`` given the merged softmax_max / softmax_sum."""
 
     def forward(self, q, k, v, causal, scale):
-        import torch_npu
-
-        out, softmax_max, softmax_sum = torch_npu.npu_fusion_attention(
-            q, k, v, head_num=q.shape[2], input_layout="BSND", scale=scale, **self._mask(q, causal))[:3]
+        out, softmax_max, softmax_sum = _attention.fusion_attention(
+            q, k, v, scale, layout="BSND", heads=q.shape[2], **self._mask(q, causal))
         # [B, N, Sq, 8]: the statistic repeated over the last dimension.
         return out, softmax_max[..., 0], softmax_sum[..., 0]
 
     def backward(self, q, k, v, dout, out, row_max, row_sum, causal, scale):
-        import torch_npu
-
         shape = (*row_max.shape, 8)
-        dq, dk, dv = torch_npu.npu_fusion_attention_grad(
-            q, k, v, dout.to(q.dtype), q.shape[2], "BSND",
-            softmax_max=row_max[..., None].expand(shape).contiguous(),
-            softmax_sum=row_sum[..., None].expand(shape).contiguous(),
-            attention_in=out.to(q.dtype), scale_value=scale, **self._mask(q, causal))[:3]
-        return dq, dk, dv
+        return _attention.fusion_attention_grad(
+            q, k, v, dout.to(q.dtype), out.to(q.dtype), row_max[..., None].expand(shape).contiguous(),
+            row_sum[..., None].expand(shape).contiguous(), scale, layout="BSND", heads=q.shape[2],
+            **self._mask(q, causal))
 
     @staticmethod
     def _mask(q: Tensor, causal: bool) -> dict[str, Any]:
@@ -346,11 +340,12 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(b, length, heads, v.shape[-1], dtype=torch.float32, device=q.device)
         row_max = torch.full((b, heads, length), float("-inf"), dtype=torch.float32, device=q.device)
         row_sum = torch.zeros(b, heads, length, dtype=torch.float32, device=q.device)
-        kv = torch.stack((k, v))
+        kv = torch.cat((k, v), dim=-1)  # one tensor travels; v's head dim may be smaller than k's (MLA)
+        dk = k.shape[-1]
         ring = _Ring(group)
         for step, q_rows, kv_rows, causal in _ring_steps(rank, cp, length):
             pending = ring.start(kv) if step < cp - 1 else None  # the next block travels while this one computes
-            held_k, held_v = kv[0][:, kv_rows], kv[1][:, kv_rows]
+            held_k, held_v = kv[:, kv_rows, :, :dk], kv[:, kv_rows, :, dk:]
             result = block.forward(q[:, q_rows].contiguous(), held_k.contiguous(), held_v.contiguous(), causal, scale)
             _merge(out, row_max, row_sum, q_rows, result)
             if pending is not None:
@@ -366,24 +361,24 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         length = q.shape[1]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack((k, v))
+        kv, dk = torch.cat((k, v), dim=-1), k.shape[-1]
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with the block it belongs to
         ring = _Ring(group)
         for step, q_rows, kv_rows, causal in _ring_steps(rank, cp, length):
             pending = ring.start(kv) if step < cp - 1 else None
             grads = block.backward(
-                q[:, q_rows].contiguous(), kv[0][:, kv_rows].contiguous(), kv[1][:, kv_rows].contiguous(),
+                q[:, q_rows].contiguous(), kv[:, kv_rows, :, :dk].contiguous(), kv[:, kv_rows, :, dk:].contiguous(),
                 dout[:, q_rows].contiguous(), out[:, q_rows].contiguous(), row_max[:, :, q_rows].contiguous(),
                 row_sum[:, :, q_rows].contiguous(), causal, scale)
             dq[:, q_rows] += grads[0].float()
-            dkv[0][:, kv_rows] += grads[1].float()
-            dkv[1][:, kv_rows] += grads[2].float()
+            dkv[:, kv_rows, :, :dk] += grads[1].float()
+            dkv[:, kv_rows, :, dk:] += grads[2].float()
             if pending is not None:
                 kv = pending.wait()
             # The gradients follow their block one step on (after the next block has arrived: one exchange in flight
             # per pair of ranks); after the last step this brings each block's gradients home.
             dkv = ring.start(dkv).wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None, None
 
 
 def ring_step_attention(q: Tensor, k_before: Tensor, v_before: Tensor, k: Tensor, v: Tensor, *,

@@ -68,48 +68,57 @@ def _randn(generator: torch.Generator, *shape: int) -> Tensor:
     return torch.randn(*shape, generator=generator)
 
 
-def _attention_case(name: str, b: int, sq: int, skv: int, hq: int, hkv: int, d: int) -> KernelCase:
+def _head_dims(d: int, dv: Optional[int]) -> str:
+    """``d128``, or ``d192/128`` for v heads smaller than q/k's (MLA)."""
+    return f"d{d}" if dv is None else f"d{d}/{dv}"
+
+
+def _attention_case(name: str, b: int, sq: int, skv: int, hq: int, hkv: int, d: int,
+                    dv: Optional[int] = None) -> KernelCase:
+    """``dv``: v's head dim where it is smaller than q/k's ``d`` (MLA; None: ``d``)."""
     def make(dtype: torch.dtype, device: torch.device) -> tuple[Any, ...]:
         g = torch.Generator().manual_seed(0)
-        q, k, v = _randn(g, b, sq, hq, d), _randn(g, b, skv, hkv, d), _randn(g, b, skv, hkv, d)
+        q, k, v = _randn(g, b, sq, hq, d), _randn(g, b, skv, hkv, d), _randn(g, b, skv, hkv, dv or d)
         return tuple(t.to(device=device, dtype=dtype).requires_grad_(True) for t in (q, k, v))
 
-    return KernelCase("attention", f"{name} b{b} q{sq} kv{skv} h{hq}/{hkv} d{d}", make,
+    return KernelCase("attention", f"{name} b{b} q{sq} kv{skv} h{hq}/{hkv} {_head_dims(d, dv)}", make,
                       kernels.causal_attention, kernels.reference_attention)
 
 
-def _packed_attention_case(name: str, lengths: Sequence[int], hq: int, hkv: int, d: int) -> KernelCase:
+def _packed_attention_case(name: str, lengths: Sequence[int], hq: int, hkv: int, d: int,
+                           dv: Optional[int] = None) -> KernelCase:
     """Samples of ``lengths`` packed end to end (TND), each attending only to itself: a kernel that lets one sample
     see another's tokens differs from the reference, which runs each alone."""
 
     def make(dtype: torch.dtype, device: torch.device) -> tuple[Any, ...]:
         g = torch.Generator().manual_seed(5)
         total = sum(lengths)
-        q, k, v = _randn(g, total, hq, d), _randn(g, total, hkv, d), _randn(g, total, hkv, d)
+        q, k, v = _randn(g, total, hq, d), _randn(g, total, hkv, d), _randn(g, total, hkv, dv or d)
         bounds = [0]
         for length in lengths:
             bounds.append(bounds[-1] + length)
         return (*(t.to(device=device, dtype=dtype).requires_grad_(True) for t in (q, k, v)), bounds)
 
-    return KernelCase("attention", f"{name} packed {len(lengths)} samples T{sum(lengths)} h{hq}/{hkv} d{d}", make,
-                      kernels.packed_causal_attention, kernels.reference_packed_attention,
+    label = f"{name} packed {len(lengths)} samples T{sum(lengths)} h{hq}/{hkv} {_head_dims(d, dv)}"
+    return KernelCase("attention", label, make, kernels.packed_causal_attention, kernels.reference_packed_attention,
                       packed_attention.why_not_fused)
 
 
-def _ring_step_case(name: str, b: int, s: int, hq: int, hkv: int, d: int) -> KernelCase:
+def _ring_step_case(name: str, b: int, s: int, hq: int, hkv: int, d: int, dv: Optional[int] = None) -> KernelCase:
     """One ring-attention step's kernels (context parallelism): queries over a received block of ``s`` earlier keys
     and their own ``s`` (causal), merged through the blocks' softmax statistics; the reference is causal attention
     over all ``2 s`` keys (bottom-right aligned)."""
 
     def make(dtype: torch.dtype, device: torch.device) -> tuple[Any, ...]:
         g = torch.Generator().manual_seed(6)
-        tensors = (_randn(g, b, s, hq, d), *(_randn(g, b, s, hkv, d) for _ in range(4)))
-        return tuple(t.to(device=device, dtype=dtype).requires_grad_(True) for t in tensors)
+        q, k_before, v_before, k, v = (_randn(g, b, s, heads, dim) for heads, dim in
+                                       ((hq, d), (hkv, d), (hkv, dv or d), (hkv, d), (hkv, dv or d)))
+        return tuple(t.to(device=device, dtype=dtype).requires_grad_(True) for t in (q, k_before, v_before, k, v))
 
     def reference(q: Tensor, k_before: Tensor, v_before: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return kernels.reference_attention(q, torch.cat((k_before, k), 1), torch.cat((v_before, v), 1))
 
-    return KernelCase("attention", f"{name} ring step b{b} q{s} kv{2 * s} h{hq}/{hkv} d{d}", make,
+    return KernelCase("attention", f"{name} ring step b{b} q{s} kv{2 * s} h{hq}/{hkv} {_head_dims(d, dv)}", make,
                       context_parallel.ring_step_attention, reference,
                       lambda q, k_before, v_before, k, v: context_parallel.why_not_fused_ring(q, k, v))
 
@@ -216,7 +225,9 @@ def kernel_cases(quick: bool) -> list[KernelCase]:
     decoding against a KV cache, rotary far into the sequence, SFT rows of packed samples, a ring-attention step),
     MoE experts and routing at a tiny and at Qwen3-30B-A3B's shapes (experts of 2048 -> 768, 16 of its 128 with
     ``quick``; routing over 128, top-8), each with an expert that gets no tokens, and int8 LoRA base projections
-    (tiny's; 7B's gate-sized one in the full run); long sequences in the full run only."""
+    (tiny's; 7B's gate-sized one in the full run), and MLA attention (v heads smaller than q/k's: DeepSeek's 192 / 128
+    head dims with tiny's and DeepSeek-V2-Lite's 16 heads, plain, packed and as a ring step); long sequences in the
+    full run only."""
     seq = 512 if quick else 4096
     experts = 16 if quick else 128  # Qwen3-30B-A3B's 128 experts hold 200M weights per projection
     cases = [
@@ -228,6 +239,10 @@ def kernel_cases(quick: bool) -> list[KernelCase]:
         _attention_case("gqa", 2, 256, 256, 8, 2, 64),
         _attention_case("decode", 2, 4, 4 + seq, 32, 8, 128),
         _ring_step_case("7b", 1, seq // 2, 32, 8, 128),
+        _attention_case("tiny mla", 2, 64, 64, 4, 4, 192, dv=128),
+        _packed_attention_case("tiny mla", (40, 5, 19), 4, 4, 192, dv=128),
+        _ring_step_case("tiny mla", 1, 32, 4, 4, 192, dv=128),
+        _attention_case("deepseek-v2-lite mla", 1, seq, seq, 16, 16, 192, dv=128),
         _rms_norm_case("tiny", 2, 128, 128),
         _rms_norm_case("7b", 1, seq, 4096),
         _rotary_case("tiny", 2, 128, 4, 32),

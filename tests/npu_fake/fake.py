@@ -187,8 +187,11 @@ class FakeTorchNPU:
         bf16_supported: Optional[bool] = None,
         total_memory: int = 64 * GiB,
         release: str = DEFAULT_RELEASE,
+        cann_version: Optional[str] = None,
     ) -> None:
         self.release = release
+        #: The CANN the fused ops run on ("8.1.RC1"), for rules that changed with CANN; None: a current one.
+        self.cann_version = cann_version
         self.api = load_api(release)
         self.raw_device_count = device_count
         self.device_name = device_name
@@ -274,6 +277,9 @@ class FakeTorchNPU:
             if "release" in inspect.signature(impl).parameters:
                 # Rules that differ between releases (npu_fusion_attention's varlen limits) are told the release.
                 impl = functools.partial(impl, release=self.release)
+            if "cann" in inspect.signature(impl).parameters:
+                # ... and rules that differ between CANN releases (npu_fusion_attention's Dv < Dk) the CANN version.
+                impl = functools.partial(impl, cann=self.cann_version)
             if entry["autograd_node"] is None:
                 impl = _without_autograd(impl)
             setattr(mod, name, self._callable(name, sig, impl, types_))
@@ -688,10 +694,12 @@ def install_fake_torch_npu(
     bf16_supported: Optional[bool] = None,
     total_memory: int = 64 * GiB,
     release: str = DEFAULT_RELEASE,
+    cann_version: Optional[str] = None,
 ) -> FakeTorchNPU:
     """Install the fake as ``torch_npu`` / ``torch.npu`` for one test; monkeypatch undoes it afterwards.
 
-    ``total_memory`` is in bytes per device. Also renames PrivateUse1 to "npu" (once per process,
+    ``total_memory`` is in bytes per device; ``cann_version`` the CANN the fused ops run on (None: a current one;
+    the code under test reads the installed CANN from disk, so a test sets that up too). Also renames PrivateUse1 to "npu" (once per process,
     irreversibly) so ``torch.device("npu", i)`` can be built.
     """
     ensure_npu_device_type()
@@ -701,6 +709,7 @@ def install_fake_torch_npu(
         bf16_supported=bf16_supported,
         total_memory=total_memory,
         release=release,
+        cann_version=cann_version,
     )
     monkeypatch.setitem(sys.modules, "torch_npu", fake.torch_npu)
     monkeypatch.setitem(sys.modules, "torch_npu.npu", fake.npu)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Optional
 
 import torch
@@ -55,10 +56,12 @@ def npu_fusion_attention(
     offset: int = 0,
     *,
     release: Optional[str] = None,
+    cann: Optional[str] = None,
 ):
     """softmax(mask(scale * q k^T)) with dropout(keep_prob), times v; returns the documented 7-tuple.
 
-    ``release`` (bound by the fake, FakeTorchNPU) selects the release's varlen rules (see _VARLEN_RULES).
+    ``release`` (bound by the fake, FakeTorchNPU) selects the release's varlen rules (see _VARLEN_RULES); ``cann``
+    (the fake's CANN version, None: a current one) whether Dv < Dk is taken (_check_value_head_dim).
     """
     if input_layout not in _LAYOUTS:
         raise ValueError(f"input_layout={input_layout!r} is not one of {_LAYOUTS}")
@@ -89,6 +92,7 @@ def npu_fusion_attention(
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must match (Dv <= Dk)")
     if d != dk or not 1 <= d <= 768:
         raise ValueError(f"head dims must satisfy Dq == Dk in 1..768; got Dq={d}, Dk={dk}")
+    _check_value_head_dim(dk, v.shape[3], cann)
     if not 1 <= nq <= 256 or nq % nkv != 0:
         raise ValueError(f"query heads ({nq}) must be in 1..256 and a multiple of key/value heads ({nkv})")
 
@@ -138,6 +142,21 @@ def npu_fusion_attention(
     softmax_sum = _softmax_stat(row_sum, varlen).expand(stats_shape).contiguous()
     softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
     return _from_bnsd(out, input_layout), softmax_max, softmax_sum, softmax_out, 0, 0, numels
+
+
+#: The first CANN release documented to take Dv < Dk (MindSpeed-LLM's --mla-fa-without-pad needs CANN >= 8.2.RC1;
+#: older releases "may reject" it: the fake rejects it, so code must pad there).
+_UNPADDED_DV_CANN = (8, 2)
+
+
+def _check_value_head_dim(dk: int, dv: int, cann: Optional[str]) -> None:
+    if dv == dk or cann is None:
+        return
+    match = re.match(r"(\d+)\.(\d+)", cann)
+    if match is None or (int(match.group(1)), int(match.group(2))) < _UNPADDED_DV_CANN:
+        raise ValueError(
+            f"value head dim {dv} < query/key head dim {dk}: this fake's CANN {cann} (< 8.2.RC1) takes Dv == Dk only"
+        )
 
 
 def _inputs_to_bnsd(query: Tensor, key: Tensor, value: Tensor, head_num: int, layout: str):
@@ -235,6 +254,7 @@ def npu_fusion_attention_grad(
     softmax_layout: str = "",
     sink: Optional[Tensor] = None,
     release: Optional[str] = None,
+    cann: Optional[str] = None,
 ):
     """(dq, dk, dv, dpse, dsink) of npu_fusion_attention from the forward's statistics, flash-attention style.
 
@@ -270,8 +290,14 @@ def npu_fusion_attention_grad(
     nkv, skv = k.shape[1], k.shape[2]
     if nq != head_num or nq % nkv != 0:
         raise ValueError(f"head_num={head_num}: query has {nq} heads, key/value {nkv}; query heads must be a multiple")
-    if do.shape != q.shape or o.shape != q.shape:
-        raise ValueError(f"dy {tuple(dy.shape)} and attention_in {tuple(attention_in.shape)} must have query's shape")
+    if d != k.shape[3] or k.shape[:3] != v.shape[:3] or v.shape[3] > d:
+        raise ValueError(f"head dims must satisfy Dq == Dk >= Dv; got query {tuple(query.shape)}, key"
+                         f" {tuple(key.shape)}, value {tuple(value.shape)}")
+    _check_value_head_dim(d, v.shape[3], cann)
+    out_shape = (b, nq, sq, v.shape[3])  # the forward's output: query's rows, value's head dim
+    if tuple(do.shape) != out_shape or tuple(o.shape) != out_shape:
+        raise ValueError(f"dy {tuple(dy.shape)} and attention_in {tuple(attention_in.shape)} must have the forward"
+                         f" output's shape (query's, with value's head dim)")
     for name, stat in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
         if stat.dtype != torch.float32 or tuple(stat.shape) != (b, nq, sq, 8):
             raise ValueError(

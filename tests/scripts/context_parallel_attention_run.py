@@ -22,14 +22,18 @@ WORLD = 4
 
 
 def cases(groups):
-    """(name, group, algo, batch, seq, heads, kv_heads, head_dim, cu_seqlens)."""
+    """(name, group, algo, batch, seq, heads, kv_heads, q/k head_dim, v head_dim, cu_seqlens)."""
     whole, pair = groups
     return [
-        ("ulysses_gqa_repeat", whole, "ulysses", 2, 16, 8, 2, 8, None),  # cp 4 > 2 KV heads: repeated
-        ("ulysses_mha", pair, "ulysses", 2, 12, 4, 4, 8, None),
-        ("ulysses_packed", whole, "ulysses", 2, 16, 8, 2, 8, [0, 5, 16, 19, 32]),  # samples cross the chunks
-        ("ring_cp4_gqa", whole, "ring", 2, 16, 4, 2, 8, None),
-        ("ring_cp2", pair, "ring", 1, 12, 2, 1, 8, None),
+        ("ulysses_gqa_repeat", whole, "ulysses", 2, 16, 8, 2, 8, 8, None),  # cp 4 > 2 KV heads: repeated
+        ("ulysses_mha", pair, "ulysses", 2, 12, 4, 4, 8, 8, None),
+        ("ulysses_packed", whole, "ulysses", 2, 16, 8, 2, 8, 8, [0, 5, 16, 19, 32]),  # samples cross the chunks
+        ("ring_cp4_gqa", whole, "ring", 2, 16, 4, 2, 8, 8, None),
+        ("ring_cp2", pair, "ring", 1, 12, 2, 1, 8, 8, None),
+        # MLA: v heads smaller than q/k's (Dk 24, Dv 16), cp 2.
+        ("ulysses_cp2_mla", pair, "ulysses", 2, 12, 4, 4, 24, 16, None),
+        ("ulysses_cp2_packed_mla", pair, "ulysses", 2, 12, 4, 2, 24, 16, [0, 7, 12, 19, 24]),
+        ("ring_cp2_mla", pair, "ring", 2, 12, 4, 2, 24, 16, None),
     ]
 
 
@@ -40,16 +44,17 @@ def full_attention(q, k, v, cu_seqlens):
         return reference_attention(q, k, v)
     b, s = q.shape[:2]
     out = reference_packed_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens)
-    return out.view(b, s, -1, q.shape[-1])
+    return out.view(b, s, -1, v.shape[-1])
 
 
 def run_case(case) -> dict:
     from lightning_npu.kernels.context_parallel import ContextParallel
 
-    name, group, algo, b, s, h, hkv, d, cu_seqlens = case
+    name, group, algo, b, s, h, hkv, d, dv, cu_seqlens = case
     generator = torch.Generator().manual_seed(hash(name) % 1000)
-    q, k, v = (torch.randn(b, s, n, d, generator=generator, dtype=torch.float64) for n in (h, hkv, hkv))
-    weight = torch.randn(b, s, h, d, generator=generator, dtype=torch.float64)
+    q, k, v = (torch.randn(b, s, n, dim, generator=generator, dtype=torch.float64)
+               for n, dim in ((h, d), (hkv, d), (hkv, dv)))
+    weight = torch.randn(b, s, h, dv, generator=generator, dtype=torch.float64)
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     expected = full_attention(*full, cu_seqlens)
     (expected * weight).sum().backward()

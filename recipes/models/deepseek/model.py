@@ -61,14 +61,6 @@ def deinterleave(x: Tensor) -> Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-def pad_values(q: Tensor, v: Tensor) -> Tensor:
-    """``v`` zero-padded to q's head width: the attention kernels take Dv == Dk only.
-
-    Temporary: it goes away when ``lightning_npu.kernels.attention`` takes Dv != Dk (another stream lifts that
-    check); the padded output channels are zeros and ``MLAttention`` slices them off, so the result is exact."""
-    return F.pad(v, (0, q.shape[-1] - v.shape[-1]))
-
-
 class MLAttention(nn.Module):
     """Causal Multi-head Latent Attention (see ``config.py``): queries (optionally through a normalised low rank),
     keys and values up-projected from a normalised latent, plus one rotary key head shared by all heads; the softmax
@@ -120,12 +112,11 @@ class MLAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v, start_pos)
             k, v = k.to(q.dtype), v.to(q.dtype)  # a cache from the parameters is fp32 under autocast
-        v = pad_values(q, v)
         if cu_seqlens is not None:
             out = packed_causal_attention(q[0], k[0], v[0], cu_seqlens, scale=self.scale)
         else:
             out = causal_attention(q, k, v, scale=self.scale)
-        return self.wo(out[..., : self.v_dim].reshape(batch, seq, -1))
+        return self.wo(out.reshape(batch, seq, -1))
 
 
 class DeepSeekBlock(DecoderBlock):
