@@ -206,6 +206,10 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[floa
         group = q_heads // kv_heads
         kt = kt.repeat_interleave(group, dim=1)
         vt = vt.repeat_interleave(group, dim=1)
+    # SDPA's fused CPU / CUDA kernels take v at q's head dim only; on its math path the scores [S, S] materialise.
+    # Zero columns keep the fused path (exact: they are sliced off), as the NPU kernel's memory is.
+    pad = q.shape[-1] - v.shape[-1]
+    vt = _padded(vt, pad)
     if sq == skv:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     else:
@@ -213,4 +217,4 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[floa
         rows = torch.arange(sq, device=q.device)[:, None] + (skv - sq)
         cols = torch.arange(skv, device=q.device)[None, :]
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=cols <= rows, scale=scale)
-    return out.transpose(1, 2)
+    return _sliced(out, pad).transpose(1, 2)
