@@ -284,11 +284,13 @@ def test_every_checkpoint_form_lightning_writes_evaluates_and_resumes_under_npu_
         assert result["full_checkpoint_state_keys"] == list(range(10))
         # A full state is gathered on rank 0 (the one that writes the file).
         assert result["optimizer_state_keys"] == (list(range(10)) if rank == 0 else [])
-        # The other ranks get {} (as from Lightning's FSDPStrategy), with state and without: {'state': {}} and SGD's
-        # whole state_dict() before.
+        # The other ranks get {} (as from Lightning's FSDPStrategy) from AdamW, SGD without state and AdamW8bit:
+        # {'state': {}} and SGD's whole state_dict() before.
         whole = ["param_groups", "state"] if rank == 0 else []
         assert result["optimizer_state_entries"] == whole
         assert result["stateless_optimizer_state_entries"] == whole
+        assert result["adamw8bit_optimizer_state_entries"] == whole
+        assert result["adamw8bit_optimizer_state_keys"] == (list(range(10)) if rank == 0 else [])
         assert len(result["ddp_resumed"]) == 3
         assert result["resumed_from_ddp"] == pytest.approx(result["ddp_resumed"], rel=1e-5)
         assert result["resumed_from_name_keyed"] == pytest.approx(result["ddp_resumed"], rel=1e-5)

@@ -110,11 +110,16 @@ def test_a_model_parallel_strategy_module_trains_under_npu_fsdp_with_tensor_para
 @pytest.mark.slow
 def test_a_tensor_parallel_plan_given_to_the_strategy_trains_like_plain_sharding(tensor_parallel_runs):
     """tensor_parallel_plan= (an import path) splits the same model as its own configure_model did: the same
-    losses as plain npu_fsdp on 4, and a full checkpoint (state_dict_type="full") of whole tensors equal to its."""
+    losses as plain npu_fsdp on 4, a full checkpoint (state_dict_type="full") of whole tensors equal to its, and
+    the full optimizer state on rank 0 only."""
     out, result = tensor_parallel_runs
     assert torch.allclose(torch.tensor(result["tp_plan"]["losses"]), torch.tensor(result["dp"]["losses"]),
                           rtol=0, atol=1e-5)
     assert all(rank["w2_placements"] == ["S(0)", "S(1)"] for rank in result["tp_plan"]["ranks"])
+    # strategy.optimizer_state() is the full state on rank 0 and {} on the others, as from Lightning's strategies.
+    for run in ("dp", "tp_plan"):
+        entries = [rank["optimizer_state_entries"] for rank in result[run]["ranks"]]
+        assert entries == [["param_groups", "state"], [], [], []], run
     plain = torch.load(out / "dp.ckpt", weights_only=False)["state_dict"]
     split = torch.load(out / "tp_plan.ckpt", weights_only=False)["state_dict"]
     assert split.keys() == plain.keys() and len(plain) == 8

@@ -1,8 +1,8 @@
 """One Fabric run on the simulated NPUs (driven by the integration tests through a subprocess).
 
 Trains ``--steps`` AdamW steps of the test network, optionally resuming from / saving to a checkpoint,
-and writes ``<out>/result.json`` (per-step losses averaged over ranks, Linear output dtypes, the step-0 loss of a
-second Fabric made in the launched process) from rank 0
+and writes ``<out>/result.json`` (per-step losses averaged over ranks, Linear output dtypes, the losses of a second
+Fabric made in the launched process and trained from the same seed) from rank 0
 and ``<out>/fraction_rank<r>.json`` (share of parameter elements held) from each rank.
 """
 
@@ -38,17 +38,20 @@ def train(fabric, model, optimizer, state, steps):
         yield losses
 
 
-def second_fabric_initial_loss(precision: str) -> float:
-    """A second Fabric in this already launched process, made as Lightning's FSDP tests make one (``_launched =
-    True`` in place of another ``launch()``): its freshly seeded model's rank-averaged loss on step 0's batches."""
+def setup(precision: str, *, launch: bool):
+    """A Fabric on 2 simulated NPUs with the seeded test network and its AdamW set up. A second Fabric in an already
+    launched process is made as Lightning's FSDP tests make one: ``_launched = True`` in place of another
+    ``launch()``."""
     strategy = lightning_npu.NPUFabricFSDPStrategy(auto_wrap_policy=[Block], zero_stage=3, timeout=120)
     fabric = Fabric(accelerator="npu", devices=2, strategy=strategy, precision=precision)
-    fabric._launched = True
+    if launch:
+        fabric.launch()
+    else:
+        fabric._launched = True
     seed_everything(7)
     model = fabric.setup(Net())
-    x, y = batch(0, fabric.global_rank)
-    loss = nn.functional.mse_loss(model(x.to(fabric.device)).float(), y.to(fabric.device))
-    return fabric.all_reduce(loss.detach(), reduce_op="mean").item()
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return fabric, model, optimizer
 
 
 def main() -> None:
@@ -61,12 +64,7 @@ def main() -> None:
     parser.add_argument("--save", default=None)
     args = parser.parse_args()
 
-    strategy = lightning_npu.NPUFabricFSDPStrategy(auto_wrap_policy=[Block], zero_stage=3, timeout=120)
-    fabric = Fabric(accelerator="npu", devices=2, strategy=strategy, precision=args.precision)
-    fabric.launch()
-    seed_everything(7)
-    model = fabric.setup(Net())
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    fabric, model, optimizer = setup(args.precision, launch=True)
     dtypes: set[str] = set()
     for module in model.modules():
         if isinstance(module, nn.Linear):
@@ -80,13 +78,16 @@ def main() -> None:
         if args.save and state["step"] == args.save_at:
             fabric.save(args.save, state)
 
-    second_loss = second_fabric_initial_loss(args.precision)
+    second_fabric, second_model, second_optimizer = setup(args.precision, launch=False)
+    second_losses = []
+    for second_losses in train(second_fabric, second_model, second_optimizer, {"step": 0}, args.steps):
+        pass
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"fraction_rank{fabric.global_rank}.json").write_text(json.dumps(sharded_fraction(model)))
     if fabric.global_rank == 0:
         result = {"losses": losses, "linear_dtypes": sorted(dtypes), "strategy": type(fabric.strategy).__name__,
-                  "second_fabric_initial_loss": second_loss}
+                  "second_fabric_losses": second_losses}
         (Path(args.out) / "result.json").write_text(json.dumps(result))
 
 

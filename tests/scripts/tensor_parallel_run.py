@@ -138,8 +138,11 @@ def fit(out: Path, name: str, *, tp: int, shard_itself: bool, state_dict_type: s
     mesh = trainer.strategy.device_mesh
     weight = module.net.layers[0].w2.weight
     placements = [str(p) for p in weight.placements]
+    # A full optimizer state exists on global rank 0 only, as Lightning's ModelParallelStrategy returns it.
+    full_state = trainer.strategy.optimizer_state(trainer.optimizers[0]) if state_dict_type == "full" else None
     ranks: list = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, {"first_batch_sum": module.first_batch_sum, "w2_placements": placements})
+    dist.all_gather_object(ranks, {"first_batch_sum": module.first_batch_sum, "w2_placements": placements,
+                                   "optimizer_state_entries": None if full_state is None else sorted(full_state)})
     return {"losses": module.losses, "mesh_dims": list(mesh.mesh_dim_names), "ranks": ranks}
 
 

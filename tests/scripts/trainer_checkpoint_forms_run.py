@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 import lightning_npu
+from lightning_npu.optim import AdamW8bit
 from tests.scripts.trainer_run import Block, Regression, data
 
 STEPS = 6
@@ -90,9 +91,19 @@ def main() -> None:
     state = fsdp.strategy.optimizer_state(fsdp.optimizers[0])
     result["optimizer_state_keys"] = sorted(state.get("state", {}))
     result["optimizer_state_entries"] = sorted(state)
-    # An optimizer without state (SGD without momentum) takes another path through optimizer_state.
-    stateless = torch.optim.SGD(fsdp.strategy.model.parameters(), lr=0.1)
+    # An optimizer without state (SGD without momentum) takes another path through optimizer_state; AdamW8bit
+    # converts its state to the full form (its moments dequantized) after one step on zero gradients.
+    parameters = list(fsdp.strategy.model.parameters())
+    stateless = torch.optim.SGD(parameters, lr=0.1)
     result["stateless_optimizer_state_entries"] = sorted(fsdp.strategy.optimizer_state(stateless))
+    eight_bit = AdamW8bit(parameters, lr=1e-3)
+    for parameter in parameters:
+        parameter.grad = torch.zeros_like(parameter)
+    eight_bit.step()
+    eight_bit_state = fsdp.strategy.optimizer_state(eight_bit)
+    fsdp.strategy.model.zero_grad(set_to_none=True)
+    result["adamw8bit_optimizer_state_entries"] = sorted(eight_bit_state)
+    result["adamw8bit_optimizer_state_keys"] = sorted(eight_bit_state.get("state", {}))
 
     # Evaluation from weights-only checkpoints, on a new Trainer and on the one that trained.
     evaluate = trainer("npu_fsdp")
