@@ -15,5 +15,4 @@ FAMILY = DecoderFamily(
     lora_sites={"q": ("attention.wq", 0, 1), "q_a": ("attention.wq_a", 0, 1), "q_b": ("attention.wq_b", 0, 1),
                 "kv_a": ("attention.wkv_a", 0, 1), "kv_b": ("attention.wkv_b", 0, 1), "o": ("attention.wo", 0, 1)},
     expert_lora_sites=MOE.expert_lora_sites,  # DeepSeekMoE's routed experts are the MoE family's stacked experts
-    context_parallel=False,  # MLAttention takes no context-parallel attention yet (Dv != Dk, the shared rotary key)
 )
