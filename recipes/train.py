@@ -164,15 +164,14 @@ def check_run(model: DecoderLM, data: TextDataModule, trainer: Optional[Trainer]
 
 
 def check_context_parallel(model: DecoderLM, data: TextDataModule, trainer: Trainer) -> None:
-    """npu_fsdp's context_parallel_size against the model's heads and the sequence length, before workers start."""
+    """npu_fsdp's context_parallel_size against the model (its config's ``context_parallel_refusal()``, if it has
+    one), its heads and the sequence length, before workers start."""
     options = getattr(trainer.strategy, "options", None)
     if isinstance(options, FSDPChoices):
-        if options.context_parallel_size > 1 and not model.family.context_parallel:
-            raise ValueError(
-                f"context_parallel_size={options.context_parallel_size}: the {model.hparams.family!r} family's"
-                " attention has no context-parallel path yet (its tokens would be split but attention would not see"
-                " the whole sequence); train it with context_parallel_size=1"
-            )
+        refusal = getattr(model.config, "context_parallel_refusal", None)  # a model config's own limits
+        reason = refusal() if refusal is not None and options.context_parallel_size > 1 else None
+        if reason is not None:
+            raise ValueError(f"context_parallel_size={options.context_parallel_size}: {reason}")
         check_context_parallel_shapes(options.context_parallel_size, options.context_parallel_algo,
                                       heads=model.config.n_heads, seq_len=data.seq_len,
                                       tp=options.tensor_parallel_size)

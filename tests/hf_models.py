@@ -32,3 +32,47 @@ def saved(model: transformers.PreTrainedModel, path) -> object:
 def random_tokens(vocab_size: int, *, seed: int = 1, batch: int = 2, seq: int = 12) -> torch.Tensor:
     """[batch, seq] token ids below ``vocab_size`` from ``seed``."""
     return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def with_random_adapters(model, lora, *, seed: int, std: float) -> tuple[dict, dict]:
+    """``model`` with ``lora``'s adapters added (``recipes.decoder.lora.add_lora``) and drawn from N(0, std), B too,
+    so they change the output: its base state before, and the adapters' state."""
+    from recipes.decoder.lora import add_lora, is_adapter_name
+
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    add_lora(model, lora)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.normal_(0, std)
+    return base, {k: v for k, v in model.state_dict().items() if is_adapter_name(k)}
+
+
+def assert_lora_exports_give_the_recipe_logits(tmp_path, hf_base, ours, lora, adapters, ids) -> dict:
+    """A LoRA recipe checkpoint of ``adapters`` (``ours``'s, on the HF directory ``hf_base`` as its ``init_from``)
+    through ``convert.py to-peft`` loaded by ``peft.PeftModel`` on transformers' model of ``hf_base``, and through
+    ``to-hf --merge-lora``, gives the fp32 logits of ``ours`` on ``ids`` within 1e-5, which the base's are not.
+    Returns the ``adapter_config.json``."""
+    import json
+
+    import peft
+
+    from recipes import convert
+    from recipes.decoder.checkpoint_layout import make_recipe_checkpoint
+
+    checkpoint = make_recipe_checkpoint(ours.config, adapters)
+    checkpoint["hyper_parameters"].update(lora=lora.to_dict(), init_from=str(hf_base))
+    torch.save(checkpoint, tmp_path / "lora.ckpt")
+    for argv in (["to-peft", tmp_path / "lora.ckpt", tmp_path / "peft"],
+                 ["to-hf", tmp_path / "lora.ckpt", tmp_path / "merged", "--merge-lora"]):
+        assert convert.main([str(arg) for arg in argv]) == 0, argv
+    with torch.no_grad():
+        expected = ours.eval()(ids)
+        base = transformers.AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32).eval()
+        assert (base(ids).logits - expected).abs().max() > 1e-2  # the adapters matter
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+        torch.testing.assert_close(adapted(ids).logits, expected, rtol=0, atol=1e-5)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+        torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-5)
+    return json.loads((tmp_path / "peft" / "adapter_config.json").read_text())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_npu.facts.options import check_context_parallel_shapes
-from tests.helpers import SCRIPTS, read_json, run_python
+from tests.helpers import REPO, SCRIPTS, read_json, run_python
 from tests.recipe_runs import train_tiny
 from tests.test_kernels import _take_npu_branch, install_cann
 from tests.test_recipe_e2e import STRATEGY, _assert_fails_before_workers
@@ -116,13 +116,14 @@ def test_ulysses_and_ring_attention_equal_full_causal_attention_forward_and_back
     """On 4 gloo processes (cp = 4, and cp = 2 in two groups): Ulysses (GQA with key/value heads repeated, packed
     rows crossing the chunk boundaries) and ring attention (head-tail chunks, GQA) give each rank its shard of full
     causal attention and of its q/k/v gradients, also with v heads smaller than q/k's (MLA: Dk 24, Dv 16, cp 2); on the NPU branch through the fake's npu_fusion_attention and
-    npu_fusion_attention_grad. The tiny LLaMA gives the same logits and parameter gradients through them, and a
+    npu_fusion_attention_grad. The tiny LLaMA and DeepSeek (MLA) give the same logits and parameter gradients
+    through them, and a
     loss over unevenly placed labelled tokens averages (token_mean) to the mean over the whole sequences."""
     result = attention_runs[path]
     cases = ["ulysses_gqa_repeat", "ulysses_mha", "ulysses_packed", "ring_cp4_gqa", "ring_cp2", "ulysses_cp2_mla",
              "ulysses_cp2_packed_mla", "ring_cp2_mla"]
     if path == "reference":
-        cases += ["model_ulysses_packed", "model_ring", "token_mean"]
+        cases += ["model_ulysses_packed", "model_ring", "deepseek_ulysses_packed", "deepseek_ring", "token_mean"]
     else:
         # Ulysses' 3 + 2 (MLA) causal calls, then 4 + 2 + 2 (MLA) ring steps forward, and each ring step's backward.
         assert result["npu_calls"] == {"npu_fusion_attention": 13, "npu_fusion_attention_grad": 8}
@@ -144,8 +145,11 @@ def test_ulysses_and_ring_attention_equal_full_causal_attention_forward_and_back
          "splits each rank's 6 / tensor_parallel_size=1 attention heads over context_parallel_size=4 ranks"),
         ([STRATEGY + "context_parallel_algo", "zigzag"],
          "error: trainer.strategy (NPUFSDPStrategy): context_parallel_algo='zigzag' is not supported"),
+        (["--config", str(REPO / "recipes/models/deepseek/configs/tiny_deepseek.yaml"), "--model.config",
+          "{mtp_layers: 1}", STRATEGY + "context_parallel_size", "2"],
+         "context_parallel_size=2: model.config.mtp_layers=1: multi-token prediction reads the tokens up to 1 ahead"),
     ],
-    ids=["ring-seq-len", "ulysses-heads", "unknown-algo"],
+    ids=["ring-seq-len", "ulysses-heads", "unknown-algo", "deepseek-mtp"],
 )
 def test_context_parallel_sizes_the_model_cannot_take_fail_before_workers_start(tmp_path, args, message):
     _assert_fails_before_workers(

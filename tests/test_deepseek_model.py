@@ -283,3 +283,53 @@ def test_a_bf16_checkpoint_with_transformers_fp32_router_round_trips_bit_exactly
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == theirs[k].dtype
                                                 for k in ours)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+_MLA_LORA = {"v3-q-lora-yarn": ("q_a", "q_b", "kv_a", "kv_b", "o", "expert_gate", "expert_up", "expert_down"),
+             "v3-no-q-lora-halves": ("q", "kv_a", "kv_b", "o", "expert_up"),
+             "v2-q-lora-greedy": ("q_b", "kv_a", "o", "expert_gate", "expert_down"),
+             "v2-group-limited-yarn": ("q", "kv_b", "expert_gate", "expert_up", "expert_down")}
+
+
+@pytest.mark.parametrize("name", sorted(_MLA_LORA))
+def test_lora_on_mla_and_the_experts_exports_a_peft_adapter_and_a_merged_model_with_the_recipe_logits(tmp_path,
+                                                                                                       name):
+    """Adapters on MLA's projections (the query or its low rank and up-projection, the key/value latent with the
+    shared rotary key, its up-projection, the output) and on the routed experts: ``to-peft`` on transformers'
+    DeepSeek model and ``to-hf --merge-lora`` give the adapted recipe model's fp32 logits (1e-5)."""
+    from recipes.decoder.lora import LoRAConfig
+    from tests.hf_models import assert_lora_exports_give_the_recipe_logits, with_random_adapters
+
+    base_dir = saved(hf_model(name), tmp_path / "hf")
+    config, state_dict = hf_checkpoint.load_hf_checkpoint(base_dir)
+    ours = DeepSeek(config)
+    ours.load_state_dict(state_dict)
+    lora = LoRAConfig(rank=2, alpha=3.0, dropout=0.1, targets=_MLA_LORA[name])
+    _, adapters = with_random_adapters(ours, lora, seed=5, std=0.2)
+    adapter_config = assert_lora_exports_give_the_recipe_logits(tmp_path, base_dir, ours, lora, adapters, tokens())
+    assert set(adapter_config["target_modules"]) <= {"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                                     "kv_b_proj", "o_proj"}
+
+
+def test_lora_on_a_query_projection_the_config_leaves_out_is_refused_naming_the_ones_it_has():
+    from recipes.decoder.lora import LoRAConfig, add_lora
+
+    with_low_rank = DeepSeek(DeepSeekConfig.from_preset("tiny", q_lora_rank=8))
+    with pytest.raises(ValueError, match=r"'q', but this model's blocks have no attention\.wq .*'q_a', 'q_b'"):
+        add_lora(with_low_rank, LoRAConfig(targets=("q", "kv_a")))
+    without = DeepSeek(DeepSeekConfig.from_preset("tiny", q_lora_rank=None))
+    with pytest.raises(ValueError, match=r"'q_b', but this model's blocks have no attention\.wq_b"):
+        add_lora(without, LoRAConfig(targets=("q_b",)))
+
+
+def test_multi_token_prediction_under_context_parallelism_is_refused_with_the_reason():
+    """train.py refuses it before workers start (tests/test_context_parallel.py); a model given context parallelism
+    another way (Fabric) refuses its first training forward, not trains MTP on the wrong tokens."""
+    from lightning_npu.kernels.context_parallel import ContextParallel
+    from lightning_npu.strategies.parallelize import apply_context_parallel
+
+    assert DeepSeekConfig.from_preset("tiny").context_parallel_refusal() is None
+    model = DeepSeek(DeepSeekConfig.from_preset("tiny", n_layers=2, mtp_layers=1))
+    apply_context_parallel(model, ContextParallel(None, "ring"))  # refused before the group is asked anything
+    with pytest.raises(ValueError, match=r"mtp_layers=1: multi-token prediction reads the tokens up to 1 ahead"):
+        model.train()(tokens(seq=8))

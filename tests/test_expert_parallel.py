@@ -203,7 +203,7 @@ def test_tiny_moe_recipe_trains_with_expert_parallelism_and_exports_every_expert
     assert torch.equal(generate(model, prompt, 12), expected)
 
 
-@PREFETCHED.fixture(seconds=27)
+@PREFETCHED.fixture(seconds=38)
 def expert_parallel_mesh_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("expert_parallel_mesh")
     run_python([str(SCRIPTS / "expert_parallel_mesh_run.py"), "--out", str(out)], simulate=4, timeout=1500)
@@ -223,6 +223,19 @@ def test_expert_parallelism_with_context_parallelism_shards_the_experts_on_the_o
         assert len(losses[run]) == 20
         assert torch.allclose(losses[run][:2], losses["dp"][:2], rtol=0, atol=1e-5), run
         assert losses[run][-5:].mean() < losses[run][:5].mean() - 0.5, run
+
+
+@pytest.mark.slow
+def test_deepseek_trains_under_ring_and_ulysses_context_parallelism_with_the_losses_of_plain_sharding(
+        expert_parallel_mesh_runs):
+    """The tiny DeepSeek (MLA: q/k heads wider than v, the shared rotary key; DeepSeekMoE with every token routed to
+    all experts) on 4 simulated NPUs, context_parallel_size=2 by ring and by Ulysses attention: plain npu_fsdp's
+    10 per-step losses from the same first weights and rows (fp32, 1e-5), and the loss falls."""
+    losses, _ = expert_parallel_mesh_runs
+    assert len(losses["deepseek_dp"]) == 10
+    assert losses["deepseek_dp"][-3:].mean() < losses["deepseek_dp"][:3].mean() - 0.5
+    for algo in ("ring", "ulysses"):
+        torch.testing.assert_close(losses[f"deepseek_cp_{algo}"], losses["deepseek_dp"], rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow

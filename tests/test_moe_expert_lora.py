@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from torch import nn
 from torch.nn import functional as F
 
 from recipes.decoder.lora import LoRAConfig, add_lora, is_adapter_name, merged_state_dict
 from recipes.models.moe.config import MoEConfig
 from recipes.models.moe.model import MoE
+from tests.hf_models import assert_lora_exports_give_the_recipe_logits, with_random_adapters
 
 EXPERTS = ("expert_gate", "expert_up", "expert_down")
 
@@ -85,23 +85,10 @@ def test_expert_adapters_equal_a_per_expert_loop_forward_and_backward_and_an_emp
         assert grad[0].abs().max() > 0, name
 
 
-def _with_random_adapters(model, config, *, seed, std):
-    """``model`` with ``config``'s adapters added and drawn from N(0, std) (B too, so they change the output): its
-    base state before, and the adapters' state."""
-    base = {k: v.clone() for k, v in model.state_dict().items()}
-    add_lora(model, config)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.normal_(0, std)
-    return base, {k: v for k, v in model.state_dict().items() if is_adapter_name(k)}
-
-
 def test_merged_expert_adapters_give_the_adapted_model_s_logits():
     model = _model()
     config = LoRAConfig(rank=4, targets=("v", *EXPERTS))
-    base, adapters = _with_random_adapters(model, config, seed=3, std=0.05)
+    base, adapters = with_random_adapters(model, config, seed=3, std=0.05)
     merged = MoE(model.config)
     merged.load_state_dict(merged_state_dict(base, adapters, model.config, config))
     tokens = torch.randint(0, model.config.vocab_size, (2, 16))
@@ -142,37 +129,13 @@ def test_training_with_expert_adapters_lowers_the_loss():
 def test_peft_export_of_expert_adapters_gives_the_recipe_logits_in_transformers(tmp_path, arch, targets):
     """The PEFT directory (adapters on transformers 5's stacked expert parameters, PEFT's ``target_parameters``)
     on the HF base gives the adapted recipe model's fp32 logits (1e-5); so does the merged HF export."""
-    import json
-
-    import peft
-    from safetensors.torch import save_file
-
-    from recipes.decoder import hf_checkpoint
-    from recipes.decoder.lora_export import peft_config, peft_state_dict
     from tests.test_moe_model import hf_model, recipe_model, saved, tokens
 
     base_dir = saved(hf_model(arch), tmp_path / "hf")
     ours = recipe_model(base_dir)
     lora = LoRAConfig(rank=2, alpha=3.0, dropout=0.1, targets=targets)
-    base, adapters = _with_random_adapters(ours, lora, seed=5, std=0.2)
-    ours.eval()
-    ids = tokens(seed=7)
-    with torch.no_grad():
-        expected = ours(ids)
-    out = tmp_path / "peft"
-    out.mkdir()
-    save_file(peft_state_dict(adapters, ours.config, lora), out / "adapter_model.safetensors")
-    (out / "adapter_config.json").write_text(json.dumps(peft_config(lora, ours.config)))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(hf, out).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=1e-5)
-
-    merged_dir = tmp_path / "merged"
-    hf_checkpoint.save_hf_checkpoint(ours.config, merged_state_dict(base, adapters, ours.config, lora), merged_dir)
-    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-5)
+    _, adapters = with_random_adapters(ours, lora, seed=5, std=0.2)
+    assert_lora_exports_give_the_recipe_logits(tmp_path, base_dir, ours, lora, adapters, tokens(seed=7))
 
 
 @pytest.mark.slow

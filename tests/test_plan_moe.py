@@ -184,5 +184,23 @@ def test_a_quantized_lora_base_is_planned_quantized_where_the_recipe_quantizes_i
 
 
 def test_lora_on_the_experts_is_not_planned_yet_and_says_so():
-    with pytest.raises(PlanError, match=r"lora.targets \['expert_down'\]: the planner does not count per-expert"):
+    with pytest.raises(PlanError, match=r"lora.targets \['expert_down'\]: the planner does not count these adapters"
+                                        r" yet.*among \['q'\] only"):
         lightning_npu_memory_profile({"family": "moe", "lora": dict(rank=8, targets=["q", "expert_down"])})
+
+
+def test_lora_on_mla_but_its_output_or_on_the_experts_is_not_planned_yet_and_says_so():
+    from recipes.models.deepseek.memory_profile import lightning_npu_memory_profile as deepseek_profile
+
+    for targets in (["kv_a", "o"], ["q_b", "expert_up", "o"]):
+        with pytest.raises(PlanError, match=r"does not count these adapters yet.*among \['o'\] only"):
+            deepseek_profile({"family": "deepseek", "lora": dict(rank=8, targets=targets)})
+    assert deepseek_profile({"family": "deepseek", "lora": dict(rank=8, targets=["o"])}).adapters.projections == ("o",)
+
+
+def test_multi_token_prediction_is_not_planned_yet_and_says_what_planning_without_it_leaves_out():
+    from recipes.models.deepseek.memory_profile import lightning_npu_memory_profile as deepseek_profile
+
+    with pytest.raises(ValueError, match=r"mtp_layers=1: multi-token prediction is not planned yet; plan with"
+                                         r" mtp_layers=0 \(an underestimate by one MoE layer"):
+        deepseek_profile({"family": "deepseek", "config": {"mtp_layers": 1}})

@@ -145,3 +145,21 @@ def test_the_tensor_parallel_plan_splits_the_biases_with_their_weights_and_sums_
         assert result["logits"] < 1e-5 and result["grad"] < 1e-6, result
     assert {"layers.0.attention.wq.bias", "layers.1.attention.wv.bias"} <= set(results["qwen2"]["split"])
     assert not any("norm" in name for name in results["qwen3"]["split"])
+
+
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
+def test_lora_exports_a_peft_adapter_and_a_merged_model_with_the_recipe_logits(tmp_path, name):
+    """Adapters on every projection (Qwen2's biased q/k/v, Qwen3's q/k before their head norms, a head_dim that is
+    not hidden / heads, tied embeddings): ``to-peft`` on transformers' Qwen model and ``to-hf --merge-lora`` give the
+    adapted recipe model's fp32 logits (1e-5)."""
+    from recipes.decoder.lora import LoRAConfig
+    from tests.hf_models import assert_lora_exports_give_the_recipe_logits, with_random_adapters
+
+    base_dir = saved(hf_model(name), tmp_path / "hf")
+    config, state_dict = hf_checkpoint.load_hf_checkpoint(base_dir)
+    ours = Qwen(config)
+    ours.load_state_dict(state_dict)
+    lora = LoRAConfig(rank=2, alpha=3.0, dropout=0.1, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    base, adapters = with_random_adapters(ours, lora, seed=5, std=0.2)
+    assert all(torch.equal(ours.state_dict()[k], v) for k, v in base.items() if k.endswith("bias"))  # frozen, kept
+    assert_lora_exports_give_the_recipe_logits(tmp_path, base_dir, ours, lora, adapters, tokens())

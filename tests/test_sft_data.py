@@ -347,3 +347,75 @@ def test_bad_settings_are_refused_at_construction(tmp_path):
     text.write_text("just text\n")
     with pytest.raises(ValueError, match="is plain text"):
         _module(str(text), tmp_path)
+
+
+# ChatML in the form of Qwen2.5's template (no tools): a default system turn when the conversation has none, each
+# turn `<|im_start|>{role}\n{content}<|im_end|>\n`, no BOS.
+_CHATML_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if not (message['role'] == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _qwen_style_tokenizer(tmp_path: Path) -> str:
+    """A tokenizer laid out as Qwen2.5-Instruct's tokenizer.json, saved to a directory: byte-level BPE, the special
+    tokens <|endoftext|> (padding), <|im_start|> and <|im_end|> (EOS), no BOS, and the ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = Path(DEFAULT_TOKENIZER).parent / "corpus.jsonl"
+    texts = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()[:40]]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = _CHATML_TEMPLATE
+    fast.save_pretrained(str(tmp_path / "qwen_tokenizer"))
+    return str(tmp_path / "qwen_tokenizer")
+
+
+@pytest.mark.parametrize("system", [True, False], ids=["system", "default_system"])
+def test_qwen_chatml_labels_exactly_each_assistant_content_its_im_end_and_the_newline_after_it(tmp_path, system):
+    """With a Qwen-style tokenizer (ChatML template, no BOS): the row is apply_chat_template's tokens, and the
+    tokens carrying loss are exactly each assistant turn's content, its <|im_end|> and the newline the template
+    writes after it (as LLaMA-Factory's qwen template labels a response); no system (given or the template's
+    default), user or `<|im_start|>assistant\\n` header token, nor the padding."""
+    tokenizer_dir = _qwen_style_tokenizer(tmp_path)
+    sample = _chat(5, turns=2, system=system)
+    path = _write_jsonl(tmp_path / "s.jsonl", [sample])
+    dm = _ready(path, tmp_path, tokenizer=tokenizer_dir, seq_len=256, batch_size=1)
+    tokenizer = dm.tokenizer
+    assert tokenizer.bos_token_id is None and tokenizer.eos_token == "<|im_end|>"
+    row = dm.train_dataset[0]
+    length = int(row["cu_seqlens"][1])
+    ids = row["input_ids"][:length].tolist()
+    assert ids == tokenizer.apply_chat_template(sample["messages"], tokenize=True, return_dict=True)["input_ids"]
+    assert length < 256 and (row["input_ids"][length:] == tokenizer.pad_token_id).all()
+
+    def encode(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    system_text = sample["messages"][0]["content"] if system else "You are a helpful assistant."
+    turns = [m for m in sample["messages"] if m["role"] != "system"]
+    expected_ids = [im_start, *encode(f"system\n{system_text}"), im_end, *encode("\n")]
+    expected_loss = [0] * len(expected_ids)
+    for message in turns:
+        header = [im_start, *encode(f"{message['role']}\n")]
+        body = [*encode(message["content"]), im_end, *encode("\n")]
+        expected_ids += header + body
+        expected_loss += [0] * len(header) + [int(message["role"] == "assistant")] * len(body)
+    assert ids == expected_ids
+    # labels[i] is token i + 1 where that token carries loss, else -100.
+    expected_labels = [token if loss else IGNORE_INDEX for token, loss in zip(expected_ids[1:], expected_loss[1:])]
+    assert row["labels"][:length].tolist() == expected_labels + [IGNORE_INDEX]
+    assert (row["labels"][length:] == IGNORE_INDEX).all()
+    answers = [m["content"] for m in turns if m["role"] == "assistant"]
+    assert tokenizer.decode(row["labels"][row["labels"] != IGNORE_INDEX]) == "".join(
+        f"{a}<|im_end|>\n" for a in answers)

@@ -4,7 +4,8 @@ registered by name in ``recipes/families.py``.
 A family's config class is a dataclass with ``from_preset(name, **overrides)`` (a ``tiny`` preset among them:
 ``DecoderLM``'s default), ``from_dict`` / ``to_dict`` (what checkpoints store), ``vocab_size``, ``max_seq_len``,
 ``n_layers``, ``tie_embeddings``, ``num_params(include_embedding)`` and ``flops_per_token(seq_len)`` (a sparse family
-also ``active_params(include_embedding)``: the parameters one token runs through, which its FLOPs count). Its model
+also ``active_params(include_embedding)``: the parameters one token runs through, which its FLOPs count; a config
+that cannot train under context parallelism ``context_parallel_refusal()``, the reason, else None). Its model
 class is built from that config alone and is a causal decoder:
 ``model(input_ids, cu_seqlens=None, position_ids=None, cache=None, start_pos=0)`` gives logits, ``new_cache(batch,
 capacity)`` a key/value cache, ``tok_embeddings`` the input embedding and ``layers`` the blocks (what configs
@@ -79,13 +80,10 @@ ExpertLoRASite = tuple[str, str, int, int]
 class DecoderFamily:
     """A model family: its config and model classes, its Hugging Face format, and where each LoRA target
     (``lora_config.TARGETS``) sits in its blocks: ``lora_sites`` for a projection (one per target it supports),
-    ``expert_lora_sites`` for the stacked experts' projections (none for a family without experts).
-    ``context_parallel``: whether its attention runs under npu_fsdp's ``context_parallel_size`` (its attention
-    modules declare ``context_parallel``); the recipe refuses the option for a family whose attention does not."""
+    ``expert_lora_sites`` for the stacked experts' projections (none for a family without experts)."""
 
     config_class: type
     model_class: type[nn.Module]
     hf: HFFormat
     lora_sites: Mapping[str, LoRASite]
     expert_lora_sites: Mapping[str, ExpertLoRASite] = field(default_factory=dict)
-    context_parallel: bool = True

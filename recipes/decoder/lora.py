@@ -214,14 +214,14 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
         param.requires_grad_(False)
     # adapters' module path -> (the adapted weight's path, its row blocks, target -> block, experts' path or None)
     placed: dict[str, tuple[str, int, dict[str, int], Optional[str]]] = {}
-    for name in config.targets:
-        adapters, weight, block, blocks, experts = _placement(model.config, name)
+    for name, (adapters, weight, block, blocks, experts) in _placements(model.config, config.targets).items():
         placed.setdefault(adapters, (weight, blocks, {}, experts))[2][name] = block
         if experts is not None and not any(_has_module(layer, experts) for layer in model.layers):
             raise ValueError(f"lora.targets names {name!r}, but no block of this model has experts ({experts}); adapt"
                              " its projections instead")
+    quantized = quantized_paths(model.config, config)
     for layer in model.layers:
-        for path in quantized_paths(model.config, config):
+        for path in quantized:
             parent_path, _, leaf = path.rpartition(".")
             parent = layer.get_submodule(parent_path)
             linear = getattr(parent, leaf)
@@ -247,8 +247,17 @@ def quantized_paths(model_config: Any, config: LoRAConfig) -> list[str]:
     family's ``lora_sites`` name (adapted or not), or none without ``base_quantization``."""
     if config.base_quantization is None:
         return []
-    sites = families.of_config(model_config).lora_sites
-    return list(dict.fromkeys(path for path, _, _ in sites.values()))
+    return list(dict.fromkeys(path for path, _, _ in lora_sites(model_config).values()))
+
+
+def lora_sites(model_config: Any) -> dict[str, tuple[str, int, int]]:
+    """The family's ``lora_sites`` that the blocks of the model of ``model_config`` have (found on the meta device):
+    all of them but where the config leaves a projection out (DeepSeek's query is ``wq``, or ``wq_a`` and ``wq_b``
+    with a ``q_lora_rank``)."""
+    family = families.of_config(model_config)
+    with torch.device("meta"):
+        block = family.model_class(model_config).layers[0]
+    return {target: site for target, site in family.lora_sites.items() if _has_module(block, site[0])}
 
 
 def quantized_base_state(state_dict: Mapping[str, Tensor], model_config: Any, config: LoRAConfig) -> dict[str, Tensor]:
@@ -256,8 +265,9 @@ def quantized_base_state(state_dict: Mapping[str, Tensor], model_config: Any, co
     replaced by its ``weight_codes`` and ``weight_scales`` (unchanged without ``base_quantization``). Deterministic,
     so every start of a run (a resume included) rebuilds the same codes."""
     out = dict(state_dict)
+    paths = quantized_paths(model_config, config)
     for layer in range(model_config.n_layers):
-        for path in quantized_paths(model_config, config):
+        for path in paths:
             prefix = f"layers.{layer}.{path}."
             for suffix, tensor in quantized_state(out.pop(prefix + "weight"), config.base_quantization).items():
                 out[prefix + suffix] = tensor
@@ -344,29 +354,39 @@ def adapter_sites(model_config: Any, config: LoRAConfig) -> list[AdapterSite]:
     an expert target only in the blocks with experts)."""
     with torch.device("meta"):
         blocks = families.of_config(model_config).model_class(model_config).layers
+    placements = _placements(model_config, config.targets)
     sites = []
     for i, block in enumerate(blocks):
         for target in config.targets:
-            adapters, weight, row_block, n_blocks, experts = _placement(model_config, target)
+            adapters, weight, row_block, n_blocks, experts = placements[target]
             if experts is None or _has_module(block, experts):
                 sites.append(AdapterSite(i, target, f"layers.{i}.{weight}", row_block, n_blocks,
                                          f"layers.{i}.{adapters}"))
     return sites
 
 
-def _placement(model_config: Any, target: str) -> tuple[str, str, int, int, Optional[str]]:
-    """Where ``target`` sits in a block of the model of ``model_config`` (its family's ``lora_sites`` or
+def _placements(model_config: Any, targets: tuple[str, ...]) -> dict[str, tuple[str, str, int, int, Optional[str]]]:
+    """Where each of ``targets`` sits in a block of the model of ``model_config`` (``lora_sites`` or its family's
     ``expert_lora_sites``): (the path of the module holding its adapters, the adapted weight's path, its row block,
     the weight's row blocks, the experts module's path or None for a projection)."""
     family = families.of_config(model_config)
-    if target in family.lora_sites:
-        path, block, blocks = family.lora_sites[target]
-        return path, f"{path}.weight", block, blocks, None
-    if target in family.expert_lora_sites:
-        experts, weight, block, blocks = family.expert_lora_sites[target]
-        return f"{experts}.adapters.{weight}", f"{experts}.{weight}", block, blocks, experts
-    raise ValueError(f"lora.targets names {target!r}, which the {families.name_of_config(model_config)!r} family's "
-                     f"blocks do not have; choose among {[*family.lora_sites, *family.expert_lora_sites]}")
+    sites = lora_sites(model_config)
+    out = {}
+    for target in targets:
+        if target in sites:
+            path, block, blocks = sites[target]
+            out[target] = (path, f"{path}.weight", block, blocks, None)
+        elif target in family.expert_lora_sites:
+            experts, weight, block, blocks = family.expert_lora_sites[target]
+            out[target] = (f"{experts}.adapters.{weight}", f"{experts}.{weight}", block, blocks, experts)
+        elif target in family.lora_sites:
+            raise ValueError(f"lora.targets names {target!r}, but this model's blocks have no "
+                             f"{family.lora_sites[target][0]} (its config leaves it out); choose among "
+                             f"{[*sites, *family.expert_lora_sites]}")
+        else:
+            raise ValueError(f"lora.targets names {target!r}, which the {families.name_of_config(model_config)!r} "
+                             f"family's blocks do not have; choose among {[*family.lora_sites, *family.expert_lora_sites]}")
+    return out
 
 
 def _has_module(block: nn.Module, path: str) -> bool:
@@ -387,8 +407,9 @@ def merged_state_dict(
     check_adapter_state(adapters, model_config, config, source="The LoRA checkpoint")
     merged = dict(base)
     quantized = quantized_base_state(base, model_config, config)
+    paths = quantized_paths(model_config, config)
     for layer in range(model_config.n_layers):
-        for path in quantized_paths(model_config, config):
+        for path in paths:
             prefix = f"layers.{layer}.{path}."
             decoded = dequantize(quantized[prefix + CODES], quantized[prefix + SCALES], config.base_quantization)
             merged[prefix + "weight"] = decoded.to(base[prefix + "weight"].dtype)

@@ -12,9 +12,10 @@ from typing import Any, Mapping, Optional
 from lightning_npu.facts.weight_quant import check_scheme
 
 #: The projections LoRA can adapt, by the names PEFT configs use for a decoder layer's: attention query, key, value
-#: and output, and the SwiGLU MLP's gate, up and down. Each family says where they sit in its blocks
+#: and output, MLA's query low rank and up-projection (q_a, q_b) and key/value latent and up-projection (kv_a, kv_b),
+#: and the SwiGLU MLP's gate, up and down. Each family says where they sit in its blocks
 #: (``DecoderFamily.lora_sites``).
-PROJECTION_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+PROJECTION_TARGETS: tuple[str, ...] = ("q", "q_a", "q_b", "k", "v", "kv_a", "kv_b", "o", "gate", "up", "down")
 #: The stacked experts' gate, up and down projections (an MoE layer's): one adapter per expert, stacked as the
 #: experts' weights are (``DecoderFamily.expert_lora_sites``).
 EXPERT_TARGETS: tuple[str, ...] = ("expert_gate", "expert_up", "expert_down")
@@ -28,10 +29,10 @@ FIELDS = ("rank", "alpha", "dropout", "targets", "base_quantization")
 @dataclass(frozen=True)
 class LoRAConfig:
     """LoRA hyper-parameters: ``rank`` (r), ``alpha`` (the update is scaled by alpha / rank), ``dropout`` on the
-    adapters' input, ``targets`` among ``TARGETS`` (q, k, v, o, gate, up, down, and an MoE layer's expert_gate,
-    expert_up, expert_down), and ``base_quantization``: how the frozen base's block projections (not the stacked
-    experts, which stay in the model's dtype) are stored, ``int8`` (per output channel), ``nf4`` (QLoRA's 4-bit NormalFloat,
-    blocks of 64) or None (the model's dtype; see ``lora.py``)."""
+    adapters' input, ``targets`` among ``TARGETS`` (q, k, v, o, gate, up, down, MLA's q_a, q_b, kv_a, kv_b, and an
+    MoE layer's expert_gate, expert_up, expert_down), and ``base_quantization``: how the frozen base's block
+    projections (not the stacked experts, which stay in the model's dtype) are stored, ``int8`` (per output channel),
+    ``nf4`` (QLoRA's 4-bit NormalFloat, blocks of 64) or None (the model's dtype; see ``lora.py``)."""
 
     rank: int = 8
     alpha: float = 16.0

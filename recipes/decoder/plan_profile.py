@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from lightning_npu.plan import LowRankAdapters
+from lightning_npu.plan import LowRankAdapters, PlanError
 from recipes import families
 from recipes.decoder.lora_config import LoRAConfig
 
@@ -33,11 +33,20 @@ def family_config(model: Mapping[str, Any], profile_module: str, config_class: A
     return preset, config_class.from_preset(preset, **dict(overrides))
 
 
-def adapters(lora: Any) -> Optional[LowRankAdapters]:
+def adapters(lora: Any, unplanned: tuple[str, ...] = ()) -> Optional[LowRankAdapters]:
     """The planner's adapters for a config's ``model.lora`` value (None: full fine-tuning), validated by the
-    recipe's own ``LoRAConfig``."""
+    recipe's own ``LoRAConfig``; ``PlanError`` if it targets any of ``unplanned`` (targets the family's profile does
+    not count yet)."""
     config = LoRAConfig.from_value(lora)
     if config is None:
         return None
+    refused = [target for target in config.targets if target in unplanned]
+    if refused:
+        raise PlanError(
+            f"lora.targets {refused}: the planner does not count these adapters yet (their parameters, gradients,"
+            f" moments and saved activations); plan the run with targets among"
+            f" {[t for t in config.targets if t not in unplanned] or 'the others'} only, which underestimates it by"
+            " those adapters"
+        )
     return LowRankAdapters(rank=config.rank, projections=config.targets, dropout=config.dropout > 0,
                            base_quantization=config.base_quantization)

@@ -19,8 +19,9 @@ fast tokenizer's offsets).
     assistant piece is what the rendering of ``messages[:k + 1]`` adds to that of ``messages[:k]`` with the
     generation prompt (its content and end-of-turn tokens), the other pieces are what each rendering adds to the
     previous one. A template must therefore render each conversation prefix as a prefix of the next, and must emit
-    BOS itself (rendered text is tokenised without special tokens). The rendered conversation is one text, so its
-    tokens are the ones ``apply_chat_template(tokenize=True)`` and inference give.
+    BOS itself (rendered text is tokenised without special tokens) when the tokenizer has one. The rendered
+    conversation is one text, so its tokens are the ones ``apply_chat_template(tokenize=True)`` and inference give.
+    Qwen's ChatML (no BOS): an assistant turn trains on its content, ``<|im_end|>`` and the newline after it.
   * Otherwise the LLaMA-2 chat format of Meta's reference (``llama/generation.py``): the system text goes into
     the first user turn as ``<<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user}``, and each user/assistant pair is
     ``BOS "[INST] {user} [/INST]"`` (not trained on) + ``" {assistant} " EOS`` (trained on), contents stripped. As in

@@ -154,14 +154,22 @@ class Attention(nn.Module):
             # Under autocast q comes out in the autocast dtype while a cache allocated from the
             # parameters is fp32; the fused attention kernel needs one dtype.
             k, v = k.to(q.dtype), v.to(q.dtype)
-        if self.context_parallel is not None:
-            q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))
-            out = self.context_parallel.attention(q, k, v, cu_seqlens=cu_seqlens)
-        elif cu_seqlens is not None:
-            out = packed_causal_attention(q[0], k[0], v[0], cu_seqlens)
-        else:
-            out = causal_attention(q, k, v)
+        out = attend(q, k, v, batch, seq, cu_seqlens=cu_seqlens, context_parallel=self.context_parallel)
         return self.wo(out.reshape(batch, seq, -1))
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, batch: int, seq: int, *, cu_seqlens: Optional[list[int]] = None,
+           context_parallel: Any = None, scale: Optional[float] = None) -> Tensor:
+    """Causal attention of a block's ``q``, ``k``, ``v`` ([rows, length, heads, head_dim], one row of batch x seq
+    tokens with ``cu_seqlens``) for an input [batch, seq]: within each sequence, or each packed sample; with
+    ``context_parallel`` (this rank's part of each sequence) over the whole sequence
+    (``context_parallel.attention``). The output holds ``v``'s head dim."""
+    if context_parallel is not None:
+        q, k, v = (t.view(batch, seq, *t.shape[2:]) for t in (q, k, v))
+        return context_parallel.attention(q, k, v, cu_seqlens=cu_seqlens, scale=scale)
+    if cu_seqlens is not None:
+        return packed_causal_attention(q[0], k[0], v[0], cu_seqlens, scale=scale)
+    return causal_attention(q, k, v, scale=scale)
 
 
 class FeedForward(nn.Module):

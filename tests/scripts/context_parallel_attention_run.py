@@ -3,8 +3,8 @@
 Every rank draws the same full q, k, v (and output weights), computes the full attention and its gradients, then
 its context-parallel part: ``ContextParallel.shard`` of the inputs through ``ContextParallel.attention``, backward
 from the same weights' shard. Rank 0 writes ``<out>`` (JSON): per case the largest difference of the output and of
-the q/k/v gradients from the shards of the full ones, over all ranks; and the same for the tiny LLaMA's logits and
-(relative) parameter gradients, packed rows included. ``--fake RELEASE`` runs the kernels' NPU
+the q/k/v gradients from the shards of the full ones, over all ranks; and the same for the tiny LLaMA's and
+DeepSeek's logits and (relative) parameter gradients, packed rows included. ``--fake RELEASE`` runs the kernels' NPU
 branch against the strict fake of torch_npu RELEASE (npu_fusion_attention and its grad op in the ring blocks).
 """
 
@@ -71,18 +71,20 @@ def run_case(case) -> dict:
     return dict(zip(errors, stacked.tolist()))
 
 
-def model_case(group, algo: str, cu_seqlens) -> dict:
-    """The tiny LLaMA (2 layers) on token ids [2, 32], whole on every rank and under context parallelism (the
-    strategy's ``apply_context_parallel``, the ids sharded by sequence): logits and summed parameter gradients."""
+def model_case(group, algo: str, cu_seqlens, family: str = "llama") -> dict:
+    """The tiny model of ``family`` (2 layers; DeepSeek's MLA: q/k heads 48 wide, v 32, the first layer dense, then
+    DeepSeekMoE) on token ids [2, 32], whole on every rank and under context parallelism (the strategy's
+    ``apply_context_parallel``, the ids sharded by sequence): logits and summed parameter gradients."""
     from lightning_npu.kernels.context_parallel import ContextParallel
     from lightning_npu.strategies.parallelize import apply_context_parallel
-    from recipes.models.llama.config import LLaMAConfig
-    from recipes.models.llama.model import LLaMA
+    from recipes import families
 
+    config_class, model_class = (getattr(families.get(family), name) for name in ("config_class", "model_class"))
     torch.manual_seed(0)
-    model = LLaMA(LLaMAConfig.from_preset("tiny", n_layers=2))
-    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(1))
-    weight = torch.randn(2, 32, 2048, generator=torch.Generator().manual_seed(2))
+    model = model_class(config_class.from_preset("tiny", n_layers=2))
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(1))
+    weight = torch.randn(2, 32, vocab, generator=torch.Generator().manual_seed(2))
     expected = model(tokens, cu_seqlens=cu_seqlens)
     (expected * weight).sum().backward()
     whole = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -153,6 +155,8 @@ def worker(rank: int, out: str, fake: str | None) -> None:
     if not fake:  # the recipe's model through the same context (its kernels' NPU branch is tested above)
         results["model_ulysses_packed"] = model_case(groups[0], "ulysses", [0, 5, 16, 19, 40, 64])
         results["model_ring"] = model_case(groups[1], "ring", None)
+        results["deepseek_ulysses_packed"] = model_case(groups[0], "ulysses", [0, 5, 16, 19, 40, 64], "deepseek")
+        results["deepseek_ring"] = model_case(groups[1], "ring", None, "deepseek")
         results["token_mean"] = token_mean_case(groups[0])
     results["refusals"] = refusals(groups)
     if fake:

@@ -9,6 +9,9 @@
   parallelism, and under plain npu_fsdp (cp 2 x ep 2 -> 1 x 1).
 - ``dp_all_experts`` / ``cp_ep_all_experts``: ``dp`` and ``cp_ep`` with every token routed to all 8 experts
   (top_k = n_experts; still dispatched by all_to_all to both ranks of a pair).
+- ``deepseek_dp`` / ``deepseek_cp_ring`` / ``deepseek_cp_ulysses``: the tiny DeepSeek (MLA, v narrower than q/k;
+  the first layer dense, then 8 routed + 1 shared experts, every token to all 8: one group), one epoch, under plain
+  npu_fsdp and under context_parallel_size=2 by ring and by Ulysses attention.
 
 Why the last pair: with top-2 routing, rounding differences of 1e-7 (attention runs on other shapes under context
 parallelism) flip near-tied expert choices once training has moved the weights, so MoE losses under context
@@ -50,6 +53,11 @@ def main() -> None:
     all_experts = {**NO_AUX, "top_k": 8}
     results["dp_all_experts"] = fit(out, "dp_all_experts", 1, config=all_experts)
     results["cp_ep_all_experts"] = fit(out, "cp_ep_all_experts", 2, config=all_experts, context_parallel_size=2)
+    deepseek = {"top_k": 8, "n_group": 1, "topk_group": 1}
+    results["deepseek_dp"] = fit(out, "deepseek_dp", 1, config=deepseek, family="deepseek", epochs=1)
+    for algo in ("ring", "ulysses"):
+        results[f"deepseek_cp_{algo}"] = fit(out, f"deepseek_cp_{algo}", 1, config=deepseek, family="deepseek",
+                                             epochs=1, context_parallel_size=2, context_parallel_algo=algo)
     if dist.get_rank() == 0:
         (out / "result.json").write_text(json.dumps(results))
 

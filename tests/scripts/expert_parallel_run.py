@@ -29,6 +29,9 @@ STEPS, SAVE_AT = 20, 10
 SEQ, BATCH = 32, 2  # per rank: 4 ranks x 2 rows of 32 tokens a step
 CONFIG = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=8, top_k=2, expert_hidden_dim=32,
               max_seq_len=SEQ)
+#: The runs' model per family: its config fields over the tiny preset, and the block FSDP wraps and recomputes.
+#: DeepSeek's: MLA (q/k heads 48 wide, v 32), the first layer dense, then DeepSeekMoE (8 routed + 1 shared experts).
+FAMILIES = {"moe": (CONFIG, "MoEBlock"), "deepseek": (dict(n_layers=2, max_seq_len=SEQ), "DeepSeekBlock")}
 
 
 class Tokens(Dataset):
@@ -54,38 +57,40 @@ class Losses(Callback):
         self.losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
 
 
-def module(**config) -> DecoderLM:
-    return DecoderLM(family="moe", preset="tiny", config={**CONFIG, **config}, learning_rate=3e-3, warmup_steps=2)
+def module(family: str = "moe", **config) -> DecoderLM:
+    return DecoderLM(family=family, preset="tiny", config={**FAMILIES[family][0], **config}, learning_rate=3e-3,
+                     warmup_steps=2)
 
 
 def fit(out: Path, name: str, ep: int, *, state_dict_type: str = "sharded", resume: str | None = None,
-        config: dict | None = None, **mesh: int) -> dict:
-    """Two epochs of ``SAVE_AT`` steps (a resumed run: the second); a checkpoint after epoch 0 (sharded) or at
-    the end (full). ``config``: model config fields replaced; ``mesh``: tensor_parallel_size / context_parallel_size
-    (the ranks of a TP or CP group share their batch, so each data-parallel rank takes a larger one: the global
-    batch stays the same rows)."""
+        config: dict | None = None, family: str = "moe", epochs: int = STEPS // SAVE_AT, **mesh: int | str) -> dict:
+    """``epochs`` epochs of ``SAVE_AT`` steps (a resumed run: the second); a checkpoint after epoch 0 (sharded) or at
+    the end (full). ``config``: model config fields replaced; ``family``: the model's (``FAMILIES``); ``mesh``:
+    tensor_parallel_size / context_parallel_size / context_parallel_algo (the ranks of a TP or CP group share their
+    batch, so each data-parallel rank takes a larger one: the global batch stays the same rows)."""
     seed_everything(1234)
     # tiny_moe.yaml's policies: half the blocks recompute their activations (their all_to_alls too) in backward.
+    block = FAMILIES[family][1]
     strategy = lightning_npu.NPUFSDPStrategy(
-        expert_parallel_size=ep, state_dict_type=state_dict_type, auto_wrap_policy=["MoEBlock"],
-        activation_checkpointing_policy=["MoEBlock"], activation_checkpointing_ratio=0.5, timeout=300, **mesh,
+        expert_parallel_size=ep, state_dict_type=state_dict_type, auto_wrap_policy=[block],
+        activation_checkpointing_policy=[block], activation_checkpointing_ratio=0.5, timeout=300, **mesh,
     )
     losses = Losses()
     callbacks = [losses]
     if state_dict_type == "sharded" and resume is None:
         callbacks.append(SaveAfterFirstEpoch(str(out / f"{name}_epoch0")))
     trainer = Trainer(
-        accelerator="npu", devices=4, strategy=strategy, precision="32-true", max_epochs=STEPS // SAVE_AT,
+        accelerator="npu", devices=4, strategy=strategy, precision="32-true", max_epochs=epochs,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True, gradient_clip_val=1.0, callbacks=callbacks, limit_val_batches=0,
     )
-    lm = module(**(config or {}))
+    lm = module(family, **(config or {}))
     shared = mesh.get("tensor_parallel_size", 1) * mesh.get("context_parallel_size", 1)
     loader = DataLoader(Tokens(), batch_size=BATCH * shared)
     trainer.fit(lm, train_dataloaders=loader, ckpt_path=resume)
     if state_dict_type == "full":
         trainer.save_checkpoint(out / f"{name}.ckpt")
-    weight = lm.model.layers[0].feed_forward.experts.w_gate_up
+    weight = next(m.w_gate_up for m in lm.model.modules() if hasattr(m, "w_gate_up"))  # the first MoE layer's
     return {"losses": losses.losses, "local_shape": list(weight.to_local().shape),
             "placements": [str(p) for p in weight.placements]}
 

@@ -154,6 +154,15 @@ class DeepSeekConfig(ConfigDict):
                 raise ValueError(f"{where}: deepseek_v2 has no multi-token prediction; set mtp_layers=0 or use"
                                  " architecture deepseek_v3.")
 
+    def context_parallel_refusal(self) -> Optional[str]:
+        """Why the model cannot train under context parallelism, or None: multi-token prediction's depth k reads the
+        token k ahead of each, which for the last k of a rank's part of a sequence another rank holds."""
+        if not self.mtp_layers:
+            return None
+        return (f"model.config.mtp_layers={self.mtp_layers}: multi-token prediction reads the tokens up to"
+                f" {self.mtp_layers} ahead of each, which at the end of a rank's part of a sequence another"
+                " context-parallel rank holds; train it with context_parallel_size=1, or set mtp_layers=0")
+
     @property
     def n_kv_heads(self) -> int:
         """Key/value heads after the latent's up-projection: one per query head."""

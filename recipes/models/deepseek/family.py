@@ -4,12 +4,15 @@ from recipes.decoder.family import DecoderFamily, HFFormat
 from recipes.models.deepseek import hf
 from recipes.models.deepseek.config import DeepSeekConfig
 from recipes.models.deepseek.model import DeepSeek
+from recipes.models.moe.family import FAMILY as MOE
 
 FAMILY = DecoderFamily(
     config_class=DeepSeekConfig,
     model_class=DeepSeek,
     hf=HFFormat.of_module(hf),
-    # MLA's output projection; its latent and up-projections are not LoRA targets of the recipe yet.
-    lora_sites={"o": ("attention.wo", 0, 1)},
-    context_parallel=False,  # MLAttention takes no context-parallel attention yet (Dv != Dk, the shared rotary key)
+    # MLA's projections: the query (wq, or its low rank wq_a and up-projection wq_b, as q_lora_rank says), the
+    # key/value latent with the shared rotary key (wkv_a), its up-projection (wkv_b) and the output.
+    lora_sites={"q": ("attention.wq", 0, 1), "q_a": ("attention.wq_a", 0, 1), "q_b": ("attention.wq_b", 0, 1),
+                "kv_a": ("attention.wkv_a", 0, 1), "kv_b": ("attention.wkv_b", 0, 1), "o": ("attention.wo", 0, 1)},
+    expert_lora_sites=MOE.expert_lora_sites,  # DeepSeekMoE's routed experts are the MoE family's stacked experts
 )

@@ -24,6 +24,7 @@ from torch import Tensor
 from recipes.decoder.checkpoint_layout import CheckpointError
 from recipes.decoder.hf_checkpoint import (HF_EMBEDDING, HF_HEAD, hf_decoder_entries, hf_decoder_fields,
                                            hf_feed_forward_names)
+from recipes.decoder.lora_config import EXPERT_TARGETS
 from recipes.models.deepseek.config import ARCHITECTURES, YARN_KEYS, DeepSeekConfig
 from recipes.models.moe import hf as moe_hf
 
@@ -35,11 +36,14 @@ log = logging.getLogger(__name__)
 #: The ``config.json`` model types of the family, one per ``DeepSeekConfig.architecture`` (each exports as itself).
 MODEL_TYPES = ARCHITECTURES
 _HF_CLASSES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
-PEFT_TARGETS = {"o": "self_attn.o_proj"}
-#: What transformers keeps in fp32 in a bf16 DeepSeek-V3 (``_keep_in_fp32_modules_strict``): the router.
-FP32_NAMES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 _ATTENTION = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
               "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
+#: LoRA target -> the decoder layer submodule PEFT adapts (an expert target: the MoE family's stacked parameter).
+PEFT_TARGETS = {**{target: f"self_attn.{_ATTENTION[mine]}" for target, mine in (
+    ("q", "wq"), ("q_a", "wq_a"), ("q_b", "wq_b"), ("kv_a", "wkv_a"), ("kv_b", "wkv_b"), ("o", "wo"))},
+    **{target: moe_hf.PEFT_TARGETS[target] for target in EXPERT_TARGETS}}
+#: What transformers keeps in fp32 in a bf16 DeepSeek-V3 (``_keep_in_fp32_modules_strict``): the router.
+FP32_NAMES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 #: The block edge of the official FP8 checkpoints' scales (``weight_scale_inv`` [ceil(rows/128), ceil(cols/128)]).
 FP8_BLOCK = 128
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -20,10 +20,13 @@ from typing import Any, Mapping
 from lightning_npu.plan import DecoderProfile, ModelShape
 from lightning_npu.plan.decoder import FP32_BYTES, SOFTMAX_STAT_LANES, SOFTMAX_STATS, BlockActivations, BlockParameters
 from lightning_npu.plan.decoder import ROTARY_TABLES, HALF_PRECISION_COPY, Shape
+from recipes.decoder.lora_config import EXPERT_TARGETS
 from recipes.decoder.plan_profile import adapters, family_config
 from recipes.models.deepseek.config import DeepSeekConfig
 from recipes.models.moe.memory_profile import ATTENTION_QUANTIZED, MoEProfile
 
+#: LoRA targets the profile does not count yet: the experts' (as the MoE family's) and MLA's but its output's.
+UNPLANNED_TARGETS = (*EXPERT_TARGETS, "q", "q_a", "q_b", "kv_a", "kv_b")
 #: The class the recipe's configs shard and checkpoint by (auto_wrap_policy / activation_checkpointing_policy).
 BLOCK_CLASS = "recipes.models.deepseek.model.DeepSeekBlock"
 
@@ -123,7 +126,7 @@ def profile_of(config: DeepSeekConfig, name: str, lora: Any = None) -> DeepSeekP
         raise ValueError("model.config.tie_embeddings=true is not planned for DeepSeek models; plan with false (an"
                          " upper bound: one more [vocab, dim] matrix)")
     return DeepSeekProfile(
-        shape, name=name, block_class=BLOCK_CLASS, adapters=adapters(lora), n_experts=config.n_experts,
+        shape, name=name, block_class=BLOCK_CLASS, adapters=adapters(lora, UNPLANNED_TARGETS), n_experts=config.n_experts,
         top_k=config.top_k, expert_hidden_dim=config.expert_hidden_dim,
         shared_expert_hidden_dim=config.shared_expert_hidden_dim, dense_layers=tuple(config.dense_layer_indices),
         norm_topk_prob=config.norm_topk_prob, q_lora_rank=config.q_lora_rank or 0,

@@ -46,9 +46,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_npu.kernels import apply_rotary, causal_attention, packed_causal_attention
+from lightning_npu.kernels import apply_rotary
 from recipes.decoder.layers import Linear
-from recipes.decoder.transformer import DecoderBlock, FeedForward, KVCache, RMSNorm
+from recipes.decoder.transformer import DecoderBlock, FeedForward, KVCache, RMSNorm, attend
 from recipes.models.deepseek.config import DeepSeekConfig
 from recipes.models.moe.model import MoEFeedForward, RoutedDecoder
 
@@ -65,7 +65,12 @@ class MLAttention(nn.Module):
     """Causal Multi-head Latent Attention (see ``config.py``): queries (optionally through a normalised low rank),
     keys and values up-projected from a normalised latent, plus one rotary key head shared by all heads; the softmax
     scale of the config (YaRN's mscale included). Decoding caches the per-head keys and values (``KVCache``, its
-    values ``v_head_dim`` wide)."""
+    values ``v_head_dim`` wide). Under context parallelism (``context_parallel``, as the decoder's ``Attention``)
+    every head's q, k (the shared rotary key expanded) and v go through ``context_parallel.attention`` with the
+    config's scale: Ulysses splits the heads, ring sends k and v around (v narrower than q and k)."""
+
+    #: Set by npu_fsdp under context parallelism (``lightning_npu.kernels.context_parallel.ContextParallel``).
+    context_parallel = None
 
     def __init__(self, config: DeepSeekConfig) -> None:
         super().__init__()
@@ -112,10 +117,8 @@ class MLAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v, start_pos)
             k, v = k.to(q.dtype), v.to(q.dtype)  # a cache from the parameters is fp32 under autocast
-        if cu_seqlens is not None:
-            out = packed_causal_attention(q[0], k[0], v[0], cu_seqlens, scale=self.scale)
-        else:
-            out = causal_attention(q, k, v, scale=self.scale)
+        out = attend(q, k, v, batch, seq, cu_seqlens=cu_seqlens, context_parallel=self.context_parallel,
+                     scale=self.scale)
         return self.wo(out.reshape(batch, seq, -1))
 
 
@@ -203,8 +206,10 @@ class DeepSeek(RoutedDecoder):
 
     def embed(self, tokens, cache, start_pos, cu_seqlens, position_ids):
         """``CausalDecoder.embed``; a training forward with MTP keeps what the depths take for ``logits``."""
-        out = super().embed(tokens, cache, start_pos, cu_seqlens, position_ids)
         trains_mtp = self.training and self.config.mtp_layers and cache is None
+        if trains_mtp and self.context_parallel is not None:
+            raise ValueError(self.config.context_parallel_refusal())
+        out = super().embed(tokens, cache, start_pos, cu_seqlens, position_ids)
         self._ahead = (tokens, *out[1:]) if trains_mtp else None
         return out
 

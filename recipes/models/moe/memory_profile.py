@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 from lightning_npu.plan import DecoderProfile, ModelShape, PlanError, RankLocalShape
 from lightning_npu.plan.decoder import ATTENTION_PROJECTIONS, FP32_BYTES, Shape
-from recipes.decoder.lora_config import EXPERT_TARGETS, LoRAConfig
+from recipes.decoder.lora_config import EXPERT_TARGETS
 from recipes.decoder.plan_profile import adapters, family_config
 from recipes.models.moe.config import MoEConfig
 
@@ -204,15 +204,9 @@ def profile_of(config: MoEConfig, name: str, lora: Any = None) -> MoEProfile:
     if config.tie_embeddings:
         raise ValueError("model.config.tie_embeddings=true is not planned for MoE models yet; plan with false (an"
                          " upper bound: one more [vocab, dim] matrix)")
-    experts = [t for t in (LoRAConfig.from_value(lora).targets if lora else ()) if t in EXPERT_TARGETS]
-    if experts:
-        raise PlanError(
-            f"lora.targets {experts}: the planner does not count per-expert adapters yet (their parameters,"
-            " gradients, moments and saved rows); plan the run with the attention targets only, which underestimates"
-            " it by those adapters"
-        )
     return MoEProfile(
-        shape, name=name, block_class=BLOCK_CLASS, adapters=adapters(lora), qkv_bias=config.qkv_bias,
+        shape, name=name, block_class=BLOCK_CLASS, adapters=adapters(lora, unplanned=EXPERT_TARGETS),
+        qkv_bias=config.qkv_bias,
         qk_norm=config.qk_norm, n_experts=config.n_experts, top_k=config.top_k,
         expert_hidden_dim=config.expert_hidden_dim, shared_expert_hidden_dim=config.shared_expert_hidden_dim,
         dense_layers=tuple(dense), norm_topk_prob=config.norm_topk_prob,
