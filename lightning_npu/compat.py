@@ -173,6 +173,9 @@ ACCESSED = (
     Fenced(_FABRIC_FSDP2, "_backward_sync_control", instance=True),
     Fenced("lightning.pytorch:LightningModule", "_device_mesh", instance=True),
     Fenced("lightning.pytorch:LightningModule", "_trainer", instance=True),
+    Fenced("lightning.pytorch:Trainer", "_logger_connector", instance=True),
+    Fenced("lightning.pytorch.trainer.connectors.logger_connector.logger_connector:_LoggerConnector",
+           "should_update_logs"),
     Fenced("lightning.pytorch.strategies:ParallelStrategy", "_layer_sync", instance=True),
     *(Fenced(owner, "_root_device", instance=True)
       for owner in ("lightning.pytorch.strategies:SingleDeviceStrategy", "lightning.fabric.strategies:SingleDeviceStrategy")),
@@ -429,6 +432,13 @@ def dtensor_with_local(dtensor: Any, local: Any) -> Any:
 def attached_trainer(module: Any) -> Optional[Any]:
     """The Trainer a LightningModule is attached to, or None (``module.trainer`` raises when there is none)."""
     return module._trainer
+
+
+def logs_this_step(trainer: Any) -> bool:
+    """Whether the Trainer writes this training batch's ``self.log`` values to its loggers (every
+    ``log_every_n_steps`` optimizer steps, when it stops, and every step of ``fast_dev_run``): the same on every rank,
+    and the same answer in ``training_step`` as when the values are written."""
+    return trainer._logger_connector.should_update_logs or bool(trainer.fast_dev_run)
 
 
 def in_backward() -> bool:

@@ -215,7 +215,8 @@ def expert_parallel_mesh_runs(tmp_path_factory):
 def test_expert_parallelism_with_context_parallelism_shards_the_experts_on_the_one_mesh(expert_parallel_mesh_runs):
     """context_parallel_size=2 x expert_parallel_size=2 on 4 simulated NPUs: each expert-parallel pair is a cp pair
     (the ranks borrowed from dp_shard x cp), the experts FSDP-sharded over the other 2 (dp_shard x cp / ep); the
-    first two steps (the same weights: warm-up) give plain npu_fsdp's losses (fp32, 1e-5), and the loss falls."""
+    first two steps (the same weights: warm-up) give plain npu_fsdp's losses (fp32, 1e-5), the load-balancing loss
+    in them (coefficient 0.1) counted over the whole batch as plain sharding counts it, and the loss falls."""
     losses, result = expert_parallel_mesh_runs
     assert result["cp_ep"]["placements"] == ["_S(0, 2)", "S(0)"]
     assert result["cp_ep"]["local_shape"] == [2, 64, 64]
@@ -236,6 +237,18 @@ def test_deepseek_trains_under_ring_and_ulysses_context_parallelism_with_the_los
     assert losses["deepseek_dp"][-3:].mean() < losses["deepseek_dp"][:3].mean() - 0.5
     for algo in ("ring", "ulysses"):
         torch.testing.assert_close(losses[f"deepseek_cp_{algo}"], losses["deepseek_dp"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_balancing_bias_moves_by_the_whole_batch_s_counts_under_context_parallelism(expert_parallel_mesh_runs):
+    """After the first step the routers' balancing biases under cp 2 and cp 2 x ep 2 are plain npu_fsdp's, bit for
+    bit: each moved by the tokens every data-parallel and context-parallel rank routed (the strategy's reduce group,
+    dp x cp), each token counted once whichever rank holds it."""
+    _, result = expert_parallel_mesh_runs
+    plain = result["dp"]["first_biases"]
+    assert len(plain) == 2 and any(value != 0 for layer in plain for value in layer)
+    for run in ("cp", "cp_ep"):
+        assert result[run]["first_biases"] == plain, run
 
 
 @pytest.mark.slow

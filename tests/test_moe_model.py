@@ -156,6 +156,32 @@ def test_the_training_loss_adds_the_weighted_load_balancing_loss():
     assert module.model.layers[0].feed_forward.router.weight.grad.abs().sum() > 0
 
 
+def test_the_load_balancing_loss_summed_over_ranks_is_the_whole_batch_s_value_and_gradient():
+    """Two ranks each route a part of the tokens (the halves of every sequence, as under context parallelism), and
+    their counts are summed as the strategy's all-reduce sums them: each rank's loss is the whole batch's, and the
+    mean of their gradients (what FSDP averages) is the whole batch's gradient. On its own tokens a rank's loss
+    differs: the loss is a product of two token means, so the mean of the parts' losses is not the whole's."""
+    logits = torch.randn(2, 24, 8, generator=torch.Generator().manual_seed(0)) * 2
+    whole_logits = logits.flatten(0, 1).requires_grad_()
+    whole = load_balancing_loss([whole_logits], top_k=2)
+    whole.backward()
+    parts = [part.flatten(0, 1).detach().requires_grad_() for part in logits.chunk(2, dim=1)]
+    sent: list[torch.Tensor] = []
+    for part in parts:  # what each rank contributes to the all-reduce
+        load_balancing_loss([part], top_k=2, sum_over_ranks=lambda local: sent.append(local) or local)
+    summed = sent[0] + sent[1]
+    losses = [load_balancing_loss([part], top_k=2, sum_over_ranks=lambda local: summed) for part in parts]
+    for loss in losses:
+        torch.testing.assert_close(loss, whole.detach(), rtol=0, atol=1e-6)
+        loss.backward()
+    averaged = torch.cat([part.grad for part in parts]) / 2
+    order = torch.arange(48).view(2, 24).chunk(2, dim=1)  # the parts' tokens in the whole batch's order
+    torch.testing.assert_close(averaged, whole_logits.grad[torch.cat([o.flatten() for o in order])], rtol=0,
+                               atol=1e-7)
+    own = sum(load_balancing_loss([part.detach()], top_k=2) for part in parts) / 2
+    assert abs(own - whole.detach()) > 1e-3
+
+
 @pytest.mark.parametrize("arch", sorted(HF_MODELS))
 def test_greedy_generation_from_an_hf_directory_is_transformers(tmp_path, arch):
     hf = hf_model(arch)

@@ -105,6 +105,23 @@ def test_the_tiny_recipe_with_tensor_parallelism_trains_with_plain_sharding_loss
 
 
 @pytest.mark.slow
+def test_the_logged_training_loss_is_plain_shardings_with_as_many_data_parallel_replicas(recipe_tensor_parallel_runs):
+    """The train_loss rank 0 logs (every 2nd step) is its data-parallel replica's loss under every layout, from the
+    same init_from weights: under context parallelism (ring, Ulysses; with tensor parallelism too) the mean of the
+    context-parallel ranks' shares, token-weighted, not rank 0's own share. Plain npu_fsdp with D replicas logs its
+    rank 0's loss, whose rows are those of plain ranks 0, D, 2D... on 4 devices (the sampler deals rows round-robin,
+    every row the same number of tokens), so it is their mean: within 1e-4 at each logged step."""
+    result = recipe_tensor_parallel_runs
+    plain = result["dp"]["rank_losses"]
+    for run in ("dp", "tp", "tp_plain", "tp_cp_ulysses", "tp_cp_ring", "cp", "cp_ulysses"):
+        replicas, logged = result[run]["data_parallel"], result[run]["logged"]
+        assert sorted(map(int, logged)) == list(range(1, 20, 2)), run
+        for step, loss in logged.items():
+            same_rows = plain[step][::replicas]
+            assert abs(loss - sum(same_rows) / len(same_rows)) <= 1e-4, (run, step)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("saved", "resumed"), [("tp", "tp_to_dp"), ("cp", "cp_to_dp")])
 def test_a_tensor_or_context_parallel_checkpoint_resumes_under_plain_sharding(recipe_tensor_parallel_runs, saved,
                                                                              resumed):

@@ -155,8 +155,8 @@ class DecoderLM(LightningModule):
 
     def _loss(self, batch: dict[str, Any]) -> Tensor:
         """Mean cross-entropy over the labelled tokens (-100 marks the others: prompts and padding in SFT rows), plus
-        the model's ``auxiliary_loss()`` of that forward and its ``multi_token_loss(labels)`` if its family defines
-        them.
+        the model's ``auxiliary_loss(sum_over_data)`` of that forward (over the tokens of every rank whose tokens
+        differ: ``_sum_over_data``) and its ``multi_token_loss(labels)`` if its family defines them.
         Packed rows (``cu_seqlens``, ``position_ids``: ``sft_data.collate_packed``) attend within each sample.
         Under context parallelism each rank computes its share on its part of every sequence (the strategy averages
         the shares: the mean over all labelled tokens however many each part holds)."""
@@ -173,7 +173,7 @@ class DecoderLM(LightningModule):
             loss = cp.token_mean(loss, (labels != -100).sum())
         auxiliary = getattr(self.model, "auxiliary_loss", None)  # a family's extra training term (MoE: load balance)
         if auxiliary is not None:
-            loss = loss + auxiliary()
+            loss = loss + auxiliary(self._sum_over_data)
         ahead = getattr(self.model, "multi_token_loss", None)  # a family's multi-token prediction (DeepSeek-V3 MTP)
         return loss if ahead is None else loss + ahead(batch["labels"])
 
@@ -184,11 +184,31 @@ class DecoderLM(LightningModule):
         return {key: self.context_parallel.shard(value) if key in by_sequence else value
                 for key, value in batch.items()}
 
+    def _sum_over_data(self, tensor: Tensor) -> Tensor:
+        """``tensor`` summed over the ranks whose tokens differ, the group the strategy reduces a logged value over
+        (npu_fsdp: every rank, or ``dp x cp`` with tensor parallelism, whose ranks hold the same tokens); a
+        collective. ``tensor`` itself outside a Trainer."""
+        if compat.attached_trainer(self) is None:
+            return tensor
+        return self.trainer.strategy.reduce(tensor, reduce_op="sum")
+
+    def _logged_loss(self, loss: Tensor) -> Tensor:
+        """What ``train_loss`` logs: the loss of this data-parallel rank's whole sequences, as without context
+        parallelism. Under it ``loss`` is this rank's share (``token_mean``: the cross-entropy's token weighting is
+        in it; the MoE load-balancing loss is the group's, the same on each rank), and their mean over the
+        context-parallel group is that loss. The mean is a collective, so it is taken only at the steps the Trainer
+        writes to its loggers (``log_every_n_steps``, the same on every rank); at the others ``train_loss`` holds
+        the share (``trainer.callback_metrics`` too)."""
+        cp = self.context_parallel
+        if cp is None or not compat.logs_this_step(self.trainer):
+            return loss
+        return self.trainer.strategy.reduce(loss.detach().clone(), group=cp.group, reduce_op="mean")
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)
         # Not on the progress bar: Lightning turns progress-bar values into Python numbers every step, a host sync
         # that stalls the NPU; TokenThroughputMonitor prints the loss at logging steps.
-        self.log("train_loss", loss)
+        self.log("train_loss", self._logged_loss(loss))
         expert_load = getattr(self.model, "expert_load", None)  # an MoE family's routing balance (max / mean)
         if expert_load is not None:
             self.log("expert_load", expert_load())  # a device tensor, written at logging steps as train_loss is
@@ -200,10 +220,10 @@ class DecoderLM(LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # After a batch that ended with an optimizer step (not between the micro-batches it accumulates, nor between
         # a forward and the recompute of its checkpointed blocks): an MoE family's auxiliary-loss-free balancing bias
-        # moves, by the tokens every data-parallel rank routed.
+        # moves, by the tokens every data-parallel and context-parallel rank routed.
         balance = getattr(self.model, "balance_experts", None)
         if balance is not None and self.trainer.global_step > self._step_before_batch:
-            balance(lambda routed: self.trainer.strategy.reduce(routed, reduce_op="sum"))
+            balance(self._sum_over_data)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)

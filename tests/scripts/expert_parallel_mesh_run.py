@@ -18,11 +18,12 @@ parallelism) flip near-tied expert choices once training has moved the weights, 
 parallelism leave plain sharding's by 1e-4..1e-2 after the first update, with expert_parallel_size=1 as much as with
 2 (measured); routing every token to every expert has no such discontinuity, and there the layouts agree to 1e-6.
 
-The load-balancing loss is off (``router_aux_loss_coef=0``): it is computed on each rank's own tokens, which are
-whole rows under plain sharding and half rows under context parallelism, so it differs with the split of the batch
-however correct the parallelism is (the cross-entropy does not: it is a mean over all tokens either way).
+Every run has the load-balancing loss (``router_aux_loss_coef`` 0.1) and the balancing bias
+(``router_bias_update_rate``): both count the tokens of every data-parallel and context-parallel rank, whole rows
+under plain sharding and half rows under context parallelism, so they are the same under any split of the batch.
 
-Rank 0 writes ``<out>/result.json``: each run's per-step losses and the placements of layer 0's ``w_gate_up``.
+Rank 0 writes ``<out>/result.json``: each run's per-step losses, the placements of layer 0's ``w_gate_up`` and the
+balancing biases after the first step.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from tests.scripts.expert_parallel_run import fit
 
-NO_AUX = {"router_aux_loss_coef": 0.0}
+BALANCING = {"router_aux_loss_coef": 0.1, "router_bias_update_rate": 0.01}
 
 
 def main() -> None:
@@ -43,14 +44,14 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     out = Path(parser.parse_args().out)
     results = {
-        "dp": fit(out, "dp", 1, config=NO_AUX),
-        "cp": fit(out, "cp", 1, config=NO_AUX, context_parallel_size=2),
-        "cp_ep": fit(out, "cp_ep", 2, config=NO_AUX, context_parallel_size=2),
+        "dp": fit(out, "dp", 1, config=BALANCING),
+        "cp": fit(out, "cp", 1, config=BALANCING, context_parallel_size=2),
+        "cp_ep": fit(out, "cp_ep", 2, config=BALANCING, context_parallel_size=2),
     }
     resume = str(out / "cp_ep_epoch0")
-    results["cp_ep_to_cp"] = fit(out, "cp_ep_to_cp", 1, config=NO_AUX, resume=resume, context_parallel_size=2)
-    results["cp_ep_to_dp"] = fit(out, "cp_ep_to_dp", 1, config=NO_AUX, resume=resume)
-    all_experts = {**NO_AUX, "top_k": 8}
+    results["cp_ep_to_cp"] = fit(out, "cp_ep_to_cp", 1, config=BALANCING, resume=resume, context_parallel_size=2)
+    results["cp_ep_to_dp"] = fit(out, "cp_ep_to_dp", 1, config=BALANCING, resume=resume)
+    all_experts = {**BALANCING, "top_k": 8}
     results["dp_all_experts"] = fit(out, "dp_all_experts", 1, config=all_experts)
     results["cp_ep_all_experts"] = fit(out, "cp_ep_all_experts", 2, config=all_experts, context_parallel_size=2)
     deepseek = {"top_k": 8, "n_group": 1, "topk_group": 1}

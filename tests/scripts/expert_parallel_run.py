@@ -6,8 +6,9 @@ launch, with the same data, first weights and global batch.
 - ``ep2_to_ep4`` / ``ep2_to_ep1``: ``ep2``'s epoch-0 checkpoint resumed under expert_parallel_size 4 and 1;
 - ``fabric_ep1`` / ``fabric_ep2``: the same model in a Fabric loop, 6 steps.
 
-Rank 0 writes ``<out>/result.json``: each run's per-step losses (averaged over ranks) and the local shape and
-placements of layer 0's ``w_gate_up``.
+Rank 0 writes ``<out>/result.json``: each run's per-step losses (averaged over ranks), the local shape and
+placements of layer 0's ``w_gate_up``, and the routers' balancing biases after the first optimizer step (with
+``router_bias_update_rate``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ class Tokens(Dataset):
 class Losses(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.first_biases: list[list[float]] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if trainer.global_step == 1:  # the biases the first step's routing moved
+            routers = [module.model.layers[i].feed_forward.router for i in module.config.moe_layers]
+            self.first_biases = [router.expert_bias.tolist() for router in routers if hasattr(router, "expert_bias")]
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
@@ -92,7 +99,7 @@ def fit(out: Path, name: str, ep: int, *, state_dict_type: str = "sharded", resu
         trainer.save_checkpoint(out / f"{name}.ckpt")
     weight = next(m.w_gate_up for m in lm.model.modules() if hasattr(m, "w_gate_up"))  # the first MoE layer's
     return {"losses": losses.losses, "local_shape": list(weight.to_local().shape),
-            "placements": [str(p) for p in weight.placements]}
+            "placements": [str(p) for p in weight.placements], "first_biases": losses.first_biases}
 
 
 def fabric_fit(ep: int, steps: int = 6) -> dict:

@@ -17,8 +17,8 @@ checkpoint of a freshly built tiny LLaMA, loaded into the shards of each layout)
   step ``SAVE_AT`` (2 batches), so evaluation under context parallelism runs too; every run holds out the same
   validation documents, so the training batches are the same.
 
-Rank 0 writes ``<out>/result.json``: each run's per-step losses (averaged over data-parallel ranks), the placements
-of one MLP weight, and for ``tp_scratch`` whether the two tensor-parallel halves of each weight drew the same
+Every run logs every ``LOG_EVERY`` steps. Rank 0 writes ``<out>/result.json``: each run's per-step losses (averaged
+over data-parallel ranks, and each rank's), the ``train_loss`` rank 0 logged, the placements of one MLP weight, and for ``tp_scratch`` whether the two tensor-parallel halves of each weight drew the same
 numbers (a degenerate start: duplicated heads).
 """
 
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.loggers import Logger
 
 import lightning_npu
 from recipes.decoder.checkpoint_layout import save_recipe_checkpoint
@@ -38,16 +39,42 @@ from recipes.decoder.module import DecoderLM
 from recipes.models.llama.config import LLaMAConfig
 from recipes.models.llama.model import LLaMA
 
-GLOBAL_BATCH, STEPS, SAVE_AT = 8, 20, 10
+GLOBAL_BATCH, STEPS, SAVE_AT, LOG_EVERY = 8, 20, 10, 2
 
 
 class Losses(Callback):
     def __init__(self) -> None:
         self.losses: dict[int, float] = {}
+        self.rank_losses: dict[int, list[float]] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
-        self.losses[trainer.global_step - 1] = loss.item()
+        loss = outputs["loss"].detach()
+        self.rank_losses[trainer.global_step - 1] = trainer.strategy.all_gather(loss).tolist()
+        self.losses[trainer.global_step - 1] = trainer.strategy.reduce(loss.clone(), reduce_op="mean").item()
+
+
+class Logged(Logger):
+    """The ``train_loss`` values the Trainer writes to its loggers, by step (each rank's own; rank 0's are what a
+    CSV or TensorBoard logger records)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_loss: dict[int, float] = {}
+
+    @property
+    def name(self) -> str:
+        return "logged"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        if "train_loss" in metrics:
+            self.train_loss[step] = float(metrics["train_loss"])
 
 
 class SaveAt(Callback):
@@ -67,10 +94,11 @@ def fit(out: Path, name: str, *, tp: int = 1, cp: int = 1, resume: str | None = 
         activation_checkpointing_ratio=0.5, tensor_parallel_size=tp, context_parallel_size=cp, timeout=240,
         **options,
     )
-    losses = Losses()
+    losses, logged = Losses(), Logged()
     callbacks = [losses] + ([SaveAt(out / f"{name}_step{SAVE_AT}")] if save else [])
     trainer = Trainer(
-        accelerator="npu", devices=4, strategy=strategy, precision="32-true", max_steps=steps, logger=False,
+        accelerator="npu", devices=4, strategy=strategy, precision="32-true", max_steps=steps, logger=logged,
+        log_every_n_steps=LOG_EVERY,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         limit_val_batches=2 if validate else 0, val_check_interval=SAVE_AT, gradient_clip_val=1.0,
     )
@@ -84,7 +112,8 @@ def fit(out: Path, name: str, *, tp: int = 1, cp: int = 1, resume: str | None = 
     if save:
         trainer.save_checkpoint(out / f"{name}_end")
     weight = model.model.layers[0].feed_forward.w_gate.weight
-    result = {"losses": losses.losses, "placements": [str(p) for p in weight.placements]}
+    result = {"losses": losses.losses, "rank_losses": losses.rank_losses, "logged": logged.train_loss,
+              "data_parallel": data_parallel, "placements": [str(p) for p in weight.placements]}
     if not init:
         halves = {name: param.full_tensor().chunk(2) for name, param in model.model.named_parameters()
                   if "tp" in (param.device_mesh.mesh_dim_names or ()) and param.ndim == 2}

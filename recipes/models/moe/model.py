@@ -165,18 +165,22 @@ class RoutedDecoder(CausalDecoder):
             return logits
         return logits, tuple(layer.router_logits for layer in self._moe_layers())
 
-    def auxiliary_loss(self) -> Tensor:
+    def auxiliary_loss(self, sum_over_ranks: Optional[Callable[[Tensor], Tensor]] = None) -> Tensor:
         """``router_aux_loss_coef`` x the load-balancing loss of the last forward's routing (what ``DecoderLM``
-        adds to the cross-entropy, as transformers does with ``output_router_logits``); 0 when the coefficient is."""
+        adds to the cross-entropy, as transformers does with ``output_router_logits``); 0 when the coefficient is.
+        ``sum_over_ranks``: counts the tokens of every rank whose tokens differ (``router.load_balancing_loss``);
+        None: this rank's."""
         coef = self.config.router_aux_loss_coef
         if not coef:
             return self.tok_embeddings.weight.new_zeros(())
-        return coef * load_balancing_loss([layer.router_logits for layer in self._moe_layers()], self.config.top_k)
+        logits = [layer.router_logits for layer in self._moe_layers()]
+        return coef * load_balancing_loss(logits, self.config.top_k, sum_over_ranks)
 
     def balance_experts(self, reduce: Callable[[Tensor], Tensor]) -> None:
         """After an optimizer step, with ``router_bias_update_rate``: move each MoE layer's balancing bias towards
-        balance for the tokens routed since the last step, summed over the data-parallel ranks by ``reduce`` (so
-        the biases stay equal on every rank). Without the rate, nothing."""
+        balance for the tokens routed since the last step, summed by ``reduce`` over the ranks whose tokens differ
+        (data-parallel x context-parallel: the whole batch's counts, so the biases stay equal on every rank and
+        move as without context parallelism). Without the rate, nothing."""
         rate = self.config.router_bias_update_rate
         if not rate:
             return

@@ -5,7 +5,7 @@ matmul and a softmax, and its choices must be exactly Hugging Face's)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -119,11 +119,18 @@ def route(
     return probs, expert_ids
 
 
-def load_balancing_loss(router_logits: Sequence[Tensor], top_k: int) -> Tensor:
+def load_balancing_loss(router_logits: Sequence[Tensor], top_k: int,
+                        sum_over_ranks: Optional[Callable[[Tensor], Tensor]] = None) -> Tensor:
     """The Switch Transformer auxiliary loss as Hugging Face computes it (``load_balancing_loss_func``, no
     attention mask): over the tokens of every MoE layer together, ``n_experts * sum_e f_e * P_e``, where f_e is
     how many of the top_k choices went to expert e per token and P_e the mean softmax probability of e. Only P
-    carries a gradient. Counted without a host sync (a scatter, not bincount)."""
+    carries a gradient. Counted without a host sync (a scatter, not bincount).
+
+    ``sum_over_ranks`` sums a tensor over the ranks whose tokens differ (data-parallel x context-parallel; one
+    all-reduce of 2 n_experts + 2 numbers): f and P then count the tokens of them all, so the loss is the same
+    under any split of the batch (whole rows, or each rank a part of every sequence) and on every rank. Its gradient
+    is this rank's part times the number of ranks, since the strategy averages gradients over them (as the
+    cross-entropy's ``token_mean``). None: this rank's tokens alone."""
     if not router_logits:
         raise ValueError("load_balancing_loss needs the router logits of at least one MoE layer")
     logits = torch.cat([layer.float() for layer in router_logits])
@@ -131,7 +138,14 @@ def load_balancing_loss(router_logits: Sequence[Tensor], top_k: int) -> Tensor:
     scores = torch.softmax(logits, dim=-1)
     chosen = torch.topk(scores, top_k, dim=-1).indices.flatten()
     counts = torch.zeros(n_experts, device=logits.device).scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
-    return n_experts * torch.sum(counts / tokens * scores.mean(dim=0))
+    summed = scores.sum(dim=0)
+    local = torch.cat([counts, summed.detach(), counts.new_tensor([tokens, 1.0])])
+    total = local if sum_over_ranks is None else sum_over_ranks(local)
+    all_counts, all_summed, (all_tokens, ranks) = total[:n_experts], total[n_experts:-2], total[-2:]
+    fraction = all_counts / all_tokens
+    loss = n_experts * torch.sum(fraction * all_summed) / all_tokens
+    own = ranks * n_experts * torch.sum(fraction * summed) / all_tokens
+    return loss + (own - own.detach())
 
 
 def expert_load(router_logits: Sequence[Tensor], top_k: int,
