@@ -206,7 +206,7 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[floa
         group = q_heads // kv_heads
         kt = kt.repeat_interleave(group, dim=1)
         vt = vt.repeat_interleave(group, dim=1)
-    # SDPA's fused CPU / CUDA kernels take v at q's head dim only; on its math path the scores [S, S] materialise.
+    # SDPA's fused kernels take v at q's head dim only; on its math path the scores [S, S] materialise.
     # Zero columns keep the fused path (exact: they are sliced off), as the NPU kernel's memory is.
     pad = q.shape[-1] - v.shape[-1]
     vt = _padded(vt, pad)
