@@ -206,9 +206,11 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[floa
         group = q_heads // kv_heads
         kt = kt.repeat_interleave(group, dim=1)
         vt = vt.repeat_interleave(group, dim=1)
-    # SDPA's fused kernels take v at q's head dim only; on its math path the scores [S, S] materialise.
-    # Zero columns keep the fused path (exact: they are sliced off), as the NPU kernel's memory is.
-    pad = q.shape[-1] - v.shape[-1]
+    # SDPA's fused kernels take v at q's head dim only; on its math path autograd keeps the scores [S, S] for the
+    # backward. When it records, zero columns keep the fused path (exact up to rounding: they are sliced off), so
+    # training holds what the NPU kernel holds; without a graph the unpadded math path is transformers' own.
+    recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    pad = q.shape[-1] - v.shape[-1] if recording else 0
     vt = _padded(vt, pad)
     if sq == skv:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
