@@ -76,3 +76,26 @@ def assert_lora_exports_give_the_recipe_logits(tmp_path, hf_base, ours, lora, ad
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
         torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-5)
     return json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+
+
+def assert_convert_and_generation_are_transformers(tmp_path, hf: transformers.PreTrainedModel, prompt: torch.Tensor,
+                                                   model_class: type) -> None:
+    """``hf`` saved, ``convert.py from-hf`` then ``to-hf`` writes its safetensors back bit for bit, and greedy
+    generation (8 tokens from ``prompt``) by ``recipes.generate`` from the HF directory and from the recipe
+    checkpoint, each loaded as ``model_class``, is transformers' ``generate``."""
+    from safetensors.torch import load_file
+
+    from recipes import convert
+    from recipes.generate import generate, load_model
+
+    hf_dir = saved(hf, tmp_path / "hf")
+    assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "model.ckpt")]) == 0
+    assert convert.main(["to-hf", str(tmp_path / "model.ckpt"), str(tmp_path / "out")]) == 0
+    ours, theirs = (load_file(tmp_path / d / "model.safetensors") for d in ("out", "hf"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for source in (hf_dir, tmp_path / "model.ckpt"):
+        model, _ = load_model(source)
+        assert isinstance(model, model_class)
+        assert torch.equal(generate(model, prompt, 8), expected), source

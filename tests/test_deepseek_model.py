@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 from recipes import convert, families
 from recipes.decoder import hf_checkpoint
 from recipes.decoder.checkpoint_layout import CheckpointError
-from recipes.generate import generate, load_model
+from recipes.generate import generate
 from recipes.models.deepseek import hf as deepseek_hf
 from recipes.models.deepseek.config import DeepSeekConfig
 from recipes.models.deepseek.model import DeepSeek
-from tests.hf_models import random_hf_model, random_tokens, saved
+from tests.hf_models import assert_convert_and_generation_are_transformers, random_hf_model, random_tokens, saved
 
 _COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3,
@@ -107,19 +107,7 @@ def test_hf_to_recipe_to_hf_is_bit_exact(tmp_path, name):
 
 @pytest.mark.parametrize("name", ["v3-q-lora-yarn", "v2-group-limited-yarn"])
 def test_convert_and_greedy_generation_from_an_hf_directory_or_a_checkpoint_are_transformers(tmp_path, name):
-    hf = hf_model(name)
-    hf_dir = saved(hf, tmp_path / "hf")
-    assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "model.ckpt")]) == 0
-    assert convert.main(["to-hf", str(tmp_path / "model.ckpt"), str(tmp_path / "out")]) == 0
-    ours, theirs = (load_file(tmp_path / d / "model.safetensors") for d in ("out", "hf"))
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    prompt = tokens(seed=4, batch=2, seq=5)
-    with torch.no_grad():
-        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-    for source in (hf_dir, tmp_path / "model.ckpt"):
-        model, _ = load_model(source)
-        assert isinstance(model, DeepSeek)
-        assert torch.equal(generate(model, prompt, 8), expected), source
+    assert_convert_and_generation_are_transformers(tmp_path, hf_model(name), tokens(seed=4, batch=2, seq=5), DeepSeek)
 
 
 def _fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
