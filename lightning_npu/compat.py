@@ -156,6 +156,8 @@ OVERRIDDEN = (
     Fenced(_FABRIC_FSDP2, "_configure_launcher"),
     # Refuses every SyncBatchNorm of a CPU module; the simulated NPU's HostSyncBatchNorm trains there.
     Fenced("torch.nn.parallel:DistributedDataParallel", "_passing_sync_batchnorm_handle"),
+    # What a tensor-parallel style defines (torch's documented way to write one): parallel.tensor.ReplicatedParallel.
+    Fenced("torch.distributed.tensor.parallel.style:ParallelStyle", "_apply"),
 )
 
 #: Everything else, read or written through the accessors below.
@@ -190,6 +192,8 @@ ACCESSED = (
     Fenced(_FSDP2_GROUP, "all_reduce_grads", instance=True),
     # Where a device mesh keeps its process groups: the objects (recent torch) or only their names (older).
     Fenced(_DEVICE_MESH, "_pg_registry|_dim_group_names|_dim_group_infos", instance=True),
+    # Each dimension's group: by name (recent torch: a mesh can be given its groups, mesh_with_groups) or by info.
+    Fenced(_DEVICE_MESH, "_dim_group_names|_dim_group_infos", instance=True),
     Fenced("torch.distributed.tensor:DTensor", "_spec", instance=True),
     Fenced(_DEVICE_MESH, "_flatten"),
     Fenced("torch._C", "_current_graph_task_id"),
@@ -283,6 +287,7 @@ dcp_parameter_fqns: Callable[..., set] = _RESOLVED[IMPORTED["dcp_parameter_fqns"
 
 _FSDP_PARAM_GROUPS = _RESOLVED[Fenced(_FSDP2_STATE, "_fsdp_param_groups|_fsdp_param_group", instance=True)]
 _MESH_GROUPS = _RESOLVED[Fenced(_DEVICE_MESH, "_pg_registry|_dim_group_names|_dim_group_infos", instance=True)]
+_MESH_DIM_GROUPS = _RESOLVED[Fenced(_DEVICE_MESH, "_dim_group_names|_dim_group_infos", instance=True)]
 
 
 # ---- accessors --------------------------------------------------------------------------------------------------
@@ -340,7 +345,8 @@ def has_device_mesh(owner: Any) -> bool:
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:
-    """A 1-D view of ``mesh``'s dimensions, reachable from its root mesh as ``root[name]`` (a new process group)."""
+    """One dimension ``name`` made of ``mesh``'s dimensions (new process groups unless it spans every rank); keep the
+    mesh this returns: reading it back from the root mesh by name is deprecated in torch 2.11."""
     return mesh._flatten(name)
 
 
@@ -360,6 +366,76 @@ def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) ->
     """``mesh`` (1-D) split into dimensions ``names`` of ``sizes``, innermost last: a view of the same root mesh
     (new process groups for the new dimensions), so FSDP and DTensor combine it with the root's other views."""
     return mesh._unflatten(0, sizes, names)
+
+
+def check_mesh_join(feature: str) -> None:
+    """RuntimeError naming ``feature`` unless this torch's DeviceMesh can join views of one root into one mesh
+    (``join_meshes``; torch 2.10 and later). Not in ``FENCED``, as ``check_mesh_unflatten``."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not hasattr(DeviceMesh, "_concatenate"):
+        raise RuntimeError(f"{feature} needs a DeviceMesh that can join two views (torch >= 2.10); this is torch"
+                           f" {torch.__version__}: upgrade torch (and the matching torch_npu), or drop one of the two")
+
+
+def join_meshes(meshes: list[Any]) -> Any:
+    """One mesh whose dimensions are those of ``meshes`` (views of one root mesh, over disjoint rank strides), in
+    order, with their process groups: no new group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh._concatenate(meshes)
+
+
+def mesh_with_groups(device_type: str, ranks: Any, names: tuple[str, ...],
+                     group_names: Callable[[], list[str]]) -> Any:
+    """A DeviceMesh over ``ranks`` (a tensor of global ranks, one axis per name) whose dimensions use the process
+    groups ``group_names()`` names, asked for the first time a group is needed (slicing the mesh, a collective on
+    it), not when the mesh is made: a group it would create (a size-1 dimension's) then exists only if used.
+    ``group_names`` must create nothing a peer has to join (existing groups, or local ones). On a torch whose meshes
+    cannot be given groups, an ordinary mesh with groups of its own."""
+    if _MESH_DIM_GROUPS != "_dim_group_names":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, tuple(ranks.shape), mesh_dim_names=names)
+    mesh = _MeshWithGroups(device_type, ranks, mesh_dim_names=names, _init_backend=False)
+    mesh._group_names = group_names
+    return mesh
+
+
+def _mesh_with_groups_class() -> Optional[type]:
+    if _MESH_DIM_GROUPS != "_dim_group_names":
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    class MeshWithGroups(DeviceMesh):
+        """``mesh_with_groups``: its ``_dim_group_names`` (what torch reads to find each dimension's group) come from
+        ``_group_names()`` on first read; pickled with the names, as a plain mesh is."""
+
+        _given: Optional[list[str]] = None
+        _group_names: Optional[Callable[[], list[str]]] = None
+
+        @property
+        def _dim_group_names(self) -> list[str]:
+            if self._given is None:
+                self._given = self._group_names()
+            return self._given
+
+        @_dim_group_names.setter
+        def _dim_group_names(self, value: list[str]) -> None:
+            self._given = value
+
+        def __getstate__(self) -> dict:
+            state = super().__getstate__()
+            state["_given"] = self._dim_group_names
+            state.pop("_group_names", None)
+            return state
+
+    MeshWithGroups.__qualname__ = MeshWithGroups.__name__ = "_MeshWithGroups"
+    return MeshWithGroups
+
+
+_MeshWithGroups = _mesh_with_groups_class()
 
 
 def layer_sync(strategy: Any) -> Optional[Any]:

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 
 from lightning_npu import GracefulPreemption, NonFiniteLossGuard, TokenThroughputMonitor  # importing the plugin registers accelerator="npu" and npu_*
-from lightning_npu.facts.options import FSDPChoices, check_context_parallel_shapes
+from lightning_npu.facts.options import FSDPOptions, check_context_parallel_shapes
 from recipes.decoder.data import NotPreparedError, TextDataModule, check_vocab_fits
 from recipes import families
 from recipes.decoder.module import DecoderLM
@@ -167,7 +167,7 @@ def check_context_parallel(model: DecoderLM, data: TextDataModule, trainer: Trai
     """npu_fsdp's context_parallel_size against the model (its config's ``context_parallel_refusal()``, if it has
     one), its heads and the sequence length, before workers start."""
     options = getattr(trainer.strategy, "options", None)
-    if isinstance(options, FSDPChoices):
+    if isinstance(options, FSDPOptions):
         refusal = getattr(model.config, "context_parallel_refusal", None)  # a model config's own limits
         reason = refusal() if refusal is not None and options.context_parallel_size > 1 else None
         if reason is not None:

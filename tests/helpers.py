@@ -80,5 +80,14 @@ def run_python(args: list[str], *, simulate: Optional[int] = 2, env: Optional[di
     return proc
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now (other runs here may hold Lightning's default one)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())

@@ -1,4 +1,4 @@
-"""Context parallelism under npu_fsdp (``lightning_npu.kernels.context_parallel``): Ulysses and ring attention equal
+"""Context parallelism under npu_fsdp (``lightning_npu.parallel.context``, its blocks ``lightning_npu.kernels.blockwise_attention``): Ulysses and ring attention equal
 full causal attention forward and backward (packed rows under Ulysses; the ring's NPU blocks against the strict fake
 of each recorded torch_npu release), the tiny recipe trains with plain sharding's per-step losses with
 context_parallel_size=2, and sizes that cannot split the heads or the sequence fail before workers start."""
@@ -15,7 +15,7 @@ from tests.test_kernels import _take_npu_branch, install_cann
 from tests.test_recipe_e2e import STRATEGY, _assert_fails_before_workers
 from tests.prefetch import PREFETCHED
 
-cp_mod = importlib.import_module("lightning_npu.kernels.context_parallel")
+blockwise = importlib.import_module("lightning_npu.kernels.blockwise_attention")
 RELEASES = ("2.6.0", "2.13.0", "2.14.0")
 
 
@@ -62,13 +62,13 @@ def test_the_ring_npu_block_merges_and_differentiates_like_the_exact_block(monke
         out = torch.zeros(b, s, h, dv)
         row_max, row_sum = torch.full((b, h, s), float("-inf")), torch.zeros(b, h, s)
         for (k, v), causal in zip(blocks, (True, False)):
-            cp_mod._merge(out, row_max, row_sum, slice(None), block.forward(q, k, v, causal, 0.3))
+            blockwise.merge(out, row_max, row_sum, slice(None), block.forward(q, k, v, causal, 0.3))
         grads = [block.backward(q, k, v, dout, out, row_max, row_sum, causal, 0.3)
                  for (k, v), causal in zip(blocks, (True, False))]
         return out, grads
 
-    exact_out, exact_grads = run(cp_mod._REFERENCE_BLOCK)
-    npu_out, npu_grads = run(cp_mod._NPU_BLOCK)
+    exact_out, exact_grads = run(blockwise.REFERENCE_BLOCK)
+    npu_out, npu_grads = run(blockwise.NPU_BLOCK)
     assert torch.allclose(npu_out, exact_out, atol=1e-5)
     for exact, npu in zip(exact_grads, npu_grads):
         for a, b_ in zip(exact, npu):
@@ -92,7 +92,7 @@ def test_the_exact_block_merged_over_key_blocks_is_attention_over_all_keys():
     row_max = torch.full((1, 2, 4), float("-inf"), dtype=torch.float64)
     row_sum = torch.zeros(1, 2, 4, dtype=torch.float64)
     for keys, values in ((k, v), (k2, v2)):
-        cp_mod._merge(out, row_max, row_sum, slice(None), cp_mod._REFERENCE_BLOCK.forward(q, keys, values, False, 0.5))
+        blockwise.merge(out, row_max, row_sum, slice(None), blockwise.REFERENCE_BLOCK.forward(q, keys, values, False, 0.5))
     scores = torch.einsum("bqhd,bkhd->bhqk", q, torch.cat((k, k2), 1)) * 0.5
     expected = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), torch.cat((v, v2), 1))
     assert torch.allclose(out, expected, atol=1e-6)

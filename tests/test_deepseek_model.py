@@ -313,11 +313,11 @@ def test_lora_on_a_query_projection_the_config_leaves_out_is_refused_naming_the_
 def test_multi_token_prediction_under_context_parallelism_is_refused_with_the_reason():
     """train.py refuses it before workers start (tests/test_context_parallel.py); a model given context parallelism
     another way (Fabric) refuses its first training forward, not trains MTP on the wrong tokens."""
-    from lightning_npu.kernels.context_parallel import ContextParallel
-    from lightning_npu.strategies.parallelize import apply_context_parallel
+    from lightning_npu.parallel.context import ContextParallel
+    from lightning_npu.parallel.context import apply_context_parallel
 
     assert DeepSeekConfig.from_preset("tiny").context_parallel_refusal() is None
     model = DeepSeek(DeepSeekConfig.from_preset("tiny", n_layers=2, mtp_layers=1))
-    apply_context_parallel(model, ContextParallel(None, "ring"))  # refused before the group is asked anything
+    apply_context_parallel(model, model.context_parallel_modules(), ContextParallel(None, "ring"))  # refused before the group is asked anything
     with pytest.raises(ValueError, match=r"mtp_layers=1: multi-token prediction reads the tokens up to 1 ahead"):
         model.train()(tokens(seq=8))

@@ -51,7 +51,7 @@ def test_tiny_deepseek_trains_and_exports_what_transformers_decodes_alike(tmp_pa
 def test_tiny_deepseek_trains_with_expert_parallelism_with_the_losses_of_plain_sharding(tmp_path):
     """expert_parallel_size 2 on 2 simulated NPUs (each rank holds 4 of the 8 routed experts of the 2 MoE layers;
     the shared experts, the dense layer and MLA stay whole) gives plain sharding's per-step losses from the same
-    seed: the stacked experts split through the existing StackedExperts mechanism."""
+    seed: the stacked experts split by expert parallelism, named in the recipe's ParallelPlan."""
     losses = {}
     for ep in (1, 2):
         root = tmp_path / f"ep{ep}"

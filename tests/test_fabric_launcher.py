@@ -1,21 +1,13 @@
 """``lightning-npu run``: launches a no-argument ``Fabric()`` script on N simulated NPUs, and refuses bad options
 before starting anything."""
 
-import socket
 
 import pytest
 
 from lightning_npu.cli import main
-from tests.helpers import SCRIPTS, read_json, run_python
+from tests.helpers import SCRIPTS, free_port, read_json, run_python
 
 SCRIPT = str(SCRIPTS / "fabric_launched.py")
-
-
-def _free_port() -> int:
-    # Other test runs on this machine may hold Lightning's default port.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -25,7 +17,7 @@ def test_run_starts_one_process_per_device_with_fabric_configured_from_the_launc
     without importing lightning_npu) as world size 2 on NPUAccelerator with the chosen strategy and precision, join
     one process group (an all-reduce of rank + 1 gives 3), and get the script's own arguments."""
     out = tmp_path / "out"
-    run_python(["-m", "lightning_npu.cli", "run", "--devices", "2", "--main-port", str(_free_port()),
+    run_python(["-m", "lightning_npu.cli", "run", "--devices", "2", "--main-port", str(free_port()),
                 "--strategy", "npu_fsdp", "--precision", "bf16-mixed", SCRIPT, "--out", str(out)])
     reports = [read_json(out / f"rank{rank}.json") for rank in range(2)]
     assert [r["global_rank"] for r in reports] == [0, 1]
@@ -46,7 +38,7 @@ def test_a_failing_script_makes_run_exit_1_with_the_failed_rank_and_its_exit_cod
     script = tmp_path / "fails.py"
     script.write_text("import sys\nraise SystemExit(3 if sys.argv[1:] == ['--code', '3'] else 0)\n")
     with pytest.raises(AssertionError) as failure:
-        run_python(["-m", "lightning_npu.cli", "run", "--devices", "2", "--main-port", str(_free_port()),
+        run_python(["-m", "lightning_npu.cli", "run", "--devices", "2", "--main-port", str(free_port()),
                     str(script), "--code", "3"])
     report = str(failure.value)
     assert " exited 1\n" in report
@@ -74,7 +66,7 @@ def test_bad_options_fail_with_a_clear_message_and_launch_nothing(tmp_path, caps
     simulate(2)
     out = tmp_path / "out"
     if "--main-port" not in options:  # should validation let a case through, its launch collides with nothing
-        options = [*options, "--main-port", str(_free_port())]
+        options = [*options, "--main-port", str(free_port())]
     status = main(["run", *options, SCRIPT, "--out", str(out)])
     err = capsys.readouterr().err
     assert status == 2

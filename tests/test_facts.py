@@ -120,7 +120,7 @@ def test_fsdp_choices_are_validated_without_torch(kwargs, message):
     """Catches the torch-free options (what the planner validates a YAML with) accepting a value npu_fsdp
     rejects, or rejecting it with a message that does not give the choices."""
     with pytest.raises(ValueError) as error:
-        options.FSDPChoices(**kwargs)
+        options.FSDPOptions(**kwargs)
     assert str(error.value).startswith(message)
 
 
@@ -128,12 +128,12 @@ def test_fsdp_choices_defaults_are_the_strategy_defaults():
     """Catches the planner's defaults drifting from what NPUFSDPStrategy() does when an option is left out."""
     from lightning_npu import NPUFSDPStrategy
 
-    default = options.FSDPChoices()
+    default = options.FSDPOptions()
     strategy = NPUFSDPStrategy().options
     assert (default.zero_stage, default.sharding, default.activation_checkpointing_ratio) == (3, "full", 1.0)
     for name in ("zero_stage", "sharding", "activation_checkpointing_ratio", "cpu_offload", "memory_fraction"):
         assert getattr(strategy, name) == getattr(default, name), name
-    assert default.reshard_after_forward and not options.FSDPChoices(zero_stage=2).reshard_after_forward
+    assert default.reshard_after_forward and not options.FSDPOptions(zero_stage=2).reshard_after_forward
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""npu_fsdp's options are declared once (``lightning_npu.facts.options.FSDPChoices``): both strategies' signatures,
+"""npu_fsdp's options are declared once (``lightning_npu.facts.options.FSDPOptions``): both strategies' signatures,
 their checks, LightningCLI's parsing, the planner's reading of a config and the README's table all come from it."""
 
 import dataclasses
@@ -10,13 +10,13 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_npu import NPUFabricFSDPStrategy, NPUFSDPStrategy
-from lightning_npu.facts.options import FSDPChoices
+from lightning_npu.facts.options import FSDPOptions
 from lightning_npu.plan import load_spec
 from lightning_npu.plan.shape import PlanError
 from tests.helpers import REPO
 from tools.readme_options import README, with_table
 
-DECLARED = dataclasses.fields(FSDPChoices)
+DECLARED = dataclasses.fields(FSDPOptions)
 
 
 def test_the_readme_options_table_is_generated_from_the_declaration():
@@ -34,12 +34,12 @@ def test_both_strategies_take_every_declared_option_with_its_default_and_type(st
     import inspect
 
     parameters = inspect.signature(strategy).parameters
-    types = typing.get_type_hints(FSDPChoices)
+    types = typing.get_type_hints(FSDPOptions)
     assert list(parameters) == [spec.name for spec in DECLARED]
     for spec in DECLARED:
         assert (parameters[spec.name].default, parameters[spec.name].annotation) == (spec.default, types[spec.name])
         assert f"    {spec.name}: {spec.metadata['help']}\n" in strategy.__init__.__doc__
-    assert dataclasses.asdict(strategy().options) == dataclasses.asdict(FSDPChoices())
+    assert dataclasses.asdict(strategy().options) == dataclasses.asdict(FSDPOptions())
     positional = strategy([], 2).options  # positions as before: auto_wrap_policy, zero_stage, ...
     assert (positional.auto_wrap_policy, positional.zero_stage) == ([], 2)
 
@@ -109,7 +109,7 @@ def test_lightning_cli_yaml_init_args_reach_the_strategy(tmp_path, simulate, mon
     cli = LightningCLI(BoringModel, run=False, save_config_callback=None,
                        args=["--config", str(config), "--trainer.strategy.init_args.cpu_offload", "true"])
     options = cli.trainer.strategy.options
-    assert dataclasses.asdict(options) == dataclasses.asdict(FSDPChoices(
+    assert dataclasses.asdict(options) == dataclasses.asdict(FSDPOptions(
         zero_stage=2, sharding="hybrid", activation_checkpointing_ratio=0.5, state_dict_type="full", timeout=120.0,
         auto_wrap_policy=["Linear"], tensor_parallel_size=2, context_parallel_algo="ring", loss_parallel=False,
         cpu_offload=True))

@@ -7,13 +7,9 @@ import torch
 from torch import nn
 
 from lightning_npu import NPUFSDPStrategy
-from lightning_npu.strategies.fsdp import FSDPOptions
-from lightning_npu.strategies.parallelize import (
-    apply_activation_checkpointing,
-    evenly_spaced,
-    repeated_block_class,
-    resolve_module_classes,
-)
+from lightning_npu.facts.options import FSDPOptions, evenly_spaced
+from lightning_npu.parallel.checkpointing import apply_activation_checkpointing
+from lightning_npu.parallel.fsdp import repeated_block_class, resolve_module_classes
 from tests.helpers import SCRIPTS, run_python
 from tests.scripts.trainer_run import Block, Net
 
@@ -156,10 +152,11 @@ def test_sharding_layouts_for_eight_ranks_on_two_nodes():
     # Replicated across the 2 nodes, sharded over the 4 devices of a node: 32 rows / 4 = 8 per rank.
     assert hybrid["mesh"] == [2, 4] and hybrid["placements"] == ["R", "S(0)"] and hybrid["local_rows"] == 8
     assert hybrid["reshard_after_forward"] is False
-    # Hybrid sharding with tensor_parallel_size=2: rank 5 of (2 nodes, dp_shard 2, cp 1, tp 2) holds a quarter of the
-    # split columns (32 rows / tp 2 / dp_shard 2), replicated across nodes, and reads data-parallel batch 5 // 2.
+    # Hybrid sharding with tensor_parallel_size=2: rank 5 of (2 nodes, dp_shard 2, tp 2; no cp dimension at size 1)
+    # holds a quarter of the split columns (32 rows / tp 2 / dp_shard 2), replicated across nodes, and reads
+    # data-parallel batch 5 // 2.
     hybrid_tp = result["hybrid_tp"]
-    assert hybrid_tp["mesh"] == [2, 2, 1, 2] and hybrid_tp["dims"] == ["dp_replicate", "dp_shard", "cp", "tp"]
+    assert hybrid_tp["mesh"] == [2, 2, 2] and hybrid_tp["dims"] == ["dp_replicate", "dp_shard", "tp"]
     assert hybrid_tp["placements"] == ["R", "_S(0, 2)", "S(0)"] and hybrid_tp["local_rows"] == 8
     assert hybrid_tp["sharded"] == ["", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     assert hybrid_tp["sampler_rank"] == 2

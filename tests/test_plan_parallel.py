@@ -172,7 +172,8 @@ def test_tied_embeddings_lora_and_experts_are_refused_under_tensor_parallelism_a
     plain = PlanSpec(model=moe.shape, profile=moe, seq_len=64, micro_batch=2, devices=2)
     cp = dataclasses.replace(plain, parallel=Parallelism(context=2, context_algo="ring"))
     assert estimate(cp).items["activations"] < estimate(plain).items["activations"]
-    with pytest.raises(PlanError, match=r"expert_parallel_size=2 works with sharding='full' and tensor_parallel_size ="):
+    with pytest.raises(PlanError, match=r"expert_parallel_size=2 with tensor_parallel_size=1 and context_parallel_size=2:"
+                                         r" npu_fsdp trains this layout, but the planner does not model it yet"):
         PlanSpec(model=moe.shape, profile=moe.with_expert_parallelism(2), seq_len=64, micro_batch=1, devices=4,
                  parallel=Parallelism(context=2))
 

@@ -39,14 +39,32 @@ def test_the_plan_splits_every_projection_and_the_vocabulary_and_leaves_nothing_
         (TINY_LLAMA, 2, 63, r"data.seq_len=63 is not divisible by tensor_parallel_size=2"),
         (LLaMAConfig.from_preset("tiny", tie_embeddings=True), 2, 64, r"tie_embeddings=true: under tensor"
                                                                         r" parallelism .* cannot be both"),
-        (MoEConfig.from_preset("tiny"), 2, 64, r"has expert \(MoE\) layers, whose stacked experts have no"
-                                               r" tensor-parallel plan"),
+        # An MoE layer's shared expert splits like a dense MLP: its width must divide too.
+        (MoEConfig.from_preset("tiny", architecture="qwen2_moe", shared_expert_hidden_dim=66, qkv_bias=True), 4, 64,
+         r"shared_expert_hidden_dim=66 is not divisible by tensor_parallel_size=4"),
     ],
 )
 def test_a_model_the_plan_cannot_split_is_refused_with_the_numbers(config, tp, seq_len, message):
     with pytest.raises(ValueError, match=message):
         check_tensor_parallel(config, tp, seq_len=seq_len, sequence_parallel=True)
     check_tensor_parallel(config, 1, seq_len=seq_len, sequence_parallel=True)  # plain sharding takes any model
+
+
+def test_the_plan_of_an_moe_model_splits_attention_and_the_shared_expert_and_leaves_the_experts_and_router():
+    """Catches a plan that splits the stacked experts or the router (both run whole on every tensor-parallel rank:
+    the experts' rows are shared out instead), or that leaves an MoE layer's input sequence-split (the router must
+    see every token of the rows it routes)."""
+    from recipes.models.moe.model import MoE
+
+    config = MoEConfig.from_preset("tiny", architecture="qwen2_moe", shared_expert_hidden_dim=64, qkv_bias=True)
+    check_tensor_parallel(config, 2, seq_len=64, sequence_parallel=True)
+    model = MoE(config)
+    plan = decoder_plan(model, sequence_parallel=True, loss_parallel=True)
+    assert not any(".experts" in name or ".router" in name for name in plan)
+    assert {"layers.0.attention.wq", "layers.0.feed_forward.shared_expert.w_gate",
+            "layers.0.feed_forward.shared_expert.w_down"} <= set(plan)
+    assert type(plan["layers.0.feed_forward"]).__name__ == "PrepareModuleInputOutput"
+    assert "layers.0.feed_forward" not in decoder_plan(model, sequence_parallel=False, loss_parallel=False)
 
 
 @pytest.mark.slow

@@ -124,10 +124,10 @@ def test_offloaded_parameters_are_initialised_on_the_npu_then_moved_to_the_host(
     npu(device_count=2, device_name="Ascend910B3")
     trainer = Trainer(accelerator="npu", devices=2, strategy=NPUFSDPStrategy(cpu_offload=True), logger=False)
     strategy = trainer.strategy
-    compat.set_device_mesh(strategy, "mesh")  # parallelize is replaced below: no mesh is built
+    strategy.parallel_mesh = "mesh"  # parallelize is replaced below: no mesh is built
     steps = []
     monkeypatch.setattr(initial_state, "capture", lambda model, built=None: "state")
-    monkeypatch.setattr(fsdp.FSDPOptions, "parallelize", lambda self, *args: steps.append("shard"))
+    monkeypatch.setattr(fsdp, "parallelize", lambda *args: steps.append("shard"))
     monkeypatch.setattr(initial_state, "apply", lambda model, state, device: steps.append(("initialise", device)))
     monkeypatch.setattr(fsdp, "_offload_parameters", lambda model: steps.append("offload"))
     strategy._shard(nn.Linear(2, 2), precision_plugin=None)

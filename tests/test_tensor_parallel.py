@@ -1,4 +1,4 @@
-"""Tensor parallelism under npu_fsdp: one mesh (dp_replicate, dp_shard, cp, tp), its sizes checked before workers
+"""Tensor parallelism under npu_fsdp: one mesh (pp, dp_replicate, dp_shard, cp, tp), its sizes checked before workers
 start, and training on a 2 x 2 mesh that equals plain sharding on 4 simulated NPUs."""
 
 import pytest
@@ -15,24 +15,29 @@ from tests.prefetch import PREFETCHED
 @pytest.mark.parametrize(
     ("nodes", "devices", "sharding", "tp", "cp", "shape"),
     [
-        (1, 4, "full", 2, 1, (1, 2, 1, 2)),
-        (2, 8, "full", 8, 1, (1, 2, 1, 8)),
-        (4, 8, "hybrid", 2, 1, (4, 4, 1, 2)),
-        (2, 8, "full", 2, 2, (1, 4, 2, 2)),
-        (1, 8, "full", 1, 1, (1, 8, 1, 1)),
+        (1, 4, "full", 2, 1, (1, 1, 2, 1, 2)),
+        (2, 8, "full", 8, 1, (1, 1, 2, 1, 8)),
+        (4, 8, "hybrid", 2, 1, (1, 4, 4, 1, 2)),
+        (2, 8, "full", 2, 2, (1, 1, 4, 2, 2)),
+        (1, 8, "full", 1, 1, (1, 1, 8, 1, 1)),
     ],
 )
 def test_mesh_layout_puts_tensor_parallel_innermost(nodes, devices, sharding, tp, cp, shape):
     layout = MeshLayout.for_run(num_nodes=nodes, devices_per_node=devices, sharding=sharding,
                                 tensor_parallel_size=tp, context_parallel_size=cp)
     assert layout.shape == shape
-    assert layout.model_parallel == (tp * cp > 1)
     world = nodes * devices
+    assert layout.world_size == world and layout.loss_ranks == world // tp
     assert layout.data_parallel_size == world // (tp * cp)
     # Consecutive ranks share a batch (a TP group, then a CP group); the sampler sees each replica once.
     ranks = [layout.data_parallel_rank(rank) for rank in range(world)]
     assert ranks == [rank // (tp * cp) for rank in range(world)]
     assert sorted(set(ranks)) == list(range(layout.data_parallel_size))
+    # The rank formula read backwards gives each rank's coordinates.
+    for rank in range(world):
+        at = layout.coordinates(rank)
+        assert ((((at["pp"] * layout.dp_replicate + at["dp_replicate"]) * layout.dp_shard + at["dp_shard"])
+                 * layout.cp + at["cp"]) * layout.tp + at["tp"]) == rank
 
 
 @pytest.mark.parametrize(
@@ -57,8 +62,8 @@ def test_mesh_layout_refuses_sizes_the_devices_cannot_form(nodes, devices, shard
         ({"tensor_parallel_size": 0}, r"tensor_parallel_size=0 must be a positive integer"),
         ({"context_parallel_size": 0}, r"context_parallel_size=0 must be a positive integer"),
         ({"context_parallel_algo": "zigzag"}, r"context_parallel_algo='zigzag' is not supported; use 'ulysses' .*'ring'"),
-        ({"tensor_parallel_plan": "nowhere.plan"}, r"tensor_parallel_plan: cannot import 'nowhere.plan'"),
-        ({"tensor_parallel_plan": "tests.scripts.tensor_parallel_run.WIDTH"},
+        ({"parallel_plan": "nowhere.plan"}, r"parallel_plan: cannot import 'nowhere.plan'"),
+        ({"parallel_plan": "tests.scripts.tensor_parallel_run.WIDTH"},
          r"names an object of type int, not a function"),
     ],
 )
@@ -93,13 +98,19 @@ def tensor_parallel_runs(tmp_path_factory):
 def test_a_model_parallel_strategy_module_trains_under_npu_fsdp_with_tensor_parallelism(tensor_parallel_runs):
     """A LightningModule written for Lightning's ModelParallelStrategy (configure_model: parallelize_module on
     device_mesh["tensor_parallel"], fully_shard on device_mesh["data_parallel"]) runs unchanged with
-    tensor_parallel_size=2 on 4 simulated NPUs, with plain npu_fsdp's per-step losses (the same global batch)."""
+    tensor_parallel_size=2 and 1 on 4 simulated NPUs, with plain npu_fsdp's per-step losses (the same global
+    batch), and without torch's warnings about the mesh."""
     _, result = tensor_parallel_runs
     dp, tp = result["dp"], result["tp_user"]
-    assert dp["mesh_dims"] == ["shard"]  # tp = 1: today's mesh
-    assert tp["mesh_dims"] == ["dp_replicate", "dp_shard", "cp", "tp"]
+    # Lightning ModelParallelStrategy's names at every size, as its modules read them.
+    assert dp["mesh_dims"] == tp["mesh_dims"] == ["data_parallel", "tensor_parallel"]
     assert len(tp["losses"]) == len(dp["losses"]) == 8
     assert torch.allclose(torch.tensor(tp["losses"]), torch.tensor(dp["losses"]), rtol=0, atol=1e-5)
+    # Under plain sharding (tensor_parallel_size=1) the module runs unchanged too: its tensor_parallel mesh has one
+    # rank. No lookup of Lightning's names warns ("Slicing a flattened dim from root mesh will be deprecated").
+    assert torch.allclose(torch.tensor(result["tp1_user"]["losses"]), torch.tensor(dp["losses"]), rtol=0, atol=1e-5)
+    assert result["tp1_user"]["mesh_dims"] == ["data_parallel", "tensor_parallel"]
+    assert tp["mesh_warnings"] == result["tp1_user"]["mesh_warnings"] == []
     # Row-parallel weights are split on the tp dimension (columns) and sharded by FSDP on the dp one (rows).
     assert all(rank["w2_placements"] == ["S(0)", "S(1)"] for rank in tp["ranks"])
     # The ranks of a tensor-parallel group (0, 1 and 2, 3) train on the same batch, the two groups on different ones.
@@ -109,7 +120,7 @@ def test_a_model_parallel_strategy_module_trains_under_npu_fsdp_with_tensor_para
 
 @pytest.mark.slow
 def test_a_tensor_parallel_plan_given_to_the_strategy_trains_like_plain_sharding(tensor_parallel_runs):
-    """tensor_parallel_plan= (an import path) splits the same model as its own configure_model did: the same
+    """parallel_plan= (an import path) splits the same model as its own configure_model did: the same
     losses as plain npu_fsdp on 4, a full checkpoint (state_dict_type="full") of whole tensors equal to its, and
     the full optimizer state on rank 0 only."""
     out, result = tensor_parallel_runs
@@ -140,12 +151,12 @@ def test_a_sharded_checkpoint_of_a_2x2_mesh_resumes_with_the_uninterrupted_losse
 
 @pytest.mark.slow
 def test_fabric_trains_with_tensor_parallelism_like_plain_sharding(tensor_parallel_runs):
-    """NPUFabricFSDPStrategy(tensor_parallel_size=2, tensor_parallel_plan=<a function>) in a Fabric loop (the plan
+    """NPUFabricFSDPStrategy(tensor_parallel_size=2, parallel_plan=<a function>) in a Fabric loop (the plan
     finds the blocks in the module given to fabric.setup; fabric.all_reduce averages over data-parallel ranks) has
     the per-step losses of plain NPUFabricFSDPStrategy on 4: the same first weights (rank 0's), data and optimizer."""
     _, result = tensor_parallel_runs
     plain, split = result["fabric_dp"], result["fabric_tp"]
-    assert split["mesh_dims"] == ["dp_replicate", "dp_shard", "cp", "tp"] and plain["mesh_dims"] == ["shard"]
+    assert split["mesh_dims"] == plain["mesh_dims"] == ["data_parallel", "tensor_parallel"]
     assert split["w2_placements"] == ["S(0)", "S(1)"]
     assert len(split["losses"]) == len(plain["losses"]) == 8
     assert torch.allclose(torch.tensor(split["losses"]), torch.tensor(plain["losses"]), rtol=0, atol=1e-5)

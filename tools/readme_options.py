@@ -1,5 +1,5 @@
 """Write ``npu_fsdp``'s options table into README.md, between its two markers, from the one declaration
-(``lightning_npu.facts.options.FSDPChoices``, rendered by ``options_table``).
+(``lightning_npu.facts.options.FSDPOptions``, rendered by ``options_table``).
 
 Usage::
 

@@ -7,7 +7,7 @@ torch-free tools (``lightning-npu plan`` and ``doctor``) and the training code c
   matched by the exact name ``torch.npu.get_device_name()`` returns; the planner's default chip.
 - ``precisions``: the precision settings NPU runs accept, Lightning's aliases, their dtypes, and why the rest
   cannot run (``canonical_precision``).
-- ``options``: every ``npu_fsdp`` option declared once (``FSDPChoices``): default, type, validation with the fix in
+- ``options``: every ``npu_fsdp`` option declared once (``FSDPOptions``): default, type, validation with the fix in
   the message, one-line help; the strategies' signature, docstring and the README table are generated from it.
   Also which blocks a ratio checkpoints, and the mesh layout the sizes give a run (``MeshLayout``).
 - ``env``: the name of every environment variable the package reads or writes.

@@ -1,9 +1,10 @@
-"""The ``npu_fsdp`` options, declared once (``FSDPChoices``): their defaults, types, the values each accepts (with the
+"""The ``npu_fsdp`` options, declared once (``FSDPOptions``): their defaults, types, the values each accepts (with the
 error that names the value, why and the fix) and their help, from which the strategies' signature, their
 docstring and the README's table are generated; which blocks a checkpointing ratio selects; the mesh layout.
 
-``strategies.fsdp.FSDPOptions`` adds the checks that need torch (importing ``tensor_parallel_plan``);
-``lightning-npu plan`` reads a config's ``trainer.strategy.init_args`` with ``FSDPChoices`` without importing torch.
+Nothing here imports torch: ``lightning-npu plan`` reads a config's ``trainer.strategy.init_args`` with
+``FSDPOptions`` too. The one check that needs the user's code (that ``parallel_plan`` imports) runs when a strategy
+is made (``lightning_npu.parallel.protocol.resolve_parallel_plan``).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ StateDictType = Literal["sharded", "full"]
 STATE_DICT_TYPES = typing.get_args(StateDictType)
 #: Module classes, their names or import paths (``auto_wrap_policy``, ``activation_checkpointing_policy``).
 ModuleClasses = Optional[Iterable[Union[str, type]]]
-#: A callable ``plan(model, tp_mesh, *, sequence_parallel, loss_parallel)`` returning ``parallelize_module``'s plan
-#: (module name -> ParallelStyle), or its import path (``"pkg.module.function"``).
-TensorParallelPlan = Optional[Union[str, Callable[..., Any]]]
+#: A function ``plan(module) -> lightning_npu.parallel.ParallelPlan`` (how ``module`` splits over ranks), or its import
+#: path (``"pkg.module.function"``), for a module that does not define ``parallel_plan()`` itself.
+ParallelPlanFunction = Optional[Union[str, Callable[..., Any]]]
 #: A process-group timeout: seconds (YAML) or a timedelta (Python); None: the default.
 Timeout = Optional[Union[float, timedelta]]
 
@@ -39,10 +40,11 @@ DEFAULT_SHARDING = "full"
 #: The share of the ``activation_checkpointing_policy`` blocks that recompute their activations.
 DEFAULT_ACTIVATION_CHECKPOINTING_RATIO = 1.0
 
-#: npu_fsdp's device mesh dimensions, outermost first: tensor parallelism innermost, so a tensor-parallel group is
-#: consecutive ranks (one node's fast links), and FSDP shards over ``dp_shard x cp``.
-MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
-#: How attention runs over a sequence split across the ``cp`` ranks (``lightning_npu.kernels.context_parallel``).
+#: npu_fsdp's device mesh dimensions, outermost first: pipeline stages outermost (neighbouring stages exchange only
+#: activations, so they can sit on different nodes), tensor parallelism innermost, so a tensor-parallel group is
+#: consecutive ranks (one node's fast links); FSDP shards over ``dp_shard x cp`` (replicated over ``dp_replicate``).
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+#: How attention runs over a sequence split across the ``cp`` ranks (``lightning_npu.parallel.context``).
 CONTEXT_PARALLEL_ALGOS = {
     "ulysses": "all-to-all to whole sequences for a share of the heads; heads % (tp x cp) == 0, packed rows work",
     "ring": "keys and values passed around the ranks, head-tail balanced; any head count, seq_len % (2 x cp) == 0",
@@ -102,30 +104,26 @@ def check_context_parallel_algo(value: Any) -> str:
     return value
 
 
-def check_expert_parallel_size(value: Any, layout: "MeshLayout", sharding: str, *, with_context_parallel: bool = False
-                               ) -> int:
-    """``value`` if ``layout``'s FSDP shard ranks (``dp_shard x cp``, where expert parallelism borrows its ranks as
-    torchtitan's ParallelDims does) split into expert-parallel groups of that size; ValueError with the numbers and
-    the fix otherwise (before workers start; the experts count is checked at sharding). ``with_context_parallel``:
-    the caller handles expert parallelism under context parallelism (npu_fsdp does; the planner does not model it
-    yet, so it leaves this off and refuses cp > 1 with ep > 1)."""
+def check_expert_parallel_size(value: Any, layout: "MeshLayout", sharding: str) -> int:
+    """``value`` if ``layout``'s ranks of different tokens within a pipeline stage and a replica (``dp_shard x cp x
+    tp``, where expert parallelism borrows its ranks, ep innermost, as torchtitan's ParallelDims does) split into
+    expert-parallel groups of that size; ValueError with the numbers and the fix otherwise (before workers start; the
+    experts count is checked at sharding)."""
     check_parallel_size("expert_parallel_size", value)
     if value == 1:
         return value
-    if layout.tp > 1 or sharding != "full" or (layout.cp > 1 and not with_context_parallel):
-        supported = ("tensor_parallel_size=1" if with_context_parallel
-                     else "tensor_parallel_size = context_parallel_size = 1")
+    if sharding != "full":
         raise ValueError(
-            f"expert_parallel_size={value} works with sharding='full' and {supported} only for now (got"
-            f" sharding={sharding!r}, tensor_parallel_size={layout.tp}, context_parallel_size={layout.cp}); drop one"
-            " of the two"
+            f"expert_parallel_size={value} works with sharding='full' only for now (got sharding={sharding!r}): the"
+            " experts would need a hybrid (replicated x sharded) mesh of their own; use sharding='full' or"
+            " expert_parallel_size=1"
         )
     borrowed = layout.expert_parallel_ranks
     if borrowed % value:
-        dims = f"dp_shard={layout.dp_shard} x context_parallel_size={layout.cp}" if layout.cp > 1 else "data-parallel"
         raise ValueError(
-            f"expert_parallel_size={value} does not divide the {dims} size {borrowed}: expert-parallel groups are"
-            " carved out of the ranks FSDP shards over (dp_shard x cp); use a divisor of"
+            f"expert_parallel_size={value} does not divide dp_shard={layout.dp_shard} x"
+            f" context_parallel_size={layout.cp} x tensor_parallel_size={layout.tp} = {borrowed}: expert-parallel"
+            " groups are carved out of those ranks (consecutive ranks, tensor-parallel ones first); use a divisor of"
             f" {borrowed} ({', '.join(map(str, _divisors(borrowed)))})"
         )
     return value
@@ -167,24 +165,26 @@ def check_context_parallel_shapes(cp: int, algo: str, *, heads: int, seq_len: in
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MeshLayout:
     """The sizes of npu_fsdp's mesh dimensions (``MESH_DIM_NAMES``) for one run, checked against the devices.
 
-    Rank ``((r * dp_shard + s) * cp + c) * tp + t`` sits at ``(r, s, c, t)``: consecutive ranks form a
-    tensor-parallel group, and ranks ``cp * tp`` apart are data-parallel replicas.
+    Rank ``(((p * dp_replicate + r) * dp_shard + s) * cp + c) * tp + t`` sits at ``(p, r, s, c, t)``: consecutive
+    ranks form a tensor-parallel group, ranks ``cp * tp`` apart are data-parallel replicas, and each pipeline stage
+    is a block of ``world / pp`` consecutive ranks.
     """
 
-    dp_replicate: int
+    pp: int = 1
+    dp_replicate: int = 1
     dp_shard: int
     cp: int = 1
     tp: int = 1
 
     @classmethod
     def for_run(cls, *, num_nodes: int, devices_per_node: int, sharding: str, tensor_parallel_size: int = 1,
-                context_parallel_size: int = 1) -> MeshLayout:
+                context_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> MeshLayout:
         """The layout of ``num_nodes x devices_per_node`` devices; ValueError with the numbers and the fix."""
-        tp, cp = tensor_parallel_size, context_parallel_size
+        tp, cp, pp = tensor_parallel_size, context_parallel_size, pipeline_parallel_size
         world = num_nodes * devices_per_node
         if devices_per_node % tp:
             raise ValueError(
@@ -192,44 +192,81 @@ class MeshLayout:
                 " tensor-parallel group exchanges activations in every layer and must stay inside one node; use a"
                 f" divisor of {devices_per_node} ({', '.join(map(str, _divisors(devices_per_node)))})"
             )
-        if world % (tp * cp):
+        if world % (tp * cp * pp):
+            product = " x ".join(f"{name}={size}" for name, size in (
+                ("pipeline_parallel_size", pp), ("tensor_parallel_size", tp), ("context_parallel_size", cp))
+                if size > 1 or name != "pipeline_parallel_size")
             raise ValueError(
-                f"tensor_parallel_size={tp} x context_parallel_size={cp} = {tp * cp} does not divide the world size"
-                f" {world} ({num_nodes} nodes x {devices_per_node} devices): the data-parallel size would not be a"
-                f" whole number; choose sizes whose product divides {world}"
+                f"{product} = {tp * cp * pp} does not divide the world size {world} ({num_nodes} nodes x"
+                f" {devices_per_node} devices): the data-parallel size would not be a whole number; choose sizes whose"
+                f" product divides {world}"
             )
-        dp_replicate = num_nodes if sharding == "hybrid" else 1
-        if sharding == "hybrid" and devices_per_node % (tp * cp):
-            raise ValueError(
-                f"sharding='hybrid' shards within each node of {devices_per_node} devices, which"
-                f" tensor_parallel_size={tp} x context_parallel_size={cp} = {tp * cp} does not divide; choose sizes"
-                f" whose product divides {devices_per_node}, or use sharding='full'"
-            )
-        return cls(dp_replicate, world // (dp_replicate * cp * tp), cp, tp)
+        dp_replicate = 1
+        if sharding == "hybrid":
+            if devices_per_node % (tp * cp):
+                raise ValueError(
+                    f"sharding='hybrid' shards within each node of {devices_per_node} devices, which"
+                    f" tensor_parallel_size={tp} x context_parallel_size={cp} = {tp * cp} does not divide; choose"
+                    f" sizes whose product divides {devices_per_node}, or use sharding='full'"
+                )
+            if num_nodes % pp:
+                raise ValueError(
+                    f"sharding='hybrid' with pipeline_parallel_size={pp} replicates each stage across nodes, but"
+                    f" {num_nodes} nodes do not split into {pp} equal groups; use a pipeline_parallel_size that"
+                    f" divides {num_nodes}, or sharding='full'"
+                )
+            dp_replicate = num_nodes // pp
+        return cls(pp=pp, dp_replicate=dp_replicate, dp_shard=world // (pp * dp_replicate * cp * tp), cp=cp, tp=tp)
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """The size of each dimension of ``MESH_DIM_NAMES``, outermost first."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     @property
-    def model_parallel(self) -> bool:
-        """Whether any rank shares its batch with another (tensor or context parallelism); else plain sharding."""
-        return self.tp > 1 or self.cp > 1
+    def sizes(self) -> dict[str, int]:
+        """Each dimension's size by its name."""
+        return dict(zip(MESH_DIM_NAMES, self.shape))
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.stage_size
+
+    @property
+    def stage_size(self) -> int:
+        """How many ranks hold each pipeline stage (every rank when there is one stage)."""
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def data_parallel_size(self) -> int:
-        """How many different batches each step trains on (the sampler's replicas)."""
+        """How many different batches each step trains on (the sampler's replicas): the ranks of a TP, CP or PP group
+        share one."""
         return self.dp_replicate * self.dp_shard
 
     @property
+    def loss_ranks(self) -> int:
+        """How many ranks of a stage hold different tokens (``dp_replicate x dp_shard x cp``): what gradients and a
+        logged loss are averaged over. Tensor-parallel ranks hold the same ones."""
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
     def expert_parallel_ranks(self) -> int:
-        """How many ranks an expert-parallel group may borrow its members from (``dp_shard x cp``): the ranks FSDP
-        shards over, whose tokens differ (``expert_parallel_size`` must divide it)."""
-        return self.dp_shard * self.cp
+        """How many ranks an expert-parallel group may borrow its members from (``dp_shard x cp x tp``, the ranks of
+        a stage and a replica; ``expert_parallel_size`` must divide it)."""
+        return self.dp_shard * self.cp * self.tp
+
+    def coordinates(self, global_rank: int) -> dict[str, int]:
+        """Where ``global_rank`` sits in each dimension (the rank formula of the class docstring read backwards)."""
+        coordinates = {}
+        for name, size in reversed(self.sizes.items()):
+            global_rank, coordinates[name] = divmod(global_rank, size)
+        return dict(reversed(coordinates.items()))
 
     def data_parallel_rank(self, global_rank: int) -> int:
-        """Which of those batches ``global_rank`` trains on: the same for every rank of a TP or CP group."""
-        return global_rank // (self.cp * self.tp)
+        """Which of the ``data_parallel_size`` batches ``global_rank`` trains on: the same for every rank of a TP, CP
+        or PP group."""
+        at = self.coordinates(global_rank)
+        return at["dp_replicate"] * self.dp_shard + at["dp_shard"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -269,7 +306,7 @@ def check_timeout(value: Any) -> Timeout:
 
 
 def option(default: Any, check: Optional[Callable[[str, Any], Any]], help: str) -> Any:
-    """One ``npu_fsdp`` option of ``FSDPChoices``: its default, its check (called with the option's name and value;
+    """One ``npu_fsdp`` option of ``FSDPOptions``: its default, its check (called with the option's name and value;
     None: any value of its type) and its one-line help (the docstring and the README table)."""
     return field(default=default, metadata={"check": check, "help": help})
 
@@ -280,7 +317,7 @@ def value_check(check: Callable[[Any], Any]) -> Callable[[str, Any], Any]:
 
 
 @dataclass(frozen=True)
-class FSDPChoices:
+class FSDPOptions:
     """Every ``npu_fsdp`` option, declared once: the strategies' keyword arguments, in this order (their signature is
     generated from it, ``constructor_signature``), defaults, types, checks, docs (``options_table``) and the
     planner's reading of ``trainer.strategy.init_args``. Adding an option is one field here plus its behaviour."""
@@ -317,10 +354,10 @@ class FSDPChoices:
         " `state_dict_type=\"sharded\"`); saves are atomic either way")
     tensor_parallel_size: int = option(
         1, check_parallel_size, "devices (consecutive ranks, inside one node) that split each layer between them and"
-        " train on the same batch; FSDP shards over the rest")
+        " train on the same batch (by the model's plan: `parallel_plan`); FSDP shards over the rest")
     context_parallel_size: int = option(
-        1, check_parallel_size, "devices that split each sequence between them and train on the same batch; FSDP"
-        " shards over them too (the model's modules that declare `context_parallel = None` get the group)")
+        1, check_parallel_size, "devices that split each sequence between them and train on the same batch (the"
+        " modules the model's plan names get the group); FSDP shards over them too")
     context_parallel_algo: str = option(
         DEFAULT_CONTEXT_PARALLEL_ALGO, value_check(check_context_parallel_algo),
         "`\"ulysses\"` (all-to-all over heads; heads % (tp x cp) == 0; packed rows work) or `\"ring\"` (keys and"
@@ -331,17 +368,17 @@ class FSDPChoices:
         True, check_flag, "under tensor parallelism, passed to the plan (vocabulary-sharded logits); the Trainer runs"
         " the steps and backward inside torch's `loss_parallel()` (Fabric: wrap your loss and `fabric.backward` in"
         " it yourself)")
-    tensor_parallel_plan: TensorParallelPlan = option(
-        None, None, "import path of (or) a function `plan(model, tp_mesh, *, sequence_parallel, loss_parallel)`"
-        " returning `parallelize_module`'s plan (`{\"layers.0.w1\": ColwiseParallel(), ...}`); unset: the model's"
-        " own `tensor_parallel_plan(tp_mesh, *, sequence_parallel, loss_parallel)` method, if any")
+    parallel_plan: ParallelPlanFunction = option(
+        None, None, "import path of (or) a function `plan(module) -> lightning_npu.parallel.ParallelPlan`: how the"
+        " module splits over tensor-, context- and expert-parallel ranks; unset: the module's own `parallel_plan()`"
+        " method, if any (see `lightning_npu.parallel.protocol`)")
     expert_parallel_size: int = option(
-        1, check_parallel_size, "devices (consecutive ranks of those FSDP shards over, dp_shard x cp) that split each"
-        " MoE layer's experts between them and exchange its tokens by all_to_all; must divide dp_shard x cp and"
-        " every layer's expert count")
+        1, check_parallel_size, "devices (consecutive ranks of dp_shard x cp x tp) that split each MoE layer's experts"
+        " between them and exchange its tokens by all_to_all; must divide dp_shard x cp x tp and every layer's expert"
+        " count")
 
     def __post_init__(self) -> None:
-        for spec in fields(FSDPChoices):
+        for spec in fields(FSDPOptions):
             check = spec.metadata["check"]
             if check is not None:
                 check(spec.name, getattr(self, spec.name))
@@ -357,7 +394,7 @@ class FSDPChoices:
         layout = MeshLayout.for_run(num_nodes=num_nodes, devices_per_node=devices_per_node, sharding=self.sharding,
                                     tensor_parallel_size=self.tensor_parallel_size,
                                     context_parallel_size=self.context_parallel_size)
-        check_expert_parallel_size(self.expert_parallel_size, layout, self.sharding, with_context_parallel=True)
+        check_expert_parallel_size(self.expert_parallel_size, layout, self.sharding)
         return layout
 
     @property
@@ -366,17 +403,27 @@ class FSDPChoices:
         return self.zero_stage == 3
 
 
+#: Options that were renamed: the old name -> what to write instead (``check_option_names`` says it).
+RENAMED = {
+    "tensor_parallel_plan": "parallel_plan (a function returning lightning_npu.parallel.ParallelPlan("
+                            "tensor_parallel=<the old plan>), or a parallel_plan() method on the model)",
+}
+
+
 def check_option_names(names: Iterable[str], where: str) -> None:
-    """TypeError naming each of ``names`` that is no ``npu_fsdp`` option, with the closest option (``where``: who was
-    given them, for the message)."""
-    known = [spec.name for spec in fields(FSDPChoices)]
+    """TypeError naming each of ``names`` that is no ``npu_fsdp`` option, with the closest option or what replaced
+    it (``where``: who was given them, for the message)."""
+    known = [spec.name for spec in fields(FSDPOptions)]
     unknown = [name for name in names if name not in known]
     if not unknown:
         return
     problems = []
     for name in unknown:
         close = difflib.get_close_matches(name, known, n=1)
-        problems.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        if name in RENAMED:
+            problems.append(f"{name!r} (renamed: use {RENAMED[name]})")
+        else:
+            problems.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     raise TypeError(
         f"{where}: {', '.join(problems)} {'is not an option' if len(unknown) == 1 else 'are not options'} of"
         f" npu_fsdp; its options are {', '.join(known)}"
@@ -384,26 +431,26 @@ def check_option_names(names: Iterable[str], where: str) -> None:
 
 
 def constructor_signature() -> inspect.Signature:
-    """``__init__(self, <every option of FSDPChoices, in order, with its default and type>)``: what LightningCLI
+    """``__init__(self, <every option of FSDPOptions, in order, with its default and type>)``: what LightningCLI
     (jsonargparse), ``help()`` and IDEs read from a constructor that takes the options as ``**kwargs``."""
-    types = typing.get_type_hints(FSDPChoices)
+    types = typing.get_type_hints(FSDPOptions)
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     return inspect.Signature(
         [inspect.Parameter("self", kind)]
         + [inspect.Parameter(spec.name, kind, default=spec.default, annotation=types[spec.name])
-           for spec in fields(FSDPChoices)],
+           for spec in fields(FSDPOptions)],
         return_annotation=None,
     )
 
 
 def options_docstring() -> str:
     """The constructor's ``Args:`` section (Google style, as jsonargparse reads it), one line per option."""
-    return "Args:\n" + "".join(f"    {spec.name}: {spec.metadata['help']}\n" for spec in fields(FSDPChoices))
+    return "Args:\n" + "".join(f"    {spec.name}: {spec.metadata['help']}\n" for spec in fields(FSDPOptions))
 
 
 def options_table() -> str:
     """The Markdown table of every option, its default and its help (the README's, ``tools/readme_options.py``)."""
-    rows = [f"| `{spec.name}` | `{_shown(spec.default)}` | {spec.metadata['help']} |" for spec in fields(FSDPChoices)]
+    rows = [f"| `{spec.name}` | `{_shown(spec.default)}` | {spec.metadata['help']} |" for spec in fields(FSDPOptions)]
     return "\n".join(["| option | default | meaning |", "|---|---|---|", *rows]) + "\n"
 
 

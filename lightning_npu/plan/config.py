@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 
 from lightning_npu.facts import env
 from lightning_npu.facts.chips import DEFAULT_PLAN_CHIP
-from lightning_npu.facts.options import FSDPChoices, check_option_names
+from lightning_npu.facts.options import FSDPOptions, check_option_names
 from lightning_npu.plan.decoder import DecoderProfile
 from lightning_npu.plan.profile import class_arguments, class_paths, find_profile, load_profile
 from lightning_npu.plan.spec import (
@@ -200,13 +200,13 @@ def _class_names(policy: Any, option: str, profile: DecoderProfile) -> list[str]
 
 
 def _options(init_args: Mapping[str, Any], flags: Mapping[str, Any], path: Optional[str | os.PathLike]
-             ) -> FSDPChoices:
+             ) -> FSDPOptions:
     """npu_fsdp's options from the config's ``init_args`` (its defaults where they are silent) and the flags, checked
     as the strategy checks them: an unknown name with the closest option, a bad value with the fix."""
     where = f"config {str(path)!r}"
     try:
         check_option_names(init_args, f"{where}: trainer.strategy.init_args")
-        return FSDPChoices(**{**init_args, **flags})
+        return FSDPOptions(**{**init_args, **flags})
     except TypeError as error:
         raise PlanError(str(error)) from None
     except ValueError as error:

@@ -163,6 +163,12 @@ class PlanSpec:
                           context_parallel_size=parallel.context)
         if self.profile.expert_parallel_size > 1:
             checked(options.check_expert_parallel_size, self.profile.expert_parallel_size, layout, self.sharding)
+            if layout.tp > 1 or layout.cp > 1:
+                raise PlanError(
+                    f"expert_parallel_size={self.profile.expert_parallel_size} with tensor_parallel_size={layout.tp}"
+                    f" and context_parallel_size={layout.cp}: npu_fsdp trains this layout, but the planner does not"
+                    " model it yet; plan expert parallelism with tensor_parallel_size = context_parallel_size = 1"
+                )
         checked(options.check_context_parallel_shapes, parallel.context, parallel.context_algo,
                  heads=self.model.n_heads, seq_len=self.seq_len, tp=parallel.tensor)
         object.__setattr__(self, "profile", self.profile.with_parallelism(parallel, seq_len=self.seq_len))

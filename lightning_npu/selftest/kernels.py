@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_npu import kernels
-from lightning_npu.kernels import context_parallel, packed_attention
+from lightning_npu.kernels import blockwise_attention, packed_attention
 from lightning_npu.quant import quantize
 from lightning_npu.selftest.report import FAIL, NOT_AVAILABLE, PASS, CheckResult
 
@@ -119,8 +119,8 @@ def _ring_step_case(name: str, b: int, s: int, hq: int, hkv: int, d: int, dv: Op
         return kernels.reference_attention(q, torch.cat((k_before, k), 1), torch.cat((v_before, v), 1))
 
     return KernelCase("attention", f"{name} ring step b{b} q{s} kv{2 * s} h{hq}/{hkv} {_head_dims(d, dv)}", make,
-                      context_parallel.ring_step_attention, reference,
-                      lambda q, k_before, v_before, k, v: context_parallel.why_not_fused_ring(q, k, v))
+                      blockwise_attention.ring_step_attention, reference,
+                      lambda q, k_before, v_before, k, v: blockwise_attention.why_not_fused_ring(q, k, v))
 
 
 def _rms_norm_case(name: str, b: int, s: int, dim: int) -> KernelCase:

@@ -1,5 +1,6 @@
-"""``"npu_fsdp"``: FSDP2 (``fully_shard``) applied by policy, with tensor and context parallelism, activation checkpointing,
-mixed precision, CPU offload, hybrid sharding and torch distributed checkpoints, on one device mesh (``mesh``).
+"""``"npu_fsdp"``: the Trainer and Fabric adapters over one implementation of FSDP2 (``fully_shard``) with tensor,
+context and expert parallelism (``lightning_npu.parallel`` applies them on one mesh), activation checkpointing,
+mixed precision, CPU offload, hybrid sharding and torch distributed checkpoints.
 
 torch_npu supports FSDP2 and DCP on Atlas A2/A3 but documents FSDP1's full-state APIs as unsupported,
 so this builds on Lightning's FSDP2 ``ModelParallelStrategy`` rather than its ``FSDPStrategy``.
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterable, Mapping, Optional, Union
 
@@ -19,20 +19,24 @@ from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveragi
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_npu import compat
 from lightning_npu.facts.options import (
-    FSDPChoices,
+    FSDPOptions,
     MeshLayout,
     check_option_names,
     constructor_signature,
     options_docstring,
 )
-from lightning_npu.precision import mixed_precision_policy, precision_name
+from lightning_npu.parallel.fsdp import STEP_METHODS
+from lightning_npu.parallel.mesh import ParallelMesh
+from lightning_npu.parallel.parallelize import parallelize
+from lightning_npu.parallel.protocol import plan_of, resolve_parallel_plan
+from lightning_npu.parallel.tensor import loss_parallel_if
+from lightning_npu.precision import precision_name
 from lightning_npu.strategies import initial_state
 from lightning_npu.strategies.backward_sync import RestoresBackwardSync, gradients_unsynced
 from lightning_npu.strategies.checkpoints.layout import directory_error, is_sharded_checkpoint
@@ -46,128 +50,13 @@ from lightning_npu.strategies.checkpoints.save import (
 from lightning_npu.strategies.clean_exit import destroy_at_exit
 from lightning_npu.strategies.common import BackendFromRuntime, as_timedelta, with_host_backend
 from lightning_npu.strategies.fsdp1 import fsdp1_wrap_reported, refuse_fsdp1_units
-from lightning_npu.strategies.expert_parallel import apply_expert_parallel, shard_experts
 from lightning_npu.strategies.grad_norm import clip_grad_norm_, use_for_trainer_clipping
-from lightning_npu.strategies.mesh import build_expert_mesh, build_mesh, fsdp_mesh
-from lightning_npu.strategies.parallelize import (
-    STEP_METHODS,
-    apply_activation_checkpointing,
-    apply_context_parallel,
-    apply_fsdp,
-    apply_tensor_parallel,
-    fully_shard_options,
-    import_tensor_parallel_plan,
-    repeated_block_class,
-    resolve_module_classes,
-    resolve_tensor_parallel_plan,
-    tensor_parallel_parameters,
-)
 from lightning_npu.strategies.rebind import ReplacedParameters
 from lightning_npu.strategies.sync_batchnorm import host_sync_batchnorm
 
 # Lightning warns that any strategy overriding model_sharded_context cannot support `trainer.init_module()`;
 # npu_fsdp shards and initialises models built there like any other (tests/test_compatibility.py).
 warnings.filterwarnings("ignore", message=r"`trainer.init_module` cannot fully support .* `NPUFSDPStrategy`")
-
-
-@dataclass(frozen=True)
-class FSDPOptions(FSDPChoices):
-    """The options both FSDP strategies accept (``FSDPChoices`` declares them, the planner shares them), with the
-    check that needs torch: a ``tensor_parallel_plan`` must import."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.tensor_parallel_plan is not None:
-            import_tensor_parallel_plan(self.tensor_parallel_plan)
-
-    def parallelize(self, model: nn.Module, mesh: Any, precision: Optional[str], step_methods: Iterable[str] = (),
-                    expert_mesh: Any = None) -> None:
-        """Split ``model`` over the tensor-parallel ranks (by the plan), give its context-parallel modules the cp
-        group, split its experts over the expert-parallel ranks (``expert_mesh``), checkpoint activations, then
-        shard it: the experts, blocks by policy, then ``model`` as the root unit."""
-        refuse_fsdp1_units(model)
-        if self.tensor_parallel_size > 1:
-            self._apply_tensor_parallel(model, mesh["tp"])
-        if self.context_parallel_size > 1:
-            self._apply_context_parallel(model, mesh["cp"])
-        if self.expert_parallel_size > 1:
-            split = apply_expert_parallel(model, expert_mesh["ep"])
-            rank_zero_info(f"npu_fsdp: expert parallelism over {self.expert_parallel_size} ranks: the experts of"
-                           f" {len(split)} modules split")
-        ac_classes = resolve_module_classes(self.activation_checkpointing_policy, model, "activation_checkpointing_policy")
-        checkpointed = apply_activation_checkpointing(model, ac_classes, float(self.activation_checkpointing_ratio))
-        wrap_classes, chosen_by = self.wrap_classes(model)
-        if self.expert_parallel_size > 1:
-            shard_experts(model, expert_mesh["dp_shard_mod_ep"], expert_mesh.size(),
-                          reshard_after_forward=self.reshard_after_forward,
-                          **fully_shard_options(mesh, mixed_precision_policy(precision), self.cpu_offload))
-        sharded = apply_fsdp(
-            model,
-            fsdp_mesh(mesh, self.sharding),
-            wrap_classes=wrap_classes,
-            reshard_after_forward=self.reshard_after_forward,
-            mp_policy=mixed_precision_policy(precision),
-            cpu_offload=self.cpu_offload,
-            step_methods=step_methods,
-        )
-        rank_zero_info(
-            f"npu_fsdp: {len(sharded)} FSDP units ({chosen_by}; zero_stage={self.zero_stage},"
-            f" sharding={self.sharding!r}), activation checkpointing on {len(checkpointed)} modules"
-        )
-
-    def _apply_tensor_parallel(self, model: nn.Module, tp_mesh: Any) -> None:
-        plan = resolve_tensor_parallel_plan(self.tensor_parallel_plan, model)
-        planned = []
-        if plan is not None:
-            planned = apply_tensor_parallel(model, tp_mesh, plan, sequence_parallel=self.sequence_parallel,
-                                            loss_parallel=self.loss_parallel)
-        split = tensor_parallel_parameters(model)
-        if not split:
-            rank_zero_warn(
-                f"npu_fsdp: tensor_parallel_size={self.tensor_parallel_size}, but no parameter is split over the"
-                " tensor-parallel ranks, so each group of them computes the whole model on the same batch (correct"
-                " results, no memory saved). Give tensor_parallel_plan (an import path), a tensor_parallel_plan(mesh,"
-                " *, sequence_parallel, loss_parallel) method on the model, or shard it with parallelize_module on"
-                " self.device_mesh['tensor_parallel'] in configure_model."
-            )
-        rank_zero_info(f"npu_fsdp: tensor parallelism over {tp_mesh.size()} ranks: {len(split)} parameters split"
-                       f"{' (plan: ' + ', '.join(planned) + ')' if planned else ''}")
-
-    def _apply_context_parallel(self, model: nn.Module, cp_mesh: Any) -> None:
-        from lightning_npu.kernels.context_parallel import ContextParallel
-
-        given = apply_context_parallel(model, ContextParallel(cp_mesh.get_group(), self.context_parallel_algo))
-        if not given:
-            rank_zero_warn(
-                f"npu_fsdp: context_parallel_size={self.context_parallel_size}, but no module of the model declares a"
-                " context_parallel attribute, so nothing splits the sequence: each group of context-parallel ranks"
-                " computes the whole sequence of the same batch (correct results, no memory saved). Declare"
-                " `context_parallel = None` on the modules that shard the batch (context_parallel.shard) and run"
-                " attention (context_parallel.attention); see lightning_npu.kernels.context_parallel."
-            )
-        rank_zero_info(f"npu_fsdp: context parallelism ({self.context_parallel_algo}) over {cp_mesh.size()} ranks:"
-                       f" {len(given)} modules split the sequence")
-
-    def wrap_classes(self, model: nn.Module) -> tuple[tuple[type, ...], str]:
-        """The block classes that become FSDP units, and how they were chosen (for the log).
-
-        Without a policy, the repeated block (the class with several instances holding the most parameters);
-        an explicit empty policy means a single unit."""
-        if self.auto_wrap_policy is not None:
-            classes = resolve_module_classes(self.auto_wrap_policy, model, "auto_wrap_policy")
-            return classes, f"auto_wrap_policy={[cls.__name__ for cls in classes]}"
-        block = repeated_block_class(model)
-        if block is None:
-            return (), "no repeated block found, so one unit; set auto_wrap_policy to choose blocks"
-        return (block,), f"auto_wrap_policy chosen: {block.__name__}, the repeated block; pass auto_wrap_policy=[] for one unit"
-
-    def set_memory_fraction(self, accelerator: Any, device: torch.device) -> None:
-        if self.memory_fraction is None:
-            return
-        runtime = getattr(accelerator, "runtime", None)
-        if runtime is None:
-            raise ValueError("memory_fraction needs accelerator='npu'")
-        runtime.set_memory_fraction(self.memory_fraction, device)
 
 
 #: Set on a model this strategy has sharded.
@@ -219,7 +108,7 @@ def _explained(name: str) -> Any:
     ``loss_parallel()`` under tensor parallelism)."""
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with sharded_parameter_errors_explained(), self._loss_parallel():
+        with sharded_parameter_errors_explained(), loss_parallel_if(self._runs_loss_parallel):
             return getattr(super(NPUFSDPStrategy, self), name)(*args, **kwargs)
 
     method.__name__ = method.__qualname__ = name
@@ -227,17 +116,19 @@ def _explained(name: str) -> Any:
 
 
 class _FSDPStrategyBase(BackendFromRuntime):
-    """What the Trainer and Fabric FSDP strategies share: options, mesh, sampler split, parameter device.
+    """What the Trainer and Fabric FSDP strategies share: options, the mesh (``parallel_mesh``; ``device_mesh`` is
+    its Lightning view), the sampler split, sharding a model.
 
-    The constructor takes the options ``FSDPChoices`` declares (its signature and ``Args`` are generated from it).
+    The constructor takes the options ``FSDPOptions`` declares (its signature and ``Args`` are generated from it).
     """
 
     options: FSDPOptions
-    device_mesh: Any
+    parallel_mesh: Optional[ParallelMesh] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_option_names(kwargs, type(self).__name__)
         self.options = FSDPOptions(*args, **kwargs)
+        self._plan_function = resolve_parallel_plan(self.options.parallel_plan)
         timeout = as_timedelta(self.options.timeout)
         super().__init__(
             save_distributed_checkpoint=self.options.state_dict_type == "sharded",
@@ -249,7 +140,6 @@ class _FSDPStrategyBase(BackendFromRuntime):
         # What rank 0's configure_model built (Trainer), and which parameters sharding replaced (Fabric).
         self._built_in_configure_model: Optional[initial_state.BuiltParameters] = None
         self._replaced = ReplacedParameters()
-        self._expert_mesh: Optional[Any] = None  # the experts' mesh under expert parallelism (mesh.build_expert_mesh)
 
     __init__.__signature__ = constructor_signature()  # type: ignore[attr-defined]  # what LightningCLI reads
     __init__.__doc__ = options_docstring()
@@ -264,40 +154,30 @@ class _FSDPStrategyBase(BackendFromRuntime):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Each data-parallel replica draws its own batches; the ranks of a tensor- or context-parallel group share one.
-        # Under plain sharding every rank is its own replica (ModelParallelStrategy's mesh would say otherwise).
+        # Each data-parallel replica draws its own batches; the ranks of a tensor-, context- or pipeline-parallel
+        # group share one.
         layout = self.layout
-        if not layout.model_parallel:
-            return {"num_replicas": self.world_size, "rank": self.global_rank}
         return {"num_replicas": layout.data_parallel_size, "rank": layout.data_parallel_rank(self.global_rank)}
+
+    @property
+    def _runs_loss_parallel(self) -> bool:
+        """Whether the steps run inside torch's ``loss_parallel()`` (vocabulary-split logits under tensor
+        parallelism with ``loss_parallel=True``)."""
+        return self.options.loss_parallel and self.layout.tp > 1
 
     @override
     def _configure_launcher(self) -> None:
         # Every process (the launching one first) passes here before any worker or process group starts: sizes the
         # devices cannot form fail here, with the numbers and the fix.
         layout = self.options.layout(self.num_nodes, self.num_processes)
-        if layout.model_parallel and self.options.expert_parallel_size > 1:  # mesh.build_expert_mesh unflattens
-            compat.check_mesh_unflatten("expert_parallel_size with context_parallel_size")
+        if self.options.sharding == "hybrid" and layout.cp > 1:  # ParallelMesh.fsdp joins two views
+            compat.check_mesh_join("sharding='hybrid' with context_parallel_size")
         super()._configure_launcher()
 
     def _reduce_group(self, group: Optional[Any]) -> Optional[Any]:
-        """The group a reduction without one runs over: every rank, or under tensor parallelism the ranks outside a
-        tensor-parallel group (``dp x cp``), whose members hold the same values."""
-        if group is None and self.layout.model_parallel:
-            return self.device_mesh["data_parallel"].get_group()
-        return group
-
-    @contextmanager
-    def _loss_parallel(self) -> Generator[None, None, None]:
-        """torch's ``loss_parallel()`` under tensor parallelism with ``loss_parallel=True`` (a cross entropy of
-        vocabulary-sharded logits, and its backward); nothing otherwise."""
-        if self.options.tensor_parallel_size > 1 and self.options.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            with loss_parallel():
-                yield
-        else:
-            yield
+        """The group a reduction without one runs over: the ranks whose values differ (every rank, or outside a
+        tensor-parallel group, whose members hold the same values)."""
+        return group if group is not None else self.parallel_mesh.loss_group
 
     def _get_process_group_backend(self) -> str:
         backend = super()._get_process_group_backend()
@@ -305,14 +185,12 @@ class _FSDPStrategyBase(BackendFromRuntime):
 
     def _setup_sharded_environment(self) -> None:
         self.accelerator.setup_device(self.root_device)
-        self.options.set_memory_fraction(self.accelerator, self.root_device)
+        _set_memory_fraction(self.options.memory_fraction, self.accelerator, self.root_device)
         compat.setup_distributed(self)
-        mesh = build_mesh(self.root_device.type, self.layout, self.options.sharding)
-        compat.set_device_mesh(self, mesh)
-        destroy_at_exit(mesh)
-        if self.options.expert_parallel_size > 1:
-            self._expert_mesh = build_expert_mesh(mesh, self.layout, self.options.expert_parallel_size)
-            destroy_at_exit(self._expert_mesh)
+        self.parallel_mesh = ParallelMesh(self.root_device.type, self.layout, sharding=self.options.sharding,
+                                          expert_parallel_size=self.options.expert_parallel_size)
+        compat.set_device_mesh(self, self.parallel_mesh.lightning)
+        destroy_at_exit(self.parallel_mesh.root)
 
     def _shard(self, model: nn.Module, precision_plugin: Any, step_methods: Iterable[str] = ()) -> None:
         """Shard ``model`` and give it the first values the user's code made (see ``initial_state``), once: a
@@ -325,8 +203,9 @@ class _FSDPStrategyBase(BackendFromRuntime):
             host_sync_batchnorm(model, self.root_device)
             state = initial_state.capture(model, self._built_in_configure_model)
             self._built_in_configure_model = None
-            self.options.parallelize(model, self.device_mesh, precision_name(precision_plugin), step_methods,
-                                     self._expert_mesh)
+            refuse_fsdp1_units(model)
+            parallelize(model, self.parallel_mesh, self.options, precision_name(precision_plugin),
+                        plan_of(model, self._plan_function), step_methods)
             # Initialised on the mesh's device, whose generator DTensor offsets per rank, then offloaded.
             initial_state.apply(model, state, self.root_device)
             if self.options.cpu_offload:
@@ -377,7 +256,7 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         # Rank 0 remembers what it built, for modules the user shards there (see initial_state). FSDP1's wrap()
         # there is reported: it does nothing under FSDP2.
         with fsdp1_wrap_reported("configure_model"):
-            if self.global_rank != 0 and not self.layout.model_parallel:
+            if self.global_rank != 0 and self.parallel_mesh.tp is None:
                 with torch.device("meta"):
                     yield
                 return
@@ -552,6 +431,16 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
         return load_into(path, state, strict=strict, weights_only=weights_only)
 
 
+def _set_memory_fraction(fraction: Optional[float], accelerator: Any, device: torch.device) -> None:
+    """Cap this process's share of the device's memory (the ``memory_fraction`` option)."""
+    if fraction is None:
+        return
+    runtime = getattr(accelerator, "runtime", None)
+    if runtime is None:
+        raise ValueError("memory_fraction needs accelerator='npu'")
+    runtime.set_memory_fraction(fraction, device)
+
+
 def _reshard(model: nn.Module) -> None:
     """Register every FSDP unit's sharded parameters again: the root unit keeps its parameters gathered after an
     evaluation forward (no backward reshards them), and a checkpoint must load into the shards."""
@@ -571,4 +460,4 @@ def _offload_parameters(model: nn.Module) -> None:
         setattr(module, name, getattr(module, name).to(device))  # assigning a registered buffer keeps it one
 
 
-__all__ = ["FSDPOptions", "NPUFSDPStrategy", "NPUFabricFSDPStrategy"]
+__all__ = ["NPUFSDPStrategy", "NPUFabricFSDPStrategy"]

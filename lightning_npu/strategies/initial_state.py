@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_npu.strategies.mesh import TENSOR_PARALLEL_DIMS
+from lightning_npu.parallel.mesh import TENSOR_PARALLEL_DIMS
 
 
 class MaterializationError(TypeError):

@@ -69,8 +69,8 @@ class HFFormat:
 #: of its weight the target is, how many equal row blocks the weight has: 2 for a fused gate/up, else 1).
 LoRASite = tuple[str, int, int]
 
-#: Where an expert LoRA target sits in a block that has experts: (the module path of its
-#: ``lightning_npu.strategies.expert_parallel.StackedExperts`` inside the block, the name of the stacked weight
+#: Where an expert LoRA target sits in a block that has experts: (the module path of its experts module (the experts
+#: contract of ``lightning_npu.parallel.protocol``) inside the block, the name of the stacked weight
 #: [n_experts, rows, in] there, the index of the row block of each expert's weight the target is, how many equal
 #: row blocks it has: 2 for a fused gate/up, else 1).
 ExpertLoRASite = tuple[str, str, int, int]

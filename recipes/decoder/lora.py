@@ -50,7 +50,7 @@ from lightning_npu.kernels import grouped_matmul, quantized_linear
 from lightning_npu.quant import QuantizedLinear, dequantize, quantized_state
 from lightning_npu.quant.linear import CODES, SCALES
 from lightning_npu.quant.weights import check_quantizable
-from lightning_npu.strategies.expert_parallel import StackedExperts
+from lightning_npu.parallel.expert import local_experts
 from recipes import families
 from recipes.decoder.layers import Linear
 from recipes.decoder.lora_config import EXPERT_TARGETS, LoRAConfig
@@ -148,7 +148,7 @@ def row_block_update(like: Tensor, blocks: int, rows: int, block_of: Mapping[str
 class _StackedProjection(nn.Module):
     """A per-expert projection ``weight`` [n_experts, out, in] over rows sorted by expert (``counts[e]`` rows of
     expert e): each row times its expert's matrix, one grouped matmul (``lightning_npu.kernels.grouped_matmul``).
-    Under expert parallelism the weight is this rank's block of experts (``StackedExperts.local``)."""
+    Under expert parallelism the weight is this rank's block of experts (``local_experts``)."""
 
     def __init__(self, n_experts: int, in_features: int, out_features: int, **factory: Any) -> None:
         super().__init__()
@@ -156,7 +156,7 @@ class _StackedProjection(nn.Module):
         self.reset_parameters()
 
     def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
-        return grouped_matmul(rows, StackedExperts.local(self.weight).transpose(1, 2), counts)
+        return grouped_matmul(rows, local_experts(self.weight).transpose(1, 2), counts)
 
 
 class StackedLoRAA(_StackedProjection):
@@ -175,7 +175,7 @@ class StackedLoRAB(_StackedProjection):
 
 class StackedLoRA(nn.Module):
     """Per-expert LoRA adapters on some equal row blocks of a stacked expert weight [n_experts, out, in] (its
-    ``StackedExperts`` module adds this module's output to the weight's, see ``DecoderFamily.expert_lora_sites``).
+    experts module adds this module's output to the weight's, see ``DecoderFamily.expert_lora_sites``).
 
     For the rows of expert e, adapter ``name`` adds ``B_e(A_e(dropout(x))) * alpha / rank`` to its row block: exactly
     a LoRA on each expert's own Linear, run as two grouped matmuls over the rows sorted by expert, like the base

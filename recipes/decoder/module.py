@@ -14,6 +14,7 @@ every start, fresh or resumed, which is why LoRA needs ``init_from``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from contextlib import nullcontext
@@ -28,6 +29,7 @@ from torch.nn import functional as F
 
 from lightning_npu import compat
 from lightning_npu.optim import AdamW8bit
+from lightning_npu.parallel import ParallelPlan
 from recipes import families
 from recipes.decoder.lora import (
     LoRAConfig,
@@ -39,7 +41,6 @@ from recipes.decoder.lora import (
     is_adapter_name,
     quantized_base_state,
 )
-from recipes.decoder.tensor_parallel import decoder_plan
 
 
 #: The recipe's ``model.optimizer`` choices.
@@ -68,7 +69,7 @@ class DecoderLM(LightningModule):
             (``lightning_npu.optim.AdamW8bit``: 8-bit moments, about 2.03 bytes).
     """
 
-    #: Set by npu_fsdp under context parallelism (``lightning_npu.kernels.context_parallel.ContextParallel``).
+    #: Set by npu_fsdp under context parallelism (``lightning_npu.parallel.context.ContextParallel``).
     context_parallel = None
 
     def __init__(
@@ -125,11 +126,12 @@ class DecoderLM(LightningModule):
                 if self.lora is not None:
                     add_lora(self.model, self.lora)  # before the strategy wraps it: FSDP2 copies requires_grad
 
-    def tensor_parallel_plan(self, tp_mesh: Any, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
-        """How the model splits over ``tp_mesh`` when ``npu_fsdp`` runs with ``tensor_parallel_size > 1``
-        (``recipes/decoder/tensor_parallel.py``; ``train.py`` checks the model against the size first)."""
-        return decoder_plan(self.model, prefix="model.", sequence_parallel=sequence_parallel,
-                            loss_parallel=loss_parallel)
+    def parallel_plan(self) -> ParallelPlan:
+        """How the model splits over ranks under ``npu_fsdp`` (``lightning_npu.parallel.protocol``): the model's own
+        plan (``CausalDecoder.parallel_plan``; ``train.py`` checks the model against the sizes first), and this
+        module takes part in context parallelism too (it shards the batch)."""
+        plan = self.model.parallel_plan().under("model")
+        return dataclasses.replace(plan, context_parallel=("", *plan.context_parallel))
 
     @property
     def flops_per_token(self) -> int:

@@ -1,12 +1,14 @@
-"""How a decoder of the recipe splits over tensor-parallel ranks: the plan ``npu_fsdp`` applies with
-``tensor_parallel_size > 1`` (through ``DecoderLM.tensor_parallel_plan``), and the checks of a model against a
-tensor-parallel size, run before any worker starts.
+"""How a decoder of the recipe splits over tensor-parallel ranks: the plan of the recipe's ``ParallelPlan``
+(``DecoderLM.parallel_plan``), and the checks of a model against a tensor-parallel size, run before any worker starts.
 
 The plan is Megatron's layout in torch's ``parallelize_module`` styles:
 
 - attention: q/k/v projections column-parallel (each rank computes ``n_heads / tp`` query heads and
   ``n_kv_heads / tp`` key/value heads), the output projection row-parallel;
 - MLP: gate and up column-parallel, down row-parallel, so SwiGLU runs on each rank's own hidden slice;
+- an MoE layer takes the whole tokens (gathered, as an MLP's input is) and gives them back as the residual stream
+  holds them; its router runs on every rank alike, its shared expert splits like an MLP, and its routed experts
+  are not split here: each tensor-parallel rank runs a share of their rows (``lightning_npu.parallel.expert``);
 - Qwen3's per-head q/k norms replicated, on each rank's heads, their gains' gradients summed over the ranks;
 - token embedding row-parallel (split by vocabulary), the output head column-parallel (split by vocabulary: with
   ``loss_parallel`` the logits stay split and the cross entropy runs on them, never gathering [tokens, vocab]);
@@ -19,12 +21,17 @@ head count from the projections.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
 from lightning_npu.facts.options import indivisible_by_tensor_parallel
-from recipes.decoder.transformer import Attention, DecoderBlock, FeedForward
+from lightning_npu.parallel import ParallelPlan
+
+#: The plan of one block's attention: ``(prefix, attention, sequence_parallel=...) -> {module name: ParallelStyle}``,
+#: its modules named under ``prefix`` (``"layers.3.attention."``), ``wo`` (or what ends it) giving the residual
+#: stream's layout. ``attention_plan`` below is the grouped-query attention's; DeepSeek's MLA has its own.
+AttentionPlan = Callable[..., dict]
 
 
 def tensor_parallel_problems(config: Any, tp: int, *, seq_len: int, sequence_parallel: bool,
@@ -34,8 +41,9 @@ def tensor_parallel_problems(config: Any, tp: int, *, seq_len: int, sequence_par
     if tp == 1:
         return []
     sizes = [("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads), ("vocab_size", config.vocab_size)]
-    if hasattr(config, "ffn_hidden_dim"):
-        sizes.append(("ffn_hidden_dim", config.ffn_hidden_dim))
+    for width in ("ffn_hidden_dim", "dense_hidden_dim", "shared_expert_hidden_dim"):  # the dense MLPs' widths
+        if getattr(config, width, None):
+            sizes.append((width, getattr(config, width)))
     if sequence_parallel:
         sizes.append(("data.seq_len", seq_len))
     problems = indivisible_by_tensor_parallel(tp, sizes)
@@ -44,10 +52,10 @@ def tensor_parallel_problems(config: Any, tp: int, *, seq_len: int, sequence_par
             "tie_embeddings=true: under tensor parallelism the embedding is split by vocabulary rows for the lookup"
             " and the head by vocabulary columns for the logits, so one tied matrix cannot be both"
         )
-    if getattr(config, "n_experts", 0):
+    if getattr(config, "mtp_layers", 0):
         problems.append(
-            f"the {type(config).__name__} has expert (MoE) layers, whose stacked experts have no tensor-parallel"
-            " plan; split attention and experts by data parallelism (npu_fsdp without tensor_parallel_size)"
+            f"mtp_layers={config.mtp_layers}: the multi-token-prediction modules have no tensor-parallel plan; train"
+            " them without tensor_parallel_size (data, context or expert parallelism), or set mtp_layers=0"
         )
     if lora:
         problems.append(
@@ -70,8 +78,23 @@ def check_tensor_parallel(config: Any, tp: int, *, seq_len: int, sequence_parall
         )
 
 
-def decoder_plan(model: nn.Module, *, prefix: str = "", sequence_parallel: bool, loss_parallel: bool) -> dict:
-    """``parallelize_module``'s plan for a ``CausalDecoder`` of the recipe (module names under ``prefix``)."""
+def decoder_parallel_plan(model: nn.Module, attention: AttentionPlan | None = None) -> ParallelPlan:
+    """The ``ParallelPlan`` of a ``CausalDecoder`` of the recipe: :func:`decoder_plan` for tensor parallelism (each
+    block's attention by ``attention``, the grouped-query one's by default), the modules that take part in context
+    parallelism and the experts."""
+
+    def tensor_parallel(tp_mesh: Any, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
+        return decoder_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                            attention=attention or attention_plan)
+
+    return ParallelPlan(tensor_parallel=tensor_parallel, context_parallel=tuple(model.context_parallel_modules()),
+                        experts=tuple(model.expert_modules()))
+
+
+def decoder_plan(model: nn.Module, *, prefix: str = "", sequence_parallel: bool, loss_parallel: bool,
+                 attention: AttentionPlan | None = None) -> dict:
+    """``parallelize_module``'s plan for a ``CausalDecoder`` of the recipe (module names under ``prefix``): blocks of
+    pre-norm attention (``attention``'s plan, the grouped-query one's by default) and a dense (SwiGLU) or MoE MLP."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -80,6 +103,7 @@ def decoder_plan(model: nn.Module, *, prefix: str = "", sequence_parallel: bool,
         SequenceParallel,
     )
 
+    attention = attention or attention_plan
     between_blocks = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
     plan: dict[str, Any] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks),
@@ -92,25 +116,19 @@ def decoder_plan(model: nn.Module, *, prefix: str = "", sequence_parallel: bool,
     if sequence_parallel:
         plan["norm"] = SequenceParallel()
     for index, block in enumerate(model.layers):
-        if not (isinstance(block, DecoderBlock) and isinstance(block.attention, Attention)
-                and isinstance(block.feed_forward, FeedForward)):
-            raise TypeError(f"layers.{index} ({type(block).__name__}) is not a block of attention and a dense MLP;"
-                            " the recipe's tensor-parallel plan splits only those")
         layer = f"layers.{index}."
-        plan.update({
-            layer + "attention.wq": ColwiseParallel(),
-            layer + "attention.wk": ColwiseParallel(),
-            layer + "attention.wv": ColwiseParallel(),
-            layer + "attention.wo": RowwiseParallel(output_layouts=between_blocks),
+        feed_forward = getattr(block, "feed_forward", None)
+        moe = feed_forward is not None and _is_moe(feed_forward)
+        if not (hasattr(block, "attention") and hasattr(block, "attention_norm") and hasattr(block, "ffn_norm")
+                and (moe or _is_dense_mlp(feed_forward))):
+            raise TypeError(f"layers.{index} ({type(block).__name__}) is not a pre-norm block of attention and a dense"
+                            " or MoE MLP; the recipe's tensor-parallel plan splits only those")
+        plan.update(attention(layer + "attention.", block.attention, sequence_parallel=sequence_parallel))
+        plan.update(_moe_plan(layer + "feed_forward.", feed_forward, sequence_parallel) if moe else {
             layer + "feed_forward.w_gate": ColwiseParallel(),
             layer + "feed_forward.w_up": ColwiseParallel(),
             layer + "feed_forward.w_down": RowwiseParallel(output_layouts=between_blocks),
         })
-        if hasattr(block.attention, "q_norm"):
-            # The per-head q/k norms (Qwen3) run on each rank's heads [rows, length, heads / tp, head_dim]: their gain
-            # is replicated and its gradient, each rank's heads' part, summed over the ranks.
-            for norm in ("q_norm", "k_norm"):
-                plan[layer + "attention." + norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sequence_parallel:
             # Attention takes (x, cos, sin, cache, layer, start_pos, cu_seqlens): only x is gathered.
             gather_x = (Shard(1),) + (None,) * 6
@@ -119,10 +137,67 @@ def decoder_plan(model: nn.Module, *, prefix: str = "", sequence_parallel: bool,
                 layer + "ffn_norm": SequenceParallel(),
                 layer + "attention": PrepareModuleInput(input_layouts=gather_x,
                                                         desired_input_layouts=(Replicate(),) + (None,) * 6),
-                layer + "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                           desired_input_layouts=(Replicate(),)),
             })
+            if not moe:
+                plan[layer + "feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                  desired_input_layouts=(Replicate(),))
     return {prefix + name: style for name, style in plan.items()}
 
 
-__all__ = ["check_tensor_parallel", "decoder_plan", "tensor_parallel_problems"]
+def attention_plan(prefix: str, attention: nn.Module, *, sequence_parallel: bool) -> dict:
+    """Grouped-query attention's entries: q/k/v column-parallel (whole heads per rank), o row-parallel; Qwen3's
+    per-head q/k norms replicated, their gains' gradients summed over the ranks."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if not all(hasattr(attention, name) for name in ("wq", "wk", "wv", "wo")):
+        raise TypeError(f"{prefix.rstrip('.')} ({type(attention).__name__}) is not a grouped-query attention of"
+                        " wq, wk, wv and wo")
+    plan: dict[str, Any] = {
+        prefix + "wq": ColwiseParallel(),
+        prefix + "wk": ColwiseParallel(),
+        prefix + "wv": ColwiseParallel(),
+        prefix + "wo": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
+    }
+    if hasattr(attention, "q_norm"):
+        # The per-head q/k norms (Qwen3) run on each rank's heads [rows, length, heads / tp, head_dim]: their gain
+        # is replicated and its gradient, each rank's heads' part, summed over the ranks.
+        for norm in ("q_norm", "k_norm"):
+            plan[prefix + norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def _is_dense_mlp(feed_forward: Any) -> bool:
+    return all(hasattr(feed_forward, name) for name in ("w_gate", "w_up", "w_down"))
+
+
+def _is_moe(feed_forward: nn.Module) -> bool:
+    """Whether a block's MLP is an MoE layer (a router and its experts)."""
+    return hasattr(feed_forward, "router") and hasattr(feed_forward, "experts")
+
+
+def _moe_plan(prefix: str, moe: nn.Module, sequence_parallel: bool) -> dict:
+    """An MoE layer's entries: the layer gets the whole tokens as plain tensors and gives back what the residual
+    stream holds (this rank's part of the sequence under ``sequence_parallel``, else the whole), plain tensors as
+    the attention's output is; the shared expert, if any, splits
+    like a dense MLP (its output summed over the ranks); the router and the routed experts are left to run on every
+    rank (the experts' rows are shared out by ``lightning_npu.parallel.expert``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    if sequence_parallel:
+        plan[prefix.rstrip(".")] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),))
+    if hasattr(moe, "shared_expert"):
+        plan.update({
+            prefix + "shared_expert.w_gate": ColwiseParallel(),
+            prefix + "shared_expert.w_up": ColwiseParallel(),
+            prefix + "shared_expert.w_down": RowwiseParallel(),
+        })
+    return plan
+
+
+__all__ = ["AttentionPlan", "attention_plan", "check_tensor_parallel", "decoder_parallel_plan", "decoder_plan",
+           "tensor_parallel_problems"]

@@ -16,7 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_npu.kernels import apply_rotary, causal_attention, packed_causal_attention, rms_norm, swiglu
+from lightning_npu.parallel import ParallelPlan
 from recipes.decoder.layers import Embedding, Linear
+from recipes.decoder.tensor_parallel import decoder_parallel_plan
 
 #: Where the LoRA targets of attention sit in a ``DecoderBlock`` (``DecoderFamily.lora_sites`` entries).
 ATTENTION_LORA_SITES = {
@@ -104,7 +106,7 @@ class Attention(nn.Module):
     rank's part of each sequence and attention runs over the whole sequence (``context_parallel.attention``).
     """
 
-    #: Set by npu_fsdp under context parallelism (``lightning_npu.kernels.context_parallel.ContextParallel``).
+    #: Set by npu_fsdp under context parallelism (``lightning_npu.parallel.context.ContextParallel``).
     context_parallel = None
 
     def __init__(
@@ -267,7 +269,7 @@ class CausalDecoder(nn.Module):
     the whole batch's, and the logits are this rank's tokens'.
     """
 
-    #: Set by npu_fsdp under context parallelism (``lightning_npu.kernels.context_parallel.ContextParallel``).
+    #: Set by npu_fsdp under context parallelism (``lightning_npu.parallel.context.ContextParallel``).
     context_parallel = None
 
     def __init__(self, config: Any, blocks: Iterable[nn.Module]) -> None:
@@ -300,6 +302,22 @@ class CausalDecoder(nn.Module):
         for module in self.modules():
             if module is not self and callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
+
+    def parallel_plan(self) -> ParallelPlan:
+        """How the model splits over ranks under ``npu_fsdp`` (``lightning_npu.parallel.protocol``): its
+        tensor-parallel plan (``recipes/decoder/tensor_parallel.py``), the modules that take part in context
+        parallelism and its experts."""
+        return decoder_parallel_plan(self)
+
+    def context_parallel_modules(self) -> list[str]:
+        """The names of the modules that take part in context parallelism (``""``: this one, which shards the
+        positions; the attention modules), those whose class declares a ``context_parallel`` attribute: what the
+        recipe's ``ParallelPlan`` names."""
+        return [name for name, module in self.named_modules() if hasattr(type(module), "context_parallel")]
+
+    def expert_modules(self) -> list[str]:
+        """The names of the modules holding experts (none here; ``RoutedDecoder`` has them)."""
+        return []
 
     def new_cache(
         self,

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers import free_port
+
 WORLD = 4
 
 
@@ -48,7 +50,7 @@ def full_attention(q, k, v, cu_seqlens):
 
 
 def run_case(case) -> dict:
-    from lightning_npu.kernels.context_parallel import ContextParallel
+    from lightning_npu.parallel.context import ContextParallel
 
     name, group, algo, b, s, h, hkv, d, dv, cu_seqlens = case
     generator = torch.Generator().manual_seed(hash(name) % 1000)
@@ -75,8 +77,8 @@ def model_case(group, algo: str, cu_seqlens, family: str = "llama") -> dict:
     """The tiny model of ``family`` (2 layers; DeepSeek's MLA: q/k heads 48 wide, v 32, the first layer dense, then
     DeepSeekMoE) on token ids [2, 32], whole on every rank and under context parallelism (the strategy's
     ``apply_context_parallel``, the ids sharded by sequence): logits and summed parameter gradients."""
-    from lightning_npu.kernels.context_parallel import ContextParallel
-    from lightning_npu.strategies.parallelize import apply_context_parallel
+    from lightning_npu.parallel.context import ContextParallel
+    from lightning_npu.parallel.context import apply_context_parallel
     from recipes import families
 
     config_class, model_class = (getattr(families.get(family), name) for name in ("config_class", "model_class"))
@@ -91,7 +93,7 @@ def model_case(group, algo: str, cu_seqlens, family: str = "llama") -> dict:
     model.zero_grad()
 
     cp = ContextParallel(group, algo)
-    apply_context_parallel(model, cp)
+    apply_context_parallel(model, model.context_parallel_modules(), cp)
     logits = model(cp.shard(tokens), cu_seqlens=cu_seqlens)
     (logits * cp.shard(weight)).sum().backward()
     errors = {"logits": (logits - cp.shard(expected.detach())).abs().max()}
@@ -107,7 +109,7 @@ def model_case(group, algo: str, cu_seqlens, family: str = "llama") -> dict:
 def token_mean_case(group) -> dict:
     """A loss over labelled tokens that fall unevenly on the ranks (SFT labels): the group's average of
     ``token_mean`` against the mean over the whole sequences."""
-    from lightning_npu.kernels.context_parallel import ContextParallel
+    from lightning_npu.parallel.context import ContextParallel
 
     losses = torch.rand(2, 32, generator=torch.Generator().manual_seed(3))
     labelled = torch.zeros(2, 32, dtype=torch.bool)
@@ -120,7 +122,7 @@ def token_mean_case(group) -> dict:
 
 
 def refusals(groups) -> dict:
-    from lightning_npu.kernels.context_parallel import ContextParallel
+    from lightning_npu.parallel.context import ContextParallel
 
     whole, _ = groups
     found = {}
@@ -175,11 +177,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--fake", default=None, help="torch_npu release whose strict fake runs the NPU branch")
     args = parser.parse_args()
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ["CP_TEST_PORT"] = str(sock.getsockname()[1])
+    os.environ["CP_TEST_PORT"] = str(free_port())
     mp.start_processes(worker, args=(args.out, args.fake), nprocs=WORLD, start_method="fork")
 
 

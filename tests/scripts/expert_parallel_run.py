@@ -64,17 +64,34 @@ class Losses(Callback):
         self.losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
 
 
-def module(family: str = "moe", **config) -> DecoderLM:
+def module(family: str = "moe", init_from: str | None = None, **config) -> DecoderLM:
     return DecoderLM(family=family, preset="tiny", config={**FAMILIES[family][0], **config}, learning_rate=3e-3,
-                     warmup_steps=2)
+                     warmup_steps=2, init_from=init_from)
+
+
+def save_first_weights(path: Path, family: str = "moe", **config) -> str:
+    """A recipe checkpoint of freshly built weights, written once (before the Trainer starts the other ranks, which
+    find it): runs of different layouts start from it (``init_from``), since FSDP shards drawn shard by shard differ
+    between layouts whatever the seed."""
+    from recipes.decoder.checkpoint_layout import save_recipe_checkpoint
+
+    if not path.exists():
+        seed_everything(1234)
+        lm = module(family, **config)
+        lm.configure_model()
+        save_recipe_checkpoint(path, lm.config, lm.model.state_dict())
+    return str(path)
 
 
 def fit(out: Path, name: str, ep: int, *, state_dict_type: str = "sharded", resume: str | None = None,
-        config: dict | None = None, family: str = "moe", epochs: int = STEPS // SAVE_AT, **mesh: int | str) -> dict:
-    """``epochs`` epochs of ``SAVE_AT`` steps (a resumed run: the second); a checkpoint after epoch 0 (sharded) or at
-    the end (full). ``config``: model config fields replaced; ``family``: the model's (``FAMILIES``); ``mesh``:
-    tensor_parallel_size / context_parallel_size / context_parallel_algo (the ranks of a TP or CP group share their
-    batch, so each data-parallel rank takes a larger one: the global batch stays the same rows)."""
+        config: dict | None = None, family: str = "moe", epochs: int = STEPS // SAVE_AT, devices: int = 4,
+        init_from: str | None = None, **mesh: int | str) -> dict:
+    """``epochs`` epochs of ``SAVE_AT`` steps (a resumed run: the second) on ``devices``; a checkpoint after epoch 0
+    (sharded) or at the end (full). ``config``: model config fields replaced; ``family``: the model's
+    (``FAMILIES``); ``init_from``: first weights (``save_first_weights``); ``mesh``: tensor_parallel_size /
+    context_parallel_size / context_parallel_algo. The global batch
+    is the same rows on any layout: each data-parallel replica takes its share (the ranks of a TP or CP group share
+    theirs)."""
     seed_everything(1234)
     # tiny_moe.yaml's policies: half the blocks recompute their activations (their all_to_alls too) in backward.
     block = FAMILIES[family][1]
@@ -87,13 +104,13 @@ def fit(out: Path, name: str, ep: int, *, state_dict_type: str = "sharded", resu
     if state_dict_type == "sharded" and resume is None:
         callbacks.append(SaveAfterFirstEpoch(str(out / f"{name}_epoch0")))
     trainer = Trainer(
-        accelerator="npu", devices=4, strategy=strategy, precision="32-true", max_epochs=epochs,
+        accelerator="npu", devices=devices, strategy=strategy, precision="32-true", max_epochs=epochs,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True, gradient_clip_val=1.0, callbacks=callbacks, limit_val_batches=0,
     )
-    lm = module(family, **(config or {}))
-    shared = mesh.get("tensor_parallel_size", 1) * mesh.get("context_parallel_size", 1)
-    loader = DataLoader(Tokens(), batch_size=BATCH * shared)
+    lm = module(family, init_from, **(config or {}))
+    replicas = devices // (mesh.get("tensor_parallel_size", 1) * mesh.get("context_parallel_size", 1))
+    loader = DataLoader(Tokens(), batch_size=4 * BATCH // replicas)
     trainer.fit(lm, train_dataloaders=loader, ckpt_path=resume)
     if state_dict_type == "full":
         trainer.save_checkpoint(out / f"{name}.ckpt")

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 import lightning_npu
 from lightning_npu.kernels import permute_tokens, unpermute_tokens
+from lightning_npu.parallel import ParallelPlan
 from recipes.models.moe.model import Experts
 
 DIM, HIDDEN, VOCAB, TOKENS = 16, 8, 32, 12
@@ -38,6 +39,9 @@ class Skewed(nn.Module):
         self.experts = Experts(n_experts, DIM, HIDDEN)
         self.head = nn.Linear(DIM, VOCAB)
         self.n_experts, self.chosen = n_experts, chosen
+
+    def parallel_plan(self) -> ParallelPlan:
+        return ParallelPlan(experts=("experts",))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)

@@ -11,8 +11,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from lightning_npu.strategies.fsdp import FSDPOptions
-from lightning_npu.strategies.mesh import build_mesh
+from lightning_npu.facts.options import FSDPOptions
+from lightning_npu.parallel import ParallelPlan
+from lightning_npu.parallel.mesh import ParallelMesh
+from lightning_npu.parallel.parallelize import parallelize
 from tests.scripts.trainer_run import Block, Net
 
 
@@ -34,6 +36,10 @@ def column_plan(model: nn.Module, tp_mesh, *, sequence_parallel: bool, loss_para
     return {f"blocks.{i}.linear": ColwiseParallel() for i in range(len(model.blocks))}
 
 
+def mesh_of(options: FSDPOptions, num_nodes: int) -> ParallelMesh:
+    return ParallelMesh("cpu", options.layout(num_nodes, 8 // num_nodes), sharding=options.sharding)
+
+
 def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
     results = {}
@@ -42,26 +48,26 @@ def main() -> None:
         ("hybrid_zero2", FSDPOptions(auto_wrap_policy=["Block"], zero_stage=2, sharding="hybrid"), 2),
         ("offload", FSDPOptions(auto_wrap_policy=[Block], cpu_offload=True), 1),
     ]:
-        mesh = build_mesh("cpu", options.layout(num_nodes, 8 // num_nodes), options.sharding)
+        mesh = mesh_of(options, num_nodes)
         net = Net(width=32)
-        options.parallelize(net, mesh, "32-true")
-        results[name] = {"mesh": list(mesh.shape), **layout(net)}
+        parallelize(net, mesh, options, "32-true", ParallelPlan())
+        results[name] = {"mesh": list(mesh.root.shape), **layout(net)}
 
-    # Hybrid sharding with tensor parallelism: mesh (2 nodes, 2, 1, 2); each block's Linear split columnwise over tp,
-    # then sharded over dp_shard_cp and replicated over the nodes.
-    options = FSDPOptions(auto_wrap_policy=[Block], sharding="hybrid", tensor_parallel_size=2,
-                          tensor_parallel_plan=column_plan)
-    mesh = build_mesh("cpu", options.layout(2, 4), options.sharding)
+    # Hybrid sharding with tensor parallelism: mesh (2 nodes, 2, 2), no cp dimension (size 1); each block's Linear
+    # split columnwise over tp, then sharded over dp_shard and replicated over the nodes.
+    options = FSDPOptions(auto_wrap_policy=[Block], sharding="hybrid", tensor_parallel_size=2)
+    mesh = mesh_of(options, 2)
     net = Net(width=32)
-    options.parallelize(net, mesh, "32-true")
-    results["hybrid_tp"] = {"mesh": list(mesh.shape), "dims": list(mesh.mesh_dim_names), **layout(net),
+    plan = ParallelPlan(tensor_parallel=lambda tp_mesh, **flags: column_plan(net, tp_mesh, **flags))
+    parallelize(net, mesh, options, "32-true", plan)
+    results["hybrid_tp"] = {"mesh": list(mesh.root.shape), "dims": list(mesh.root.mesh_dim_names), **layout(net),
                             "sampler_rank": options.layout(2, 4).data_parallel_rank(5)}
 
     # Blocks the user already sharded keep their own settings; the rest follow the policy.
-    mesh = build_mesh("cpu", FSDPOptions().layout(1, 8), "full")
+    mesh = mesh_of(FSDPOptions(), 1)
     net = Net(width=32)
-    fully_shard(net.blocks[1], mesh=mesh, reshard_after_forward=False)
-    FSDPOptions(auto_wrap_policy=[Block], zero_stage=3).parallelize(net, mesh, "32-true")
+    fully_shard(net.blocks[1], mesh=mesh.fsdp, reshard_after_forward=False)
+    parallelize(net, mesh, FSDPOptions(auto_wrap_policy=[Block], zero_stage=3), "32-true", ParallelPlan())
     results["user_sharded"] = {
         "block1_reshard": net.blocks[1]._get_fsdp_state()._fsdp_param_group._reshard_after_forward,
         "block0_reshard": net.blocks[0]._get_fsdp_state()._fsdp_param_group._reshard_after_forward,
@@ -69,7 +75,7 @@ def main() -> None:
 
     # bf16-mixed: parameters are gathered in bf16, gradients reduced in fp32.
     net = Net(width=32)
-    FSDPOptions(auto_wrap_policy=[Block]).parallelize(net, mesh, "bf16-mixed")
+    parallelize(net, mesh, FSDPOptions(auto_wrap_policy=[Block]), "bf16-mixed", ParallelPlan())
     policy = net.blocks[0]._get_fsdp_state()._mp_policy
     results["mixed_precision"] = {"param_dtype": str(policy.param_dtype), "reduce_dtype": str(policy.reduce_dtype),
                                   "master_dtype": str(net.blocks[0].linear.weight.dtype)}
@@ -77,14 +83,14 @@ def main() -> None:
     # No policy: the repeated block is found; an empty policy means one unit.
     for name, policy in [("auto", None), ("one_unit", [])]:
         net = Net(width=32)
-        FSDPOptions(auto_wrap_policy=policy).parallelize(net, mesh, "32-true")
+        parallelize(net, mesh, FSDPOptions(auto_wrap_policy=policy), "32-true", ParallelPlan())
         results[name] = [name for name, m in net.named_modules() if isinstance(m, FSDPModule)]
 
     # A block whose weight is tied to a module outside it stays in the root unit, so the tie holds.
     net = Net(width=32)
     net.head = nn.Linear(32, 32)
     net.head.weight = net.blocks[2].linear.weight
-    FSDPOptions(auto_wrap_policy=[Block]).parallelize(net, mesh, "32-true")
+    parallelize(net, mesh, FSDPOptions(auto_wrap_policy=[Block]), "32-true", ParallelPlan())
     results["tied"] = {"sharded": [name for name, m in net.named_modules() if isinstance(m, FSDPModule)],
                        "same_parameter": net.head.weight is net.blocks[2].linear.weight}
     print(json.dumps(results))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_npu.kernels import rotary_tables
-from lightning_npu.kernels.context_parallel import ContextParallel
+from lightning_npu.parallel.context import ContextParallel
 from lightning_npu.plan import Parallelism
 from recipes.decoder.tensor_parallel import decoder_plan
 from recipes.models.llama.config import LLaMAConfig

@@ -19,6 +19,7 @@ from lightning_npu.strategies.clean_exit import destroy_at_exit, destroy_process
 from recipes.decoder.tensor_parallel import decoder_plan
 from recipes.models.qwen.config import QwenConfig
 from recipes.models.qwen.model import Qwen
+from tests.helpers import free_port
 
 SHAPE = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12, ffn_hidden_dim=48,
              max_seq_len=32, tie_embeddings=False)
@@ -68,9 +69,4 @@ def worker(rank: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        free_port = sock.getsockname()[1]
-    mp.spawn(worker, args=(free_port,), nprocs=2)
+    mp.spawn(worker, args=(free_port(),), nprocs=2)

@@ -4,20 +4,25 @@
 - ``tp_user``: a LightningModule written for Lightning's ModelParallelStrategy (its ``configure_model`` calls
   ``parallelize_module`` on ``device_mesh["tensor_parallel"]`` and ``fully_shard`` on ``device_mesh["data_parallel"]``)
   with tensor_parallel_size=2 (a 2 x 2 mesh), a sharded checkpoint after epoch 0;
-- ``tp_plan``: the same model with the plan given to the strategy (``tensor_parallel_plan=``), a full checkpoint;
+- ``tp_plan``: the same model with its plan given to the strategy (``parallel_plan=``, an import path), a full
+  checkpoint;
 - ``tp_resume``: ``tp_user`` resumed from its epoch-0 checkpoint;
+- ``tp1_user``: the ModelParallelStrategy module under plain npu_fsdp (tensor_parallel_size=1: its
+  ``device_mesh["tensor_parallel"]`` has one rank);
 - ``fabric_dp`` / ``fabric_tp``: the same training in a Fabric loop, plain and with tensor_parallel_size=2 and the
   plan (a function) given to the strategy.
 
 Every rank draws its own first weights in ``configure_model``; rank 0's must reach all. Rank 0 writes
-``<out>/result.json``: each run's per-step losses (averaged over data-parallel ranks), and per rank
-the sum of its first batch (ranks of a tensor-parallel group must share it) and its weights' placements.
+``<out>/result.json``: each run's per-step losses (averaged over data-parallel ranks), the warnings torch's device
+mesh raised during it, and per rank the sum of its first batch (ranks of a tensor-parallel group must share it) and
+its weights' placements.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -28,6 +33,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_npu
+from lightning_npu.parallel import ParallelPlan
 from tests.scripts.trainer_run import SaveAfterFirstEpoch
 
 WIDTH, HIDDEN, DEPTH = 16, 32, 2
@@ -58,16 +64,20 @@ class Net(nn.Module):
         return x
 
 
-def feed_forward_plan(model: nn.Module, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool) -> dict:
-    """Every FeedForward of ``model``: gate and up columnwise, down rowwise (its output replicated)."""
+def feed_forward_plan(module: nn.Module) -> ParallelPlan:
+    """The strategy's ``parallel_plan``: every FeedForward of ``module`` gate and up columnwise, down rowwise (its
+    output replicated); names relative to ``module`` (the LightningModule, or the Net given to Fabric)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    plan = {}
-    for name, module in model.named_modules():
-        if isinstance(module, FeedForward):
-            plan.update({f"{name}.w1": ColwiseParallel(), f"{name}.w3": ColwiseParallel(),
-                         f"{name}.w2": RowwiseParallel()})
-    return plan
+    def tensor_parallel(tp_mesh, *, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        plan = {}
+        for name, layer in module.named_modules():
+            if isinstance(layer, FeedForward):
+                plan.update({f"{name}.w1": ColwiseParallel(), f"{name}.w3": ColwiseParallel(),
+                             f"{name}.w2": RowwiseParallel()})
+        return plan
+
+    return ParallelPlan(tensor_parallel=tensor_parallel)
 
 
 class FeedForwardModule(LightningModule):
@@ -122,7 +132,7 @@ def fit(out: Path, name: str, *, tp: int, shard_itself: bool, state_dict_type: s
         save_after_epoch0: bool = False, resume: str | None = None, save_at_end: bool = False) -> dict:
     seed_everything(7)
     strategy = lightning_npu.NPUFSDPStrategy(
-        auto_wrap_policy=[FeedForward], tensor_parallel_size=tp, tensor_parallel_plan=plan,
+        auto_wrap_policy=[FeedForward], tensor_parallel_size=tp, parallel_plan=plan,
         state_dict_type=state_dict_type, timeout=180,
     )
     callbacks = [SaveAfterFirstEpoch(str(out / f"{name}_epoch0"))] if save_after_epoch0 else []
@@ -132,7 +142,10 @@ def fit(out: Path, name: str, *, tp: int, shard_itself: bool, state_dict_type: s
         callbacks=callbacks,
     )
     module = FeedForwardModule(shard_itself)
-    trainer.fit(module, train_dataloaders=data(DP_BATCH * tp), ckpt_path=resume)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, train_dataloaders=data(DP_BATCH * tp), ckpt_path=resume)
+    mesh_warnings = sorted({str(w.message) for w in caught if "device_mesh" in w.filename})
     if save_at_end:
         trainer.save_checkpoint(out / f"{name}.ckpt")
     mesh = trainer.strategy.device_mesh
@@ -143,7 +156,8 @@ def fit(out: Path, name: str, *, tp: int, shard_itself: bool, state_dict_type: s
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {"first_batch_sum": module.first_batch_sum, "w2_placements": placements,
                                    "optimizer_state_entries": None if full_state is None else sorted(full_state)})
-    return {"losses": module.losses, "mesh_dims": list(mesh.mesh_dim_names), "ranks": ranks}
+    return {"losses": module.losses, "mesh_dims": list(mesh.mesh_dim_names), "ranks": ranks,
+            "mesh_warnings": mesh_warnings}
 
 
 def fabric_fit(tp: int) -> dict:
@@ -152,7 +166,7 @@ def fabric_fit(tp: int) -> dict:
 
     seed_everything(7)
     strategy = lightning_npu.NPUFabricFSDPStrategy(
-        auto_wrap_policy=[FeedForward], tensor_parallel_size=tp, tensor_parallel_plan=feed_forward_plan, timeout=180,
+        auto_wrap_policy=[FeedForward], tensor_parallel_size=tp, parallel_plan=feed_forward_plan, timeout=180,
     )
     fabric = Fabric(accelerator="npu", devices=4, strategy=strategy, precision="32-true")
     fabric.launch()
@@ -183,6 +197,7 @@ def main() -> None:
                        plan="tests.scripts.tensor_parallel_run.feed_forward_plan"),
     }
     results["tp_resume"] = fit(out, "tp_resume", tp=2, shard_itself=True, resume=str(out / "tp_user_epoch0"))
+    results["tp1_user"] = fit(out, "tp1_user", tp=1, shard_itself=True)
     results["fabric_dp"] = fabric_fit(tp=1)
     results["fabric_tp"] = fabric_fit(tp=2)
     if dist.get_rank() == 0:

@@ -5,8 +5,10 @@ The experts of a layer are stacked, one parameter per projection (``w_gate_up`` 
 [E, dim, F], Hugging Face 5's layout), so FSDP2 shards two large tensors per layer rather than 3 x E small ones,
 and they run as two grouped matmuls over the tokens sorted by expert (``permute_tokens`` ->
 ``grouped_matmul`` -> ``unpermute_tokens``, fused on NPUs). The router is fp32 plain torch (``router.py``).
-``Experts`` is a ``StackedExperts``: under ``expert_parallel_size`` npu_fsdp splits each layer's experts over
-ranks and moves the rows between them (``lightning_npu.strategies.expert_parallel``); this code stays as it is.
+``Experts`` follows the experts contract of ``lightning_npu.parallel.protocol`` (``RoutedDecoder.expert_modules``
+names them for the recipe's ``ParallelPlan``): under ``expert_parallel_size`` npu_fsdp splits each layer's experts
+over ranks and moves the rows between them, under ``tensor_parallel_size`` each tensor-parallel rank runs a share of
+the rows (``lightning_npu.parallel.expert``); this code stays as it is.
 
 Parameter names (``hf.py`` maps them to Hugging Face's)::
 
@@ -40,16 +42,16 @@ from torch import Tensor, nn
 
 from lightning_npu import compat
 from lightning_npu.kernels import grouped_matmul, permute_tokens, rotary_tables, swiglu, unpermute_tokens
-from lightning_npu.strategies.expert_parallel import StackedExperts
+from lightning_npu.parallel.expert import local_experts
 from recipes.decoder.layers import INIT_STD, Linear
 from recipes.decoder.transformer import Attention, CausalDecoder, DecoderBlock, FeedForward
 from recipes.models.moe.config import MoEConfig
 from recipes.models.moe.router import Router, Routing, expert_load, load_balancing_loss
 
 
-class Experts(StackedExperts):
+class Experts(nn.Module):
     """``n_experts`` SwiGLU MLPs in two stacked parameters, run over rows sorted by expert. Under expert
-    parallelism npu_fsdp gives each rank a block of the experts and only their rows (``StackedExperts``).
+    parallelism npu_fsdp gives each rank a block of the experts and only their rows (``local_experts``).
 
     ``adapters`` maps a stacked weight's name to a module whose ``(rows, counts)`` output is added to that
     weight's (per-expert LoRA: ``recipes.decoder.lora.StackedLoRA``); empty unless LoRA targets the experts."""
@@ -73,7 +75,7 @@ class Experts(StackedExperts):
     def project(self, name: str, rows: Tensor, counts: Tensor) -> Tensor:
         """Each row times its expert's matrix of the stacked weight ``name``, plus its adapters' update if any."""
         # [E, out, in] -> [E, in, out] views: grouped_matmul takes [E, K, N] (the fused op reads the view as is).
-        out = grouped_matmul(rows, self.local(getattr(self, name)).transpose(1, 2), counts)
+        out = grouped_matmul(rows, local_experts(getattr(self, name)).transpose(1, 2), counts)
         if name in self.adapters:
             out = out + self.adapters[name](rows, counts)
         return out
@@ -156,6 +158,11 @@ class RoutedDecoder(CausalDecoder):
 
     def _moe_layers(self) -> list[MoEFeedForward]:
         return [self.layers[i].feed_forward for i in self.config.moe_layers]
+
+    def expert_modules(self) -> list[str]:
+        """The names of every experts module (its MoE layers', multi-token prediction's too): what the recipe's
+        ``ParallelPlan`` gives expert parallelism."""
+        return [name for name, module in self.named_modules() if isinstance(module, Experts)]
 
     def forward(self, tokens: Tensor, *, output_router_logits: bool = False, **kwargs) -> Tensor | tuple:
         """``CausalDecoder.forward``'s logits; with ``output_router_logits``, ``(logits, router_logits)``: the

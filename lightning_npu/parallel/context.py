@@ -1,25 +1,24 @@
-"""Causal attention over a sequence split across the ranks of a context-parallel group: Ulysses and ring.
+"""Context parallelism: causal attention over a sequence split across the ranks of a context-parallel group, by
+Ulysses or ring; and how it reaches a model (``apply_context_parallel``: the modules its ``ParallelPlan`` names).
 
 Each rank of the group holds ``1 / cp`` of every sequence (all its layers' activations are that size); attention is
-the one place a token needs the others. :class:`ContextParallel` is what a model is given for it (npu_fsdp's
-``context_parallel_size``): which part of a sequence this rank holds (:meth:`ContextParallel.shard`, the same rule
-for token ids, labels and positions), and attention over the whole sequence from those parts
-(:meth:`ContextParallel.attention`, BSND in and out, like :func:`~lightning_npu.kernels.causal_attention`).
+the one place a token needs the others. :class:`ContextParallel` is what a module is given for it: which part of a
+sequence this rank holds (:meth:`ContextParallel.shard`, the same rule for token ids, labels and positions), and
+attention over the whole sequence from those parts (:meth:`ContextParallel.attention`, BSND in and out, like
+:func:`~lightning_npu.kernels.causal_attention`).
 
 - ``"ulysses"`` (DeepSpeed-Ulysses): rank ``i`` holds the ``i``-th contiguous chunk. An all-to-all turns
-  [batch, seq / cp, heads, head_dim] into [batch, seq, heads / cp, head_dim]: each rank then runs the existing causal
-  kernel (``causal_attention``, or ``packed_causal_attention`` for packed rows, so npu_fusion_attention BSND / TND
-  with sparse_mode 3 on NPUs) on whole sequences for its share of the heads, and a second all-to-all brings the
-  output back. Four all-to-alls per layer forward (q, k, v, out); the heads must divide by cp, and key/value heads
-  are repeated where cp does not divide them.
+  [batch, seq / cp, heads, head_dim] into [batch, seq, heads / cp, head_dim]: each rank then runs the causal kernel
+  (``causal_attention``, or ``packed_causal_attention`` for packed rows, so npu_fusion_attention BSND / TND with
+  sparse_mode 3 on NPUs) on whole sequences for its share of the heads, and a second all-to-all brings the output
+  back. Four all-to-alls per layer forward (q, k, v, out); the heads must divide by cp, and key/value heads are
+  repeated where cp does not divide them.
 - ``"ring"``: the sequence is cut into ``2 cp`` chunks and rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i``
   (head-tail: under the causal mask every rank then does the same work). Keys and values travel around the ring
   (``cp - 1`` exchanges, overlapped with the blocks' compute); each block's output is merged into the running one
-  through its softmax statistics (row max and row sum of exp, fp32). Backward recomputes each block's softmax from
-  the merged statistics (flash-attention style) and sends the key/value gradients around the ring after them. On NPU
-  tensors a block is ``npu_fusion_attention`` (its ``softmax_max`` / ``softmax_sum`` outputs) and its backward
-  ``npu_fusion_attention_grad`` with the merged statistics; elsewhere an exact fp32 block in PyTorch. Any head count
-  works; packed rows are refused (a sample would cross the chunk boundaries).
+  through its softmax statistics, and backward sends the key/value gradients around the ring after them. The blocks
+  are ``lightning_npu.kernels.blockwise_attention``'s (fused on NPUs). Any head count works; packed rows are refused
+  (a sample would cross the chunk boundaries).
 
 Ulysses moves ``4 x`` the layer's q/k/v-sized activations per layer but only inside attention and needs
 ``heads % cp == 0``; ring moves ``2 (cp - 1) / cp`` of the key/value sequence per layer, overlapped with compute, and
@@ -30,16 +29,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_npu.facts.options import CONTEXT_PARALLEL_ALGOS
 from lightning_npu.kernels import attention as _attention
 from lightning_npu.kernels._dispatch import note_fallback
+from lightning_npu.kernels.blockwise_attention import Block, block_for, merge
 from lightning_npu.kernels.packed_attention import packed_causal_attention
+from lightning_npu.parallel.all_to_all import all_to_all
+from lightning_npu.parallel.protocol import find_modules
 
 
 @dataclass(frozen=True)
@@ -119,31 +121,11 @@ class ContextParallel:
 # ---------------------------------------------------------------- Ulysses
 
 
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` over dim 0 split in equal parts; its own transpose, so backward is the same exchange."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return _all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _all_to_all(grad, ctx.group), None
-
-
-def _all_to_all(x: Tensor, group: Any) -> Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
-
-
 def _sequence_to_heads(x: Tensor, group: Any, cp: int) -> Tensor:
     """[B, S / cp, H, D] (this rank's chunk, every head) -> [B, S, H / cp, D] (every chunk, this rank's heads)."""
     b, s, h, d = x.shape
     parts = x.view(b, s, cp, h // cp, d).permute(2, 0, 1, 3, 4)  # [cp: head group, B, s, H / cp, D]
-    gathered = _AllToAll.apply(parts, group)  # [cp: source rank = sequence chunk, B, s, H / cp, D]
+    gathered = all_to_all(parts, group)  # [cp: source rank = sequence chunk, B, s, H / cp, D]
     return gathered.permute(1, 0, 2, 3, 4).reshape(b, cp * s, h // cp, d)
 
 
@@ -151,7 +133,7 @@ def _heads_to_sequence(x: Tensor, group: Any, cp: int) -> Tensor:
     """The inverse of :func:`_sequence_to_heads`: [B, S, H / cp, D] -> [B, S / cp, H, D]."""
     b, seq, h, d = x.shape
     parts = x.view(b, cp, seq // cp, h, d).permute(1, 0, 2, 3, 4)  # [cp: sequence chunk, B, s, H / cp, D]
-    scattered = _AllToAll.apply(parts, group)  # [cp: source rank = head group, B, s, H / cp, D]
+    scattered = all_to_all(parts, group)  # [cp: source rank = head group, B, s, H / cp, D]
     return scattered.permute(1, 2, 0, 3, 4).reshape(b, seq // cp, cp * h, d)
 
 
@@ -206,116 +188,10 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Any, *, scale: Option
         )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    reason = why_not_fused_ring(q, k, v)
+    block, reason = block_for(q, k, v)
     if reason is not None:
         note_fallback("attention", q, reason)
-    block = _NPU_BLOCK if reason is None else _REFERENCE_BLOCK
     return _RingAttention.apply(q, k, v, group, scale, block)
-
-
-class _Block:
-    """One block of ring attention: ``forward(q, k, v, causal, scale)`` -> (out, row max, row sum of exp), the
-    statistics fp32 [B, H, Sq]; ``backward(q, k, v, dout, out, row_max, row_sum, causal, scale)`` -> (dq, dk, dv)
-    with the softmax rebuilt from the (merged) statistics and ``out`` the merged output. ``causal``: the bottom-right
-    mask of the diagonal block (q and k/v the same tokens); otherwise every query sees every key."""
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        raise NotImplementedError
-
-    def backward(self, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, row_max: Tensor, row_sum: Tensor,
-                 causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        raise NotImplementedError
-
-
-class _ReferenceBlock(_Block):
-    """The exact block in fp32 PyTorch (any device)."""
-
-    def forward(self, q, k, v, causal, scale):
-        scores, values = self._scores(q, k, v, causal, scale)
-        row_max = scores.amax(dim=-1)
-        weights = torch.exp(scores - row_max[..., None])
-        row_sum = weights.sum(dim=-1)
-        out = torch.matmul(weights / row_sum[..., None], values).transpose(1, 2)
-        return out, row_max, row_sum
-
-    def backward(self, q, k, v, dout, out, row_max, row_sum, causal, scale):
-        scores, values = self._scores(q, k, v, causal, scale)
-        probs = torch.exp(scores - row_max[..., None]) / row_sum[..., None]
-        keys = _grouped(k, q.shape[2]).float().transpose(1, 2)
-        do, o = dout.float().transpose(1, 2), out.float().transpose(1, 2)
-        dv = torch.matmul(probs.transpose(-1, -2), do)
-        ds = probs * (torch.matmul(do, values.transpose(-1, -2)) - (do * o).sum(dim=-1, keepdim=True))
-        dq = torch.matmul(ds, keys) * scale
-        dk = torch.matmul(ds.transpose(-1, -2), q.float().transpose(1, 2)) * scale
-        kv_heads = k.shape[2]
-        dk, dv = (_per_kv_head(grad, kv_heads).transpose(1, 2) for grad in (dk, dv))
-        return dq.transpose(1, 2), dk, dv
-
-    @staticmethod
-    def _scores(q, k, v, causal, scale):
-        heads = q.shape[2]
-        keys = _grouped(k, heads).float().transpose(1, 2)
-        values = _grouped(v, heads).float().transpose(1, 2)
-        scores = torch.matmul(q.float().transpose(1, 2), keys.transpose(-1, -2)) * scale
-        if causal:
-            sq, skv = q.shape[1], k.shape[1]
-            rows = torch.arange(sq, device=q.device)[:, None] + (skv - sq)
-            scores = scores.masked_fill(torch.arange(skv, device=q.device)[None, :] > rows, float("-inf"))
-        return scores, values
-
-
-def _grouped(kv: Tensor, heads: int) -> Tensor:
-    return kv.repeat_interleave(heads // kv.shape[2], dim=2)
-
-
-def _per_kv_head(grad: Tensor, kv_heads: int) -> Tensor:
-    """[B, H, S, D] gradients of the repeated key/value heads -> [B, kv_heads, S, D] (each group summed)."""
-    b, h, s, d = grad.shape
-    return grad.reshape(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
-
-
-class _NPUBlock(_Block):
-    """``npu_fusion_attention`` BSND (sparse_mode 3 with the compressed mask on the diagonal block, no mask
-    elsewhere) and its ``npu_fusion_attention_grad`` given the merged softmax_max / softmax_sum."""
-
-    def forward(self, q, k, v, causal, scale):
-        out, softmax_max, softmax_sum = _attention.fusion_attention(
-            q, k, v, scale, layout="BSND", heads=q.shape[2], **self._mask(q, causal))
-        # [B, N, Sq, 8]: the statistic repeated over the last dimension.
-        return out, softmax_max[..., 0], softmax_sum[..., 0]
-
-    def backward(self, q, k, v, dout, out, row_max, row_sum, causal, scale):
-        shape = (*row_max.shape, 8)
-        return _attention.fusion_attention_grad(
-            q, k, v, dout.to(q.dtype), out.to(q.dtype), row_max[..., None].expand(shape).contiguous(),
-            row_sum[..., None].expand(shape).contiguous(), scale, layout="BSND", heads=q.shape[2],
-            **self._mask(q, causal))
-
-    @staticmethod
-    def _mask(q: Tensor, causal: bool) -> dict[str, Any]:
-        if not causal:
-            return {}  # without atten_mask the op attends to every key
-        return {"atten_mask": _attention._compressed_causal_mask(q.device),
-                "sparse_mode": _attention._SPARSE_MODE_RIGHT_DOWN_CAUSAL}
-
-
-_REFERENCE_BLOCK = _ReferenceBlock()
-_NPU_BLOCK = _NPUBlock()
-
-
-def _merge(out: Tensor, row_max: Tensor, row_sum: Tensor, rows: slice, block: tuple[Tensor, Tensor, Tensor]) -> None:
-    """Merge a block's (out, max, sum) into the running fp32 ones at query ``rows``, in place:
-    m = max(m1, m2), s = s1 e^(m1 - m) + s2 e^(m2 - m), out = (out1 s1 e^(m1 - m) + out2 s2 e^(m2 - m)) / s."""
-    block_out, block_max, block_sum = block
-    old_max, old_sum = row_max[:, :, rows], row_sum[:, :, rows]
-    new_max = torch.maximum(old_max, block_max)
-    old_weight = old_sum * torch.exp(old_max - new_max)
-    block_weight = block_sum * torch.exp(block_max - new_max)
-    new_sum = old_weight + block_weight
-    # [B, H, Sq] -> [B, Sq, H, 1] to scale BSND outputs.
-    old_scale, block_scale = ((w / new_sum).transpose(1, 2)[..., None] for w in (old_weight, block_weight))
-    out[:, rows] = out[:, rows] * old_scale + block_out.float() * block_scale
-    row_max[:, :, rows], row_sum[:, :, rows] = new_max, new_sum
 
 
 def _ring_steps(rank: int, cp: int, length: int):
@@ -334,7 +210,7 @@ def _ring_steps(rank: int, cp: int, length: int):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: Any, scale: float, block: _Block) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: Any, scale: float, block: Block) -> Tensor:
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         b, length, heads, d = q.shape
         out = torch.zeros(b, length, heads, v.shape[-1], dtype=torch.float32, device=q.device)
@@ -347,7 +223,7 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start(kv) if step < cp - 1 else None  # the next block travels while this one computes
             held_k, held_v = kv[:, kv_rows, :, :dk], kv[:, kv_rows, :, dk:]
             result = block.forward(q[:, q_rows].contiguous(), held_k.contiguous(), held_v.contiguous(), causal, scale)
-            _merge(out, row_max, row_sum, q_rows, result)
+            merge(out, row_max, row_sum, q_rows, result)
             if pending is not None:
                 kv = pending.wait()
         ctx.save_for_backward(q, k, v, out, row_max, row_sum)
@@ -381,50 +257,6 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None, None
 
 
-def ring_step_attention(q: Tensor, k_before: Tensor, v_before: Tensor, k: Tensor, v: Tensor, *,
-                        scale: Optional[float] = None) -> Tensor:
-    """Ring attention's kernels on one rank: ``q``'s causal attention over earlier keys (``k_before``, every query
-    sees them: a block received from another rank) and its own (``k``, the causal diagonal), the two blocks merged
-    through their softmax statistics and differentiated from the merged ones, as a ring step does. It equals
-    :func:`~lightning_npu.kernels.causal_attention` over the concatenated keys: ``lightning-npu selftest`` checks the
-    ring's NPU blocks (npu_fusion_attention, npu_fusion_attention_grad) against that reference."""
-    _attention._check_inputs(q, k, v)
-    _attention._check_inputs(q, k_before, v_before)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    block = _NPU_BLOCK if why_not_fused_ring(q, k, v) is None else _REFERENCE_BLOCK
-    return _MergedBlocks.apply(q, k_before, v_before, k, v, scale, block)
-
-
-def why_not_fused_ring(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
-    """Why ring attention's blocks would run the exact PyTorch block on these inputs; None when they run fused."""
-    return _attention.why_not_fused(q, k, v)
-
-
-class _MergedBlocks(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k_before: Tensor, v_before: Tensor, k: Tensor, v: Tensor, scale: float,
-                block: _Block) -> Tensor:
-        b, length, heads, _ = q.shape
-        out = torch.zeros(b, length, heads, v.shape[-1], dtype=torch.float32, device=q.device)
-        row_max = torch.full((b, heads, length), float("-inf"), dtype=torch.float32, device=q.device)
-        row_sum = torch.zeros(b, heads, length, dtype=torch.float32, device=q.device)
-        for keys, values, causal in ((k_before, v_before, False), (k, v, True)):
-            _merge(out, row_max, row_sum, slice(None), block.forward(q, keys, values, causal, scale))
-        ctx.save_for_backward(q, k_before, v_before, k, v, out, row_max, row_sum)
-        ctx.scale, ctx.block = scale, block
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, dout: Tensor):
-        q, k_before, v_before, k, v, out, row_max, row_sum = ctx.saved_tensors
-        dout = dout.contiguous()
-        before = ctx.block.backward(q, k_before, v_before, dout, out, row_max, row_sum, False, ctx.scale)
-        own = ctx.block.backward(q, k, v, dout, out, row_max, row_sum, True, ctx.scale)
-        return ((before[0].float() + own[0].float()).to(q.dtype), before[1].to(k.dtype), before[2].to(v.dtype),
-                own[1].to(k.dtype), own[2].to(v.dtype), None, None)
-
-
 class _Ring:
     """Send a tensor to the next rank of the group and receive the previous rank's (``start(x).wait()``)."""
 
@@ -454,5 +286,16 @@ class _Exchange:
         return self.received
 
 
-__all__ = ["ContextParallel", "check_ulysses_heads", "ring_attention", "ring_step_attention", "ulysses_attention",
-           "why_not_fused_ring"]
+# ---------------------------------------------------------------- the modules that take part
+
+
+def apply_context_parallel(root: nn.Module, names: Iterable[str], context_parallel: ContextParallel) -> list[str]:
+    """Give ``context_parallel`` to each module of ``root`` that ``names`` names (a ``ParallelPlan``'s
+    ``context_parallel``; ``""`` is ``root`` itself) as its ``context_parallel`` attribute; returns the names."""
+    modules = find_modules(root, names, "ParallelPlan.context_parallel")
+    for _, module in modules:
+        module.context_parallel = context_parallel
+    return [name for name, _ in modules]
+
+
+__all__ = ["ContextParallel", "apply_context_parallel", "check_ulysses_heads", "ring_attention", "ulysses_attention"]

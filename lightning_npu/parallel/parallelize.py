@@ -1,0 +1,91 @@
+"""``parallelize``: every parallelism applied to a finished model, in order, for the Trainer and Fabric strategies
+alike (torchtitan's ``parallelize_llama`` shape): tensor parallelism by the model's plan, context parallelism to the
+modules it names, the experts (expert parallelism, tensor-parallel shares of rows), activation checkpointing, then
+FSDP: the experts, the blocks by policy, the model as the root unit."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightning_npu.facts.options import FSDPOptions
+from lightning_npu.parallel.checkpointing import apply_activation_checkpointing
+from lightning_npu.parallel.context import ContextParallel, apply_context_parallel
+from lightning_npu.parallel.expert import apply_experts, check_experts, shard_experts
+from lightning_npu.parallel.fsdp import apply_fsdp, fully_shard_options, resolve_module_classes, wrap_classes
+from lightning_npu.parallel.mesh import ParallelMesh
+from lightning_npu.parallel.protocol import ParallelPlan
+from lightning_npu.parallel.tensor import apply_tensor_parallel, tensor_parallel_parameters
+from lightning_npu.precision import mixed_precision_policy
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, precision: Optional[str],
+                plan: ParallelPlan, step_methods: Iterable[str] = ()) -> None:
+    """Split and shard ``model`` over ``mesh`` as ``options`` and its ``plan`` say (the module docstring gives the
+    order); ``precision``: the run's precision name (FSDP's mixed-precision policy); ``step_methods``: the model's
+    methods that run a step (each gathers the root unit's parameters, like ``forward``)."""
+    experts = plan.modules(model, "experts")
+    check_experts(experts, options.expert_parallel_size)
+    if mesh.tp is not None:
+        _tensor_parallel(model, mesh, options, plan, experts)
+    if mesh.cp is not None:
+        _context_parallel(model, mesh, options, plan)
+    experts_apart = bool(experts) and (options.expert_parallel_size > 1 or mesh.tp is not None)
+    if experts_apart:
+        ep_mesh = mesh.experts["ep"] if options.expert_parallel_size > 1 else None
+        apply_experts(experts, ep_mesh, None if mesh.tp is None else mesh.tp.get_group())
+        ep, tp = options.expert_parallel_size, mesh.layout.tp
+        split = f"expert parallelism over {ep} ranks: the experts of {len(experts)} modules split" if ep > 1 else (
+            f"the experts of {len(experts)} modules")
+        rank_zero_info(f"npu_fsdp: {split}{f'; each of {tp} tensor-parallel ranks runs a share of their rows' if tp > 1 else ''}")
+    ac_classes = resolve_module_classes(options.activation_checkpointing_policy, model, "activation_checkpointing_policy")
+    checkpointed = apply_activation_checkpointing(model, ac_classes, float(options.activation_checkpointing_ratio))
+    policy = mixed_precision_policy(precision)
+    if experts_apart:
+        shard_experts(experts, mesh.expert_fsdp, mesh.layout.loss_ranks, reshard_after_forward=options.reshard_after_forward,
+                      **fully_shard_options(mesh.expert_fsdp, policy, options.cpu_offload))
+    classes, chosen_by = wrap_classes(options.auto_wrap_policy, model)
+    sharded = apply_fsdp(model, mesh.fsdp, wrap_classes=classes, reshard_after_forward=options.reshard_after_forward,
+                         mp_policy=policy, cpu_offload=options.cpu_offload, step_methods=step_methods,
+                         scalar_group=mesh.loss_group)
+    rank_zero_info(f"npu_fsdp: {len(sharded)} FSDP units ({chosen_by}; zero_stage={options.zero_stage},"
+                   f" sharding={options.sharding!r}), activation checkpointing on {len(checkpointed)} modules")
+
+
+def _tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: ParallelPlan,
+                     experts: list[tuple[str, nn.Module]]) -> None:
+    planned = []
+    if plan.tensor_parallel is not None:
+        planned = apply_tensor_parallel(model, mesh.tp, plan.tensor_parallel, sequence_parallel=options.sequence_parallel,
+                                        loss_parallel=options.loss_parallel, experts=experts)
+    split = tensor_parallel_parameters(model)
+    if not split:
+        rank_zero_warn(
+            f"npu_fsdp: tensor_parallel_size={mesh.layout.tp}, but no parameter is split over the tensor-parallel"
+            " ranks, so each group of them computes the whole model on the same batch (correct results, no memory"
+            " saved). Give the model a parallel_plan() returning ParallelPlan(tensor_parallel=...) (or the"
+            " strategy's parallel_plan option), or shard it with parallelize_module on"
+            " self.device_mesh['tensor_parallel'] in configure_model."
+        )
+    rank_zero_info(f"npu_fsdp: tensor parallelism over {mesh.layout.tp} ranks: {len(split)} parameters split"
+                   f"{' (plan: ' + ', '.join(planned) + ')' if planned else ''}")
+
+
+def _context_parallel(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: ParallelPlan) -> None:
+    given = apply_context_parallel(model, plan.context_parallel,
+                                   ContextParallel(mesh.cp.get_group(), options.context_parallel_algo))
+    if not given:
+        rank_zero_warn(
+            f"npu_fsdp: context_parallel_size={mesh.layout.cp}, but the model's ParallelPlan names no"
+            " context_parallel modules, so nothing splits the sequence: each group of context-parallel ranks computes"
+            " the whole sequence of the same batch (correct results, no memory saved). Name the modules that shard"
+            " the batch (ContextParallel.shard) and run attention (ContextParallel.attention); see"
+            " lightning_npu.parallel.context."
+        )
+    rank_zero_info(f"npu_fsdp: context parallelism ({options.context_parallel_algo}) over {mesh.layout.cp} ranks:"
+                   f" {len(given)} modules split the sequence")
+
+
+__all__ = ["parallelize"]
