@@ -47,9 +47,12 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_npu.kernels import apply_rotary
+from lightning_npu.parallel import ParallelPlan
 from recipes.decoder.layers import Linear
+from recipes.decoder.tensor_parallel import decoder_parallel_plan
 from recipes.decoder.transformer import DecoderBlock, FeedForward, KVCache, RMSNorm, attend
 from recipes.models.deepseek.config import DeepSeekConfig
+from recipes.models.deepseek.tensor_parallel import mla_attention_plan
 from recipes.models.moe.model import MoEFeedForward, RoutedDecoder
 
 #: The eps of MLA's latent norms: transformers builds them with its RMSNorm's default, whatever rms_norm_eps is.
@@ -69,7 +72,7 @@ class MLAttention(nn.Module):
     every head's q, k (the shared rotary key expanded) and v go through ``context_parallel.attention`` with the
     config's scale: Ulysses splits the heads, ring sends k and v around (v narrower than q and k)."""
 
-    #: Set by npu_fsdp under context parallelism (``lightning_npu.kernels.context_parallel.ContextParallel``).
+    #: Set by npu_fsdp under context parallelism (``lightning_npu.parallel.context.ContextParallel``).
     context_parallel = None
 
     def __init__(self, config: DeepSeekConfig) -> None:
@@ -104,16 +107,17 @@ class MLAttention(nn.Module):
         batch, seq, _ = x.shape
         rows, length = (1, batch * seq) if cu_seqlens is not None else (batch, seq)
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
-        q_nope, q_rot = q.view(rows, length, self.n_heads, -1).split((self.nope, self.rope), dim=-1)
+        # Heads as -1: under tensor parallelism each rank holds n_heads / tp of them (wq / wq_b, wkv_b split by heads).
+        q_nope, q_rot = q.view(rows, length, -1, self.nope + self.rope).split((self.nope, self.rope), dim=-1)
         latent, k_rot = self.wkv_a(x).view(rows, length, -1).split((self.kv_rank, self.rope), dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(rows, length, self.n_heads, -1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(rows, length, -1, self.nope + self.v_dim)
         k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)
         k_rot = k_rot.view(rows, length, 1, self.rope)
         if self.interleaved:
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
         q = torch.cat((q_nope, apply_rotary(q_rot, cos, sin)), dim=-1)
         k_rot = apply_rotary(k_rot, cos, sin)
-        k = torch.cat((k_nope, k_rot.expand(-1, -1, self.n_heads, -1)), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
         if cache is not None:
             k, v = cache.update(layer, k, v, start_pos)
             k, v = k.to(q.dtype), v.to(q.dtype)  # a cache from the parameters is fp32 under autocast
@@ -195,6 +199,10 @@ class DeepSeek(RoutedDecoder):
         #: The last training forward's logits of each MTP depth [batch, seq, vocab] and the sample ends of its tokens.
         self.mtp_logits: Optional[list[Tensor]] = None
         self._sample_ends: Optional[Tensor] = None
+
+    def parallel_plan(self) -> ParallelPlan:
+        """``CausalDecoder.parallel_plan`` with MLA's tensor-parallel plan (``tensor_parallel.py``)."""
+        return decoder_parallel_plan(self, mla_attention_plan)
 
     def rotary_cos_sin(self, device: Optional[torch.device] = None) -> tuple[Tensor, Tensor]:
         """fp32 cos/sin [max_seq_len, qk_rope_head_dim] (halves layout), times YaRN's attention factor."""
