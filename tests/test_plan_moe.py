@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from lightning_npu.plan import PlanError, estimate, load_spec
+from lightning_npu.plan import PlanError, estimate, load_spec, state_bytes
 from recipes.models.moe.config import MoEConfig
 from recipes.models.moe.memory_profile import lightning_npu_memory_profile, profile_of
 from recipes.models.moe.model import MoE
@@ -98,8 +98,8 @@ def _tiny_moe_spec(tmp_path, **strategy):
 def test_expert_parallelism_gathers_the_local_experts_and_adds_all_to_all_buffers(tmp_path):
     """expert_parallel_size=2 on 4 devices: each rank holds 4 of the 8 experts, sharded over the 2 ranks that hold
     the same ones, so the sharded states are unchanged, the gathered copy of a block holds half the experts, the
-    experts' all-to-alls hold a send and a receive buffer of the routed rows, and the expert group is one more
-    HCCL communicator."""
+    experts' all-to-alls hold a send and a receive buffer of the routed rows, and the expert group and FSDP's group
+    over the experts' mesh (the 2 ranks that hold the same experts) are two more HCCL communicators."""
     plain, ep = _tiny_moe_spec(tmp_path), _tiny_moe_spec(tmp_path, expert_parallel_size=2)
     assert (plain.profile.expert_parallel_size, ep.profile.expert_parallel_size) == (1, 2)
     assert ep.profile.num_params() == plain.profile.num_params() == MoEConfig.from_preset("tiny").num_params()
@@ -109,7 +109,7 @@ def test_expert_parallelism_gathers_the_local_experts_and_adds_all_to_all_buffer
     experts = 3 * config.expert_hidden_dim * config.dim * config.n_experts * len(config.moe_layers)
     # ZeRO-2 keeps every block gathered (fp32 here): half the experts fewer per rank.
     assert plain_items["gathered"] - ep_items["gathered"] == experts // 2 * 4
-    assert ep_items["comm"] == 2 * plain_items["comm"]
+    assert ep_items["comm"] == 3 * plain_items["comm"]
     tokens = config.dim * config.top_k * 4 * 2  # the send and receive buffers, fp32 rows, per token
     assert ep.profile.forward_scratch("fused", 4, 128, False) - plain.profile.forward_scratch("fused", 4, 128, False) \
         == tokens
@@ -147,7 +147,7 @@ def test_lora_on_the_experts_is_refused_as_the_family_refuses_it():
 def test_mixtral_planned_fully_fine_tuned_beyond_8_devices_shows_the_padded_experts():
     """FSDP2 shards a stacked [8, ...] expert tensor along dim 0: over 16 ranks each holds one expert's rows (half
     of them padding), so the sharded states are those of 16 experts, not 8 (why mixtral_8x7b_lora.yaml is LoRA)."""
-    from lightning_npu.plan import PlanSpec, state_bytes
+    from lightning_npu.plan import PlanSpec
 
     profile = profile_of(MoEConfig.from_preset("mixtral-8x7b"), "mixtral-8x7b")
     shards = {n: state_bytes(PlanSpec(model=profile.shape, profile=profile, seq_len=4096, micro_batch=1, devices=8,
@@ -204,3 +204,55 @@ def test_multi_token_prediction_is_not_planned_yet_and_says_what_planning_withou
     with pytest.raises(ValueError, match=r"mtp_layers=1: multi-token prediction is not planned yet; plan with"
                                          r" mtp_layers=0 \(an underestimate by one MoE layer"):
         deepseek_profile({"family": "deepseek", "config": {"mtp_layers": 1}})
+
+
+def _heavy_experts_spec(ep: int, devices: int = 4, **changes):
+    """A tiny MoE whose experts outweigh the rest of each block (16 experts of width 512), fp32, as the CPU runs it."""
+    from lightning_npu.plan import Parallelism, PlanSpec
+
+    profile = lightning_npu_memory_profile({"family": "moe", "preset": "tiny",
+                                            "config": dict(n_experts=16, expert_hidden_dim=512)})
+    settings = dict(model=profile.shape, profile=profile.with_expert_parallelism(ep), seq_len=32, micro_batch=2,
+                    devices=devices, precision="32-true", zero_stage=3, kernels="reference", optimizer="per-tensor",
+                    hccl_buffsize_mb=0.0, workspace_gib=0.0, fragmentation=0.0, parallel=Parallelism())
+    return PlanSpec(**{**settings, **changes})
+
+
+def _most_gathered(spec) -> float:
+    """The most bytes of gathered parameters the replay of ``spec`` holds at any moment."""
+    from lightning_npu.plan import replay
+
+    most = [0.0]
+
+    class Tracking(replay._Timeline):
+        def alloc(self, item, nbytes, phase):
+            super().alloc(item, nbytes, phase)
+            most[0] = max(most[0], self.now["gathered"])
+
+    step = replay._StepReplay(spec, spec.zero_stage, spec.micro_batch)
+    step.timeline = Tracking()
+    step.run()
+    return most[0]
+
+
+def test_under_expert_parallelism_the_experts_are_an_fsdp_unit_of_their_own():
+    """npu_fsdp shards each layer's experts as an FSDP unit of their own (on the experts' mesh), nested in the
+    block's: under ZeRO-3 they are gathered when the MLP reaches them and freed after it, and backward prefetches the
+    previous block's own parameters while a layer's experts compute, so no two layers' experts are ever gathered
+    together. Most held: the root, a block's own parameters and its experts, plus the experts' flat all-gather
+    buffer (forward) or the previous block's prefetched parameters (backward). Catches the experts gathered with
+    their block (two whole blocks at once in backward: the planner before this was +5.0% on this shape under ep 2 and
+    +7.5% under ep 2 x cp 2, measured on the CPU)."""
+    from lightning_npu.plan.replay import _units
+
+    spec = _heavy_experts_spec(ep=2)
+    units = _units(spec)
+    root, block, experts = units.root, units.blocks[1], units.experts[1]
+    assert experts is not None and experts.group == 2 and block.group == 4  # 4 ranks; 2 hold each half of the experts
+    config = MoEConfig.from_preset("tiny", n_experts=16, expert_hidden_dim=512)
+    assert experts.exact == 8 * 3 * 512 * config.dim  # the rank's 8 experts, gate/up and down
+    gathered = [unit.padded * 4 for unit in (root, block, experts)]
+    assert _most_gathered(spec) == gathered[0] + gathered[1] + gathered[2] + max(gathered[1], gathered[2])
+    # The sharded states count each unit once: 8 experts over 2 ranks are 16 over 4.
+    assert state_bytes(spec)["parameters"] == 4 * sum(unit.shard for unit in units.all) \
+        == state_bytes(_heavy_experts_spec(ep=1))["parameters"]

@@ -46,10 +46,12 @@ TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 
 
 class RankLocalShape(tuple):
-    """The shape one rank holds of a parameter of which ``replicas`` groups of ranks each hold a different part
-    (an expert-parallel rank's experts, [n_experts / expert_parallel_size, ...]): FSDP2 shards it over the ranks
-    of the shard group that hold the same part (the group divided by ``replicas``), and the model has
-    ``replicas`` x its numel."""
+    """The shape one rank holds of a parameter on a mesh of its own (an MoE layer's experts under expert
+    parallelism, which npu_fsdp shards as an FSDP unit of their own, nested in the block's): ``replicas`` groups of
+    ranks each hold a different part ([n_experts / expert_parallel_size, ...] on an expert-parallel rank), and FSDP2
+    shards it over the ranks of the shard group that hold the same part (the group divided by ``replicas``). The
+    model has ``replicas`` x its numel. The replay gathers, frees and reduce-scatters a block's rank-local
+    parameters as that nested unit."""
 
     replicas: int
 
@@ -57,6 +59,10 @@ class RankLocalShape(tuple):
         made = super().__new__(cls, shape)
         made.replicas = replicas
         return made
+
+    def shard_group(self, group: int) -> int:
+        """The ranks FSDP2 shards it over, for a block whose other parameters are sharded over ``group``."""
+        return group // self.replicas
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ free head_dim); ``MoEProfile`` replaces the MLP half of each MoE layer by what m
 - the load-balancing loss (``router_aux_loss_coef`` > 0) keeps the softmax of every MoE layer's logits and their
   top-k ids until backward (counted with the final norm's tensors);
 - under expert parallelism (``expert_parallel_size`` N) each rank holds E / N experts, gathered and given
-  gradients as such, sharded over the ranks that hold the same experts; every all-to-all holds a send and a
-  receive buffer of T x k rows, and the expert group is one more HCCL communicator.
+  gradients as such, sharded over the ranks that hold the same experts as an FSDP unit of their own (npu_fsdp's
+  ``shard_experts``); every all-to-all holds a send and a receive buffer of T x k rows, and the expert group and
+  FSDP's group over the experts' mesh are HCCL communicators of their own.
 
 A layer's logits live until the next forward in the model, the replay frees them at the layer's backward; at
 T x E x 4 bytes a layer that is well under the tolerance (tiny configs: 4 KiB; Qwen3-30B-A3B at 4096 tokens: 2 MiB).
@@ -95,14 +96,22 @@ class MoEProfile(DecoderProfile):
     def mlp_parameters(self) -> tuple[tuple[Shape, ...], tuple[Shape, ...]]:
         """ffn_norm, the router, the local experts' w_gate_up, the shared expert's w_gate, w_up and gate; then the
         experts' and the shared expert's w_down."""
-        d, f, shared, ep = self.shape.dim, self.expert_hidden_dim, self.shared_expert_hidden_dim, self.expert_parallel_size
-        local = self.n_experts // ep
-        mlp_input: tuple[Shape, ...] = ((d,), (self.n_experts, d), RankLocalShape((local, 2 * f, d), ep))
-        mlp_output: tuple[Shape, ...] = (RankLocalShape((local, d, f), ep),)
+        d, f, shared = self.shape.dim, self.expert_hidden_dim, self.shared_expert_hidden_dim
+        mlp_input: tuple[Shape, ...] = ((d,), (self.n_experts, d), self.experts_shape(2 * f, d))
+        mlp_output: tuple[Shape, ...] = (self.experts_shape(d, f),)
         if shared:
             mlp_input += ((shared, d), (shared, d), (1, d))
             mlp_output += ((d, shared),)
         return mlp_input, mlp_output
+
+    def experts_shape(self, rows: int, columns: int) -> Shape:
+        """A stacked [experts, rows, columns] parameter of the experts module (a weight or an adapter) as one rank
+        holds it: all the experts, in the block's FSDP unit; under expert parallelism its E / N experts, on the
+        experts' own mesh (``RankLocalShape``: npu_fsdp shards the experts module as a unit of its own over the
+        ranks that hold the same experts)."""
+        ep = self.expert_parallel_size
+        shape = (self.n_experts // ep, rows, columns)
+        return RankLocalShape(shape, ep) if ep > 1 else shape
 
     # ------------------------------------------------------------------------------------------ activations
 
