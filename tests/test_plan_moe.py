@@ -5,6 +5,7 @@ against measured training peaks is tests/test_plan_accuracy.py."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from lightning_npu.plan import PlanError, estimate, load_spec, state_bytes
 from recipes.models.moe.config import MoEConfig
 from recipes.models.moe.memory_profile import lightning_npu_memory_profile, profile_of
 from recipes.models.moe.model import MoE
+from tests.helpers import SCRIPTS, run_python
 from tests.test_plan import _kernels_context, _saved_bytes_per_token
 
 TINY_MOE = Path(__file__).resolve().parents[1] / "recipes" / "models" / "moe" / "configs" / "tiny_moe.yaml"
@@ -256,3 +258,48 @@ def test_under_expert_parallelism_the_experts_are_an_fsdp_unit_of_their_own():
     # The sharded states count each unit once: 8 experts over 2 ranks are 16 over 4.
     assert state_bytes(spec)["parameters"] == 4 * sum(unit.shard for unit in units.all) \
         == state_bytes(_heavy_experts_spec(ep=1))["parameters"]
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(q_lora_rank=None)], ids=["v3_query_low_rank", "no_query_low_rank"])
+@pytest.mark.parametrize("layer", [0, 1], ids=["dense_layer", "moe_layer"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_deepseek_block_activation_count_matches_the_tensors_autograd_saves(overrides, layer, precision):
+    """What one DeepSeek block (MLA, then its dense MLP or DeepSeekMoE) keeps for backward on the reference path is
+    the profile's count exactly. Catches a sigmoid gate counted on DeepSeek's ungated shared experts (+516 B per
+    token), the fp32 key/value norm's input counted at kv_lora_rank although it is a view of wkv_a's output, whose
+    storage holds the rotary key too (-64), and the group-limited choice's tensors counted as kept (the top-k values
+    they feed are dropped, and the nodes with them)."""
+    from recipes.models.deepseek.config import DeepSeekConfig
+    from recipes.models.deepseek.memory_profile import lightning_npu_memory_profile as deepseek_profile
+    from recipes.models.deepseek.model import DeepSeek
+
+    config = DeepSeekConfig.from_preset("tiny", **overrides)
+    torch.manual_seed(0)
+    model = DeepSeek(config)
+    block, dtype = model.layers[layer], torch.float32
+    if precision == "bf16-mixed":
+        block, dtype = block.to(torch.bfloat16), torch.bfloat16
+    seq = 32
+    cos_sin = tuple(table[:seq] for table in model.rotary_cos_sin())
+    measured = _saved_bytes_per_token(block, dtype, _kernels_context(precision, "reference"), (2, 4), seq,
+                                      cos_sin=cos_sin)
+    if layer >= config.first_k_dense:
+        measured += 4 * config.n_experts  # router_logits, kept by the layer (as for the MoE family)
+    profile = deepseek_profile({"family": "deepseek", "preset": "tiny", "config": overrides})
+    act_bytes = 4 if precision == "32-true" else 2
+    assert measured == sum(profile.block_profile(layer).saved_by_block("reference", act_bytes, seq).all.values())
+
+
+@pytest.mark.slow  # starts a process
+def test_moe_and_deepseek_blocks_under_context_parallelism_keep_what_the_profiles_count():
+    """The recipe's DeepSeek block (MLA: dense and MoE layers, with and without the query low rank) and MoE block as
+    rank 0 of a context-parallel pair (tests/scripts/plan_moe_saved.py: fake process group, a ContextParallel on
+    the attention) keep exactly the bytes per token of the rank's own that the profiles count, Ulysses and ring,
+    fp32 and bf16-mixed. Catches MLA's ring planned as its plain kernel (the padded q, k, v, the qk-wide output and
+    log-sum-exp in place of the ring's q, k, wkv_b's output, fp32 output and row statistics: +496 B per token of
+    the dense layer in fp32, -272 in bf16)."""
+    proc = run_python([str(SCRIPTS / "plan_moe_saved.py")], simulate=None)
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 16
+    for row in rows:
+        assert row["measured"] == row["predicted"], row

@@ -46,13 +46,16 @@ class MoEProfile(DecoderProfile):
     """An MoE decoder: the MLP of every layer outside ``dense_layers`` routes each token to ``top_k`` of
     ``n_experts`` SwiGLU experts of ``expert_hidden_dim`` (softmax, top-k, renormalised with ``norm_topk_prob``),
     plus a shared expert of ``shared_expert_hidden_dim`` (0: none); the shape's ``ffn_hidden_dim`` is the dense
-    layers' width. ``aux_loss``: the load-balancing loss is trained. ``expert_parallel_size``: ranks the experts
-    of a layer are split over."""
+    layers' width. ``shared_expert_gate``: the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE;
+    DeepSeek's shared experts have none). ``aux_loss``: the load-balancing loss is trained.
+    ``expert_parallel_size``: ranks the experts of a layer are split over. (The choice of experts, group-limited
+    or biased, keeps nothing for backward: only its ids reach the gradient, through the gather of the scores.)"""
 
     n_experts: int = 1
     top_k: int = 1
     expert_hidden_dim: int = 1
     shared_expert_hidden_dim: int = 0
+    shared_expert_gate: bool = True
     dense_layers: tuple[int, ...] = ()
     norm_topk_prob: bool = True
     aux_loss: bool = False
@@ -153,7 +156,8 @@ class MoEProfile(DecoderProfile):
             saved["unpermute gathered rows + probs (fp32)"] = FP32_BYTES * k * (d + 1)
         if shared:
             saved.update(self._swiglu_saved("shared expert ", kernels, a, shared, True, trains))
-            saved["shared expert output + sigmoid gate"] = a * (d + 1)
+            if self.shared_expert_gate:
+                saved["shared expert output + sigmoid gate"] = a * (d + 1)
         return saved
 
     def saved_by_final_norm(self, kernels: str, act_bytes: int) -> float:
