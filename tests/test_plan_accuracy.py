@@ -53,6 +53,18 @@ CASES = {
     "cp2_ring": dict(model={}, seq=64, batch=2, devices=2, zero=3, ac=0.0, steps=2, cp=2, cp_algo="ring"),
     "tp2_cp2_ulysses": dict(model={}, seq=64, batch=2, devices=4, zero=3, ac=0.0, steps=2, tp=2, cp=2,
                             cp_algo="ulysses"),
+    # Expert parallelism with context parallelism (ep 2 x cp 2 on 4 ranks: ep borrows its ranks from dp_shard x cp):
+    # each rank's half of the experts as an FSDP unit of their own over the 2 ranks holding them, its seq / cp tokens
+    # and their routed rows' all-to-alls; the tiny MoE (Ulysses; and ring with experts that outweigh the rest of each
+    # block, ZeRO-3) and the tiny DeepSeek (ring; Ulysses under ZeRO-2).
+    "moe_ep2_cp2_ulysses": dict(family="moe", model={}, seq=128, batch=4, devices=4, zero=3, ac=0.0, steps=2, ep=2,
+                                cp=2, cp_algo="ulysses"),
+    "moe_ep2_cp2_ring_heavy": dict(family="moe", model=dict(n_experts=16, expert_hidden_dim=512), seq=64, batch=2,
+                                   devices=4, zero=3, ac=0.0, steps=2, ep=2, cp=2, cp_algo="ring"),
+    "deepseek_ep2_cp2_ring": dict(family="deepseek", model={}, seq=128, batch=4, devices=4, zero=3, ac=0.0, steps=2,
+                                  ep=2, cp=2, cp_algo="ring"),
+    "deepseek_ep2_cp2_ulysses_zero2": dict(family="deepseek", model={}, seq=128, batch=4, devices=4, zero=2, ac=0.0,
+                                           steps=2, ep=2, cp=2, cp_algo="ulysses"),
 }
 
 
@@ -79,8 +91,10 @@ def test_planner_estimate_is_within_the_stated_error_of_the_measured_peak(name, 
     grouped-matmul inputs under LoRA puts moe_qwen2_lora_zero2 6.4% high. DeepSeek (measured -3.0% and +0.0%): the
     planner before its profile found none for the family. TP / CP (tp2, cp2_ulysses, cp2_ring,
     tp2_cp2_ulysses): the planner before them refused tensor_parallel_size and context_parallel_size; planning them
-    as plain sharding over the same devices is +25.9%, +17.8%, +19.6% and +67.4% off. Also fails if the benchmark's
-    profiler calibration is off (``compare`` raises)."""
+    as plain sharding over the same devices is +25.9%, +17.8%, +19.6% and +67.4% off. EP x CP (moe_ep2_cp2_*,
+    deepseek_ep2_cp2_*): the planner before refused expert_parallel_size with context_parallel_size; gathering the
+    experts with their block (not as their own unit) puts moe_ep2_cp2_ring_heavy 5.1% high. Also fails if the
+    benchmark's profiler calibration is off (``compare`` raises)."""
     assert "error" not in measured_peaks[name], measured_peaks[name].get("error")
     row = measured_peaks[name]["row"]
     assert row["check_calibration"]["measured_peak"] == row["check_calibration"]["expected_peak"]

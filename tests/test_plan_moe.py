@@ -303,3 +303,33 @@ def test_moe_and_deepseek_blocks_under_context_parallelism_keep_what_the_profile
     assert len(rows) == 16
     for row in rows:
         assert row["measured"] == row["predicted"], row
+
+
+@pytest.mark.parametrize("algo", ["ulysses", "ring"])
+def test_expert_parallelism_with_context_parallelism_splits_the_experts_and_the_tokens(tmp_path, algo):
+    """ep 2 x cp 2 on 4 devices (npu_fsdp: expert parallelism borrows its ranks from dp_shard x cp, ep innermost):
+    each rank holds 4 of the 8 experts, FSDP-sharded over the 2 ranks of dp_shard x cp that hold the same ones
+    (dp_shard x cp / ep), the rest of each block over all 4; it computes seq / cp tokens of each sequence, whose
+    routed rows its all-to-alls send and receive; the communicators are the world's (FSDP's dp_shard x cp here),
+    the cp group, the expert group and FSDP's group over the experts' mesh. Fails on the planner before, which
+    refused expert parallelism with context parallelism."""
+    from lightning_npu.plan.replay import _StepReplay, _units
+
+    ep_cp = _tiny_moe_spec(tmp_path, expert_parallel_size=2, context_parallel_size=2, context_parallel_algo=algo)
+    cp = _tiny_moe_spec(tmp_path, context_parallel_size=2, context_parallel_algo=algo)
+    plain = _tiny_moe_spec(tmp_path)
+    assert (ep_cp.shard_group, ep_cp.local_seq_len, plain.local_seq_len) == (4, 64, 128)
+    config = MoEConfig.from_preset("tiny")
+    units = _units(ep_cp)
+    layer = config.moe_layers[0]
+    assert units.experts[layer].group == 2 and units.blocks[layer].group == 4
+    assert units.experts[layer].exact == 4 * 3 * config.expert_hidden_dim * config.dim
+    assert state_bytes(ep_cp) == state_bytes(cp) == state_bytes(plain)  # 8 experts over 4 ranks = 4 over 2
+    ep_step, cp_step = _StepReplay(ep_cp, 3, 8), _StepReplay(cp, 3, 8)
+    assert ep_step.tokens == cp_step.tokens == 8 * 64
+    assert ep_step.saved == cp_step.saved  # the experts keep the same per token, whoever holds them
+    a2a = 2 * 4 * config.top_k * config.dim  # the send and receive buffers of the rank's routed rows, fp32
+    assert (ep_step.layers[layer].forward_scratch("reference", 4, 128, False)
+            - cp_step.layers[layer].forward_scratch("reference", 4, 128, False)) == a2a
+    buffers = 2 * 200 * 2**20
+    assert estimate(ep_cp).items["comm"] == 4 * buffers and estimate(cp).items["comm"] == 2 * buffers

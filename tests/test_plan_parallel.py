@@ -157,7 +157,8 @@ def test_sizes_that_do_not_divide_are_refused_with_the_numbers_and_the_fix(paral
 
 def test_tied_embeddings_lora_and_experts_are_refused_under_tensor_parallelism_and_experts_plan_under_cp(tmp_path):
     """What the recipe's tensor-parallel plan refuses (recipes/train.py check_run) the planner refuses too, with the
-    reason; context parallelism splits only attention, so an MoE model plans under it."""
+    reason; context parallelism splits only attention, so an MoE model plans under it, with expert parallelism
+    too."""
     tied = lightning_npu_memory_profile({"preset": "llama3.2-1b"})
     with pytest.raises(PlanError, match=r"tie_embeddings.*cannot be both"):
         PlanSpec(model=tied.shape, profile=tied, seq_len=512, micro_batch=1, devices=2, parallel=Parallelism(tensor=2))
@@ -172,9 +173,10 @@ def test_tied_embeddings_lora_and_experts_are_refused_under_tensor_parallelism_a
     plain = PlanSpec(model=moe.shape, profile=moe, seq_len=64, micro_batch=2, devices=2)
     cp = dataclasses.replace(plain, parallel=Parallelism(context=2, context_algo="ring"))
     assert estimate(cp).items["activations"] < estimate(plain).items["activations"]
-    with pytest.raises(PlanError, match=r"expert_parallel_size=2 works with sharding='full' and tensor_parallel_size ="):
-        PlanSpec(model=moe.shape, profile=moe.with_expert_parallelism(2), seq_len=64, micro_batch=1, devices=4,
-                 parallel=Parallelism(context=2))
+    # With expert parallelism too (ep borrows its ranks from dp_shard x cp): see tests/test_plan_moe.py.
+    ep = PlanSpec(model=moe.shape, profile=moe.with_expert_parallelism(2), seq_len=64, micro_batch=1, devices=4,
+                  parallel=Parallelism(context=2))
+    assert (ep.shard_group, ep.local_seq_len, ep.profile.expert_parallel_size) == (4, 32, 2)
 
 
 def test_the_config_s_strategy_values_are_read_and_the_flags_override_them(tmp_path, capsys):

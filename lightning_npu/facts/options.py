@@ -102,21 +102,17 @@ def check_context_parallel_algo(value: Any) -> str:
     return value
 
 
-def check_expert_parallel_size(value: Any, layout: "MeshLayout", sharding: str, *, with_context_parallel: bool = False
-                               ) -> int:
+def check_expert_parallel_size(value: Any, layout: "MeshLayout", sharding: str) -> int:
     """``value`` if ``layout``'s FSDP shard ranks (``dp_shard x cp``, where expert parallelism borrows its ranks as
     torchtitan's ParallelDims does) split into expert-parallel groups of that size; ValueError with the numbers and
-    the fix otherwise (before workers start; the experts count is checked at sharding). ``with_context_parallel``:
-    the caller handles expert parallelism under context parallelism (npu_fsdp does; the planner does not model it
-    yet, so it leaves this off and refuses cp > 1 with ep > 1)."""
+    the fix otherwise (before workers start; the experts count is checked at sharding). npu_fsdp and the planner
+    both take expert parallelism with context parallelism."""
     check_parallel_size("expert_parallel_size", value)
     if value == 1:
         return value
-    if layout.tp > 1 or sharding != "full" or (layout.cp > 1 and not with_context_parallel):
-        supported = ("tensor_parallel_size=1" if with_context_parallel
-                     else "tensor_parallel_size = context_parallel_size = 1")
+    if layout.tp > 1 or sharding != "full":
         raise ValueError(
-            f"expert_parallel_size={value} works with sharding='full' and {supported} only for now (got"
+            f"expert_parallel_size={value} works with sharding='full' and tensor_parallel_size=1 only for now (got"
             f" sharding={sharding!r}, tensor_parallel_size={layout.tp}, context_parallel_size={layout.cp}); drop one"
             " of the two"
         )
@@ -357,7 +353,7 @@ class FSDPChoices:
         layout = MeshLayout.for_run(num_nodes=num_nodes, devices_per_node=devices_per_node, sharding=self.sharding,
                                     tensor_parallel_size=self.tensor_parallel_size,
                                     context_parallel_size=self.context_parallel_size)
-        check_expert_parallel_size(self.expert_parallel_size, layout, self.sharding, with_context_parallel=True)
+        check_expert_parallel_size(self.expert_parallel_size, layout, self.sharding)
         return layout
 
     @property
