@@ -1,6 +1,6 @@
 """How close is ``lightning-npu plan`` to the real peak memory of training? Measured on the CPU.
 
-    python benchmarks/plan_accuracy.py                 # all 34 cases, ~12 min on 2 cores
+    python benchmarks/plan_accuracy.py                 # all 39 cases, ~13 min on 2 cores
     python benchmarks/plan_accuracy.py --cases base,ac1 --out /tmp/plan_accuracy.json
     python benchmarks/plan_accuracy.py --cases tp2,cp2_ring --update  # re-measure some, keep the other rows
 
@@ -9,7 +9,7 @@ Each case trains the recipe's DecoderLM LightningModule for a few steps with
 (LIGHTNING_NPU_SIMULATE=<devices>), varying width, depth, sequence, micro-batch, ZeRO stage, activation
 checkpointing, precision, attention kernel, gradient accumulation, tensor and context parallelism (the
 recipe's TP plan with and without sequence parallelism and loss_parallel; Ulysses and ring attention; both
-together), and expert parallelism, alone and with context parallelism. The planner's estimate for the same configuration (its CPU settings: PyTorch reference kernels, per-tensor AdamW, no HCCL buffers, no allowance) is
+together), expert parallelism, alone and with context parallelism, and LoRA on the experts. The planner's estimate for the same configuration (its CPU settings: PyTorch reference kernels, per-tensor AdamW, no HCCL buffers, no allowance) is
 compared with the measured peak of the steady-state steps (after the optimizer states exist).
 
 How the peak is measured, and why it can be trusted. PyTorch's CPU allocator reports every allocation and free
@@ -120,6 +120,22 @@ CASES: dict[str, dict[str, Any]] = {
                                           ep=2, cp=2, cp_algo="ulysses", precision="bf16-mixed"),
     "deepseek_ep2_cp2_ring": dict(family="deepseek", model={}, seq=256, batch=4, devices=4, zero=3, ac=0.0, ep=2,
                                   cp=2, cp_algo="ring"),
+    # LoRA on the experts (lora.targets expert_gate / expert_up / expert_down: per-expert adapters stacked like the
+    # experts, everything else frozen): alone; with attention's and dropout on a Qwen2-MoE (shared expert, dense
+    # first layer); with half the blocks checkpointed; under ep 2 x cp 2; on DeepSeek with MLA's output, bf16.
+    "moe_expert_lora": dict(family="moe", model={}, seq=256, batch=4, devices=2, zero=3, ac=0.0,
+                            lora=dict(rank=8, targets=["expert_gate", "expert_up", "expert_down"])),
+    "moe_qwen2_expert_lora_dropout_zero2": dict(family="moe", model=dict(
+        architecture="qwen2_moe", shared_expert_hidden_dim=192, dense_layers=[0], dense_hidden_dim=256,
+        qkv_bias=True, norm_topk_prob=False), seq=256, batch=4, devices=2, zero=2, ac=0.0,
+        lora=dict(rank=8, dropout=0.1, targets=["q", "v", "expert_gate", "expert_down"])),
+    "moe_expert_lora_ac05": dict(family="moe", model={}, seq=256, batch=4, devices=2, zero=3, ac=0.5,
+                                 lora=dict(rank=16, targets=["expert_gate", "expert_up"])),
+    "moe_expert_lora_ep2_cp2": dict(family="moe", model={}, seq=256, batch=4, devices=4, zero=3, ac=0.0, ep=2, cp=2,
+                                    cp_algo="ulysses", lora=dict(rank=8, targets=["expert_up", "expert_down"])),
+    "deepseek_expert_lora_bf16": dict(family="deepseek", model={}, seq=256, batch=4, devices=2, zero=3, ac=0.0,
+                                      precision="bf16-mixed",
+                                      lora=dict(rank=8, targets=["o", "expert_gate", "expert_up", "expert_down"])),
 }
 STEPS = 4  # optimizer steps per run (a case's "steps" overrides it); the first is excluded (no optimizer states yet)
 
@@ -205,6 +221,11 @@ def worker(case: dict[str, Any], out: Path) -> None:
 
         module.lora = LoRAConfig.from_value(case["lora"])
         module.on_fit_start = lambda: None  # nothing to load
+        if any(target.startswith("expert_") for target in module.lora.targets):
+            # Built here with its values (as tests/scripts/expert_lora_ep_run.py builds it), not on the meta device
+            # inside fit: npu_fsdp would reset the stacked adapters' meta parameters once sharded, and their
+            # per-expert initialisation iterates a DTensor along its sharded dim, which DTensor refuses.
+            module.configure_model()
     vocab, seq, batch = module.config.vocab_size, case["seq"], case["batch"]
     accumulate = case.get("accumulate", 1)
     steps = case.get("steps", STEPS)

@@ -38,6 +38,10 @@ HALF_PRECISION_COPY = 0.5
 #: The block's projections, in forward order: the attention's four, then gate, up and down. Low-rank adapters name the ones they sit beside.
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 ATTENTION_PROJECTIONS = ("q", "k", "v", "o")
+#: The stacked experts' projections of an MoE layer (its gate, up and down for every expert at once): adapters there
+#: are per expert, stacked as the experts are (the recipe's ``lora.targets`` of the same names). A profile with
+#: experts counts them (``DecoderProfile`` has none: a dense layer of an MoE model leaves them out).
+EXPERT_PROJECTIONS = ("expert_gate", "expert_up", "expert_down")
 #: A dropout mask's bytes per element on the fused (NPU) path: torch's native_dropout keeps a bool mask. The CPU
 #: paths (reference, eager) run torch's unfused dropout, which keeps its scaled noise in the input's dtype.
 FUSED_DROPOUT_MASK_BYTES = 1
@@ -109,8 +113,9 @@ class TrainableParameters:
 @dataclass(frozen=True)
 class LowRankAdapters:
     """Low-rank adapters (LoRA) on a frozen decoder: every base parameter, embeddings and norms included, is
-    frozen, and beside each projection named in ``projections`` (among PROJECTIONS) a trainable A [rank, in] and
-    B [rows, rank] add ``B(A(dropout(x)))`` to its output. ``dropout``: whether each adapter drops out its own
+    frozen, and beside each projection named in ``projections`` (among PROJECTIONS, and EXPERT_PROJECTIONS for a
+    profile with experts: one adapter per expert, stacked) a trainable A [rank, in] and B [rows, rank] add
+    ``B(A(dropout(x)))`` to its output. ``dropout``: whether each adapter drops out its own
     copy of the input (it then keeps that copy and a mask instead of sharing the projection's input).
     ``base_quantization``: how every projection of the blocks (adapted or not) is stored, ``int8`` or ``nf4``
     (``lightning_npu.facts.weight_quant``; codes plus scales), or None (the master dtype)."""
@@ -123,11 +128,12 @@ class LowRankAdapters:
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise PlanError(f"adapter rank={self.rank!r} is invalid: it must be a positive integer")
-        unknown = [name for name in self.projections if name not in PROJECTIONS]
+        known = PROJECTIONS + EXPERT_PROJECTIONS
+        unknown = [name for name in self.projections if name not in known]
         if unknown or not self.projections or len(set(self.projections)) != len(self.projections):
             raise PlanError(f"adapter projections {list(self.projections)} must name each of some of"
-                            f" {', '.join(PROJECTIONS)} once")
-        object.__setattr__(self, "projections", tuple(p for p in PROJECTIONS if p in self.projections))
+                            f" {', '.join(known)} once")
+        object.__setattr__(self, "projections", tuple(p for p in known if p in self.projections))
         try:
             weight_quant.check_scheme(self.base_quantization, "adapter base_quantization")
         except ValueError as error:
@@ -276,7 +282,7 @@ class DecoderProfile:
         groups: dict[str, list[Shape]] = {"attention": [], "mlp_input": [], "mlp_output": []}
         if self.adapters is not None:
             r = self.adapters.rank
-            for name in self.adapters.projections:
+            for name in self._adapted(PROJECTIONS):  # the experts' adapters are the profile with experts' to count
                 rows, columns = self.projection_shapes()[name]
                 group = "attention" if name in ATTENTION_PROJECTIONS else "mlp_output" if name == "down" else "mlp_input"
                 groups[group] += [(r, columns), (rows, r)]
@@ -358,7 +364,8 @@ class DecoderProfile:
         return self._saved(kernels, act_bytes, seq_len, input_grad=True)
 
     def saved_by_first_block(self, kernels: str, act_bytes: int, seq_len: int) -> BlockActivations:
-        """``saved_by_block`` for the first block, whose input is the embedding's output: with a frozen embedding
+        """``saved_by_block`` for a block whose input needs no gradient: the first, whose input is the embedding's
+        output, when the embedding is frozen (and under LoRA every block before the first one with adapters):
         nothing before the block's first trainable parameter needs a gradient, so nothing there is kept."""
         if self.trainable_parameters().embedding > 0:
             return self.saved_by_block(kernels, act_bytes, seq_len)  # so a subclass's count serves every block

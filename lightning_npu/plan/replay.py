@@ -19,8 +19,8 @@ autograd and AdamW make, in their order; the peak of the running total is the es
 - unsharded gradients of a unit live until its reduce-scatter, whose fp32 input buffer is kept until the next
   unit's reduce-scatter starts; the root's are reduced last;
 - activations are the tensors autograd saves, as the spec's profile counts them (the first block's apart: after a
-  frozen embedding its input needs no gradient); checkpointed blocks keep only their input until backward
-  recomputes them;
+  frozen embedding its input needs no gradient, nor that of any block before the first that trains); checkpointed
+  blocks keep only their input until backward recomputes them;
 - logits are fp32 ``[batch, seq, vocab]``; cross-entropy saves its log-softmax, and its backward briefly holds
   three such tensors;
 - under tensor and context parallelism (``PlanSpec.parallel``) every count is one rank's: its tensor-parallel slice of
@@ -224,10 +224,14 @@ class _StepReplay:
         self.layers = [_split(self.profile.block_profile(i), self.parallel) for i in range(shape.n_layers)]
         #: (all, MLP half) of what each block saves, in bytes.
         self.saved = []
-        for i, layer in enumerate(self.layers):
-            count = layer.saved_by_first_block if i == 0 else layer.saved_by_block
+        # A block's input needs a gradient once something before it trains: the embedding, or an earlier block
+        # (under LoRA the blocks before the first adapted one keep only what their input-less backward needs).
+        upstream_trains = self.trainable.embedding > 0
+        for layer in self.layers:
+            count = layer.saved_by_block if upstream_trains else layer.saved_by_first_block
             kept = count(spec.kernels, self.act, spec.seq_len)
             self.saved.append((sum(kept.all.values()) * self.tokens, sum(kept.mlp.values()) * self.tokens))
+            upstream_trains = upstream_trains or bool(layer.trainable_parameters().block.shapes)
         self.final_saved = self.profile.saved_by_final_norm(spec.kernels, self.act) * self.tokens
         #: The flat all-gather buffer of the last unit gathered in forward (freed after the next copy-out).
         self.retained_gather = 0.0

@@ -30,8 +30,14 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from lightning_npu.plan import DecoderProfile, ModelShape, PlanError, RankLocalShape
-from lightning_npu.plan.decoder import ATTENTION_PROJECTIONS, FP32_BYTES, Shape
-from recipes.decoder.lora_config import EXPERT_TARGETS
+from lightning_npu.plan.decoder import (
+    ATTENTION_PROJECTIONS,
+    EXPERT_PROJECTIONS,
+    FP32_BYTES,
+    FUSED_DROPOUT_MASK_BYTES,
+    BlockParameters,
+    Shape,
+)
 from recipes.decoder.plan_profile import adapters, family_config
 from recipes.models.moe.config import MoEConfig
 
@@ -68,7 +74,8 @@ class MoEProfile(DecoderProfile):
                 f"expert_parallel_size={size!r} must be a positive integer that divides n_experts={self.n_experts}"
                 " (each rank holds n_experts / expert_parallel_size experts)"
             )
-        mlp = [p for p in (self.adapters.projections if self.adapters else ()) if p not in ATTENTION_PROJECTIONS]
+        sites = ATTENTION_PROJECTIONS + EXPERT_PROJECTIONS
+        mlp = [p for p in (self.adapters.projections if self.adapters else ()) if p not in sites]
         if mlp:
             raise PlanError(
                 f"lora.targets {list(mlp)}: the MoE family adapts attention (q, k, v, o) and, expert by expert, the"
@@ -107,6 +114,23 @@ class MoEProfile(DecoderProfile):
             mlp_output += ((d, shared),)
         return mlp_input, mlp_output
 
+    def adapter_parameters(self) -> BlockParameters:
+        """Attention's adapters (the decoder's), and the experts' (``expert_gate``, ``expert_up``, ``expert_down``):
+        per expert A [rank, in] and B [rows, rank], stacked on dim 0 as the experts' weights (the recipe's
+        ``StackedLoRA``), in the experts module (its FSDP unit under expert parallelism); gate and up with the MLP's
+        input group, down with its output."""
+        base = super().adapter_parameters()
+        if self.adapters is None:
+            return base
+        r, d, f = self.adapters.rank, self.shape.dim, self.expert_hidden_dim
+        sides = {"expert_gate": (d, f), "expert_up": (d, f), "expert_down": (f, d)}
+        mlp_input, mlp_output = list(base.mlp_input), list(base.mlp_output)
+        for name in self._adapted(EXPERT_PROJECTIONS):
+            columns, rows = sides[name]
+            group = mlp_output if name == "expert_down" else mlp_input
+            group += [self.experts_shape(r, columns), self.experts_shape(rows, r)]
+        return BlockParameters(attention=base.attention, mlp_input=tuple(mlp_input), mlp_output=tuple(mlp_output))
+
     def experts_shape(self, rows: int, columns: int) -> Shape:
         """A stacked [experts, rows, columns] parameter of the experts module (a weight or an adapter) as one rank
         holds it: all the experts, in the block's FSDP unit; under expert parallelism its E / N experts, on the
@@ -119,13 +143,22 @@ class MoEProfile(DecoderProfile):
     # ------------------------------------------------------------------------------------------ activations
 
     def mlp_saved(self, kernels: str, a: int, residual_grad: bool) -> dict[str, float]:
-        """What ``MoEFeedForward`` keeps per token (see the module docstring); nothing when neither its input
-        needs a gradient nor its weights train."""
+        """What ``MoEFeedForward`` keeps per token (see the module docstring): nothing when its input needs no
+        gradient, its weights do not train and no adapter sits on its experts. A frozen router keeps its softmax
+        and the top-k's ids and probabilities only when its input needs a gradient (the layer keeps its logits
+        anyway); the experts' adapters keep what ``_expert_adapters_saved`` says, and the grouped matmuls and
+        the SwiGLU between them what the gradients that flow through them need."""
         trains = self.adapters is None
-        if not (residual_grad or trains):
+        expert_adapters = self._adapted(EXPERT_PROJECTIONS)
+        if not (residual_grad or trains or expert_adapters):
             return {}
         d, k, experts, shared = self.shape.dim, self.top_k, self.n_experts, self.shared_expert_hidden_dim
         fused = kernels == "fused"
+        dropout = self.adapters is not None and self.adapters.dropout
+        probs_grad = residual_grad or trains  # the router's logits need a gradient
+        # The routed rows' values reach the experts' (or gate/up adapters') weight gradients; their gradient flows
+        # back through the permute when the tokens need one.
+        gate_up_grad = residual_grad or trains or bool({"expert_gate", "expert_up"}.intersection(expert_adapters))
         saved: dict[str, float] = {}
         if residual_grad:
             saved.update(self._norm_saved("ffn_norm", kernels, a, trains))
@@ -136,28 +169,54 @@ class MoEProfile(DecoderProfile):
                 saved["router input (fp32 copy)"] = FP32_BYTES * d
                 if shared:
                     saved["shared expert input"] = a * d
-        saved["router logits (fp32) + softmax"] = 2 * FP32_BYTES * experts
-        saved["top-k expert ids (int64)"] = INT64_BYTES * k
-        if self.norm_topk_prob:
-            saved["top-k probabilities + their sum (fp32)"] = FP32_BYTES * (k + 1)
+        if probs_grad:
+            saved["router logits (fp32) + softmax"] = 2 * FP32_BYTES * experts
+            saved["top-k expert ids (int64)"] = INT64_BYTES * k
+            if self.norm_topk_prob:
+                saved["top-k probabilities + their sum (fp32)"] = FP32_BYTES * (k + 1)
+        else:
+            saved["router logits (fp32, kept by the layer)"] = FP32_BYTES * experts
         if fused:
             saved["permute sorted_indices (int32)"] = INT32_BYTES * k
-        else:
-            saved["permute gather and unpermute indices (int64)"] = 2 * INT64_BYTES * k
+        else:  # the permute's gather index for the tokens' gradient, the unpermute's for the experts' output's
+            saved["permute gather and unpermute indices (int64)"] = (1 + residual_grad) * INT64_BYTES * k
         # The grouped matmuls keep their inputs for the experts' gradients; the fused op's Function keeps them
-        # whether or not the experts train.
-        keeps_inputs = trains or fused
-        if keeps_inputs:
+        # whenever it records a graph. The gate/up and down adapters' A read the same inputs (undropped).
+        keeps_rows = trains or (fused and residual_grad) or (
+            bool({"expert_gate", "expert_up"}.intersection(expert_adapters)) and not dropout)
+        if keeps_rows:
             saved["permuted rows (gate/up grouped matmul input)"] = a * k * d
-        saved.update(self._swiglu_saved("experts' ", kernels, a, k * self.expert_hidden_dim, True, keeps_inputs))
+        keeps_down_input = trains or (fused and gate_up_grad) or ("expert_down" in expert_adapters and not dropout)
+        saved.update(self._swiglu_saved("experts' ", kernels, a, k * self.expert_hidden_dim, gate_up_grad,
+                                        keeps_down_input))
+        saved.update(self._expert_adapters_saved(kernels, a, residual_grad, gate_up_grad))
         if fused:
             saved["unpermute input rows + probs"] = a * k * (d + 1)
-        else:
-            saved["unpermute gathered rows + probs (fp32)"] = FP32_BYTES * k * (d + 1)
-        if shared:
+        else:  # the weighted sum keeps the fp32 probs for the rows' gradient, the fp32 rows for the probs'
+            saved["unpermute probs (fp32)"] = FP32_BYTES * k
+            if probs_grad:
+                saved["unpermute gathered rows (fp32)"] = FP32_BYTES * k * d
+        if shared and (residual_grad or trains):
             saved.update(self._swiglu_saved("shared expert ", kernels, a, shared, True, trains))
             if self.shared_expert_gate:
                 saved["shared expert output + sigmoid gate"] = a * (d + 1)
+        return saved
+
+    def _expert_adapters_saved(self, kernels: str, a: int, rows_grad: bool, hidden_grad: bool) -> dict[str, float]:
+        """What each expert adapter keeps per token (top_k rows of it): its B the rank-r intermediate; with dropout
+        its A the dropped-out copy of its input (the routed rows, or the SwiGLU output for expert_down) and the
+        dropout its mask when that input needs a gradient (``rows_grad``, ``hidden_grad``)."""
+        saved: dict[str, float] = {}
+        if self.adapters is None:
+            return saved
+        k, r = self.top_k, self.adapters.rank
+        for name in self._adapted(EXPERT_PROJECTIONS):
+            saved[f"{name} adapters' rank-{r} intermediate"] = a * k * r
+            if self.adapters.dropout:
+                width, input_grad = ((self.expert_hidden_dim, hidden_grad) if name == "expert_down"
+                                     else (self.shape.dim, rows_grad))
+                mask = (FUSED_DROPOUT_MASK_BYTES if kernels == "fused" else a) if input_grad else 0
+                saved[f"{name} adapters' dropped-out input{' + mask' if mask else ''}"] = (a + mask) * k * width
         return saved
 
     def saved_by_final_norm(self, kernels: str, act_bytes: int) -> float:
@@ -177,7 +236,15 @@ class MoEProfile(DecoderProfile):
         scratch += a * k * d + (0 if kernels == "fused" else FP32_BYTES * k * d)
         if checkpointed:
             scratch += 4 * a * (k * self.expert_hidden_dim + self.shared_expert_hidden_dim) + a * k * d
+        # An adapted stacked weight: its base output, the adapters' update and its scaled copy before their sum.
+        scratch += 3 * a * k * sum(self._adapted_widths())
         return scratch + self.all_to_all_bytes(act_bytes)
+
+    def _adapted_widths(self) -> list[int]:
+        """The output width of each stacked expert weight an adapter sits on (w_gate_up: 2F, w_down: dim)."""
+        adapted = set(self._adapted(EXPERT_PROJECTIONS))
+        return ([2 * self.expert_hidden_dim] if adapted & {"expert_gate", "expert_up"} else []) + (
+            [self.shape.dim] if "expert_down" in adapted else [])
 
     def backward_scratch(self, kernels: str, act_bytes: int, seq_len: int) -> tuple[float, float]:
         """The MLP half: the gradients of the SwiGLU outputs and inputs (routed rows and shared expert), of the
@@ -185,6 +252,7 @@ class MoEProfile(DecoderProfile):
         the decoder's."""
         a, d, k = act_bytes, self.shape.dim, self.top_k
         mlp = 2 * a * (k * self.expert_hidden_dim + self.shared_expert_hidden_dim) + 2 * a * k * d
+        mlp += a * k * sum(self._adapted_widths())  # the gradient of an adapted weight's scaled update
         return mlp + self.all_to_all_bytes(act_bytes), super().backward_scratch(kernels, act_bytes, seq_len)[1]
 
     def all_to_all_bytes(self, act_bytes: int) -> float:
@@ -218,7 +286,7 @@ def profile_of(config: MoEConfig, name: str, lora: Any = None) -> MoEProfile:
         raise ValueError("model.config.tie_embeddings=true is not planned for MoE models yet; plan with false (an"
                          " upper bound: one more [vocab, dim] matrix)")
     return MoEProfile(
-        shape, name=name, block_class=BLOCK_CLASS, adapters=adapters(lora, unplanned=EXPERT_TARGETS),
+        shape, name=name, block_class=BLOCK_CLASS, adapters=adapters(lora, experts=True),
         qkv_bias=config.qkv_bias,
         qk_norm=config.qk_norm, n_experts=config.n_experts, top_k=config.top_k,
         expert_hidden_dim=config.expert_hidden_dim, shared_expert_hidden_dim=config.shared_expert_hidden_dim,
