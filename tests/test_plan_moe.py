@@ -438,3 +438,132 @@ def test_expert_parallelism_with_context_parallelism_splits_the_experts_and_the_
             - cp_step.layers[layer].forward_scratch("reference", 4, 128, False)) == a2a
     buffers = 2 * 200 * 2**20
     assert estimate(ep_cp).items["comm"] == 4 * buffers and estimate(cp).items["comm"] == 2 * buffers
+
+
+# ------------------------------------------------------------------------------------------- tensor parallelism
+# The parallel core's design for MoE under tensor_parallel_size (issue 33; npu_fsdp refuses it until it lands on
+# main): attention and dense MLPs split as today; an MoE layer routes the tokens gathered over the TP group on every
+# TP rank (router replicated), splits its shared expert like a dense MLP, runs each TP rank's 1/tp share of the routed
+# rows on whole experts (expert parallelism borrowing its ranks from dp_shard x cp x tp, ep innermost; the experts
+# FSDP-sharded over dp_shard x cp x tp / ep) and all-gathers the rows' outputs over the TP group.
+
+
+def _tp_spec(tp: int = 2, ep: int = 1, devices: int = 2, overrides: dict = QWEN2, **parallel):
+    from lightning_npu.plan import Parallelism, PlanSpec
+
+    profile = lightning_npu_memory_profile({"family": "moe", "preset": "tiny", "config": overrides})
+    return PlanSpec(model=profile.shape, profile=profile.with_expert_parallelism(ep), seq_len=64, micro_batch=2,
+                    devices=devices, precision="32-true", kernels="reference",
+                    parallel=Parallelism(tensor=tp, **parallel))
+
+
+def test_tensor_parallelism_splits_an_moe_layer_s_attention_and_shared_expert_not_its_routed_experts():
+    """tp 2 on 2 devices, a Qwen2-MoE (shared expert, dense first layer): attention's projections and the shared
+    expert split like a dense MLP (gate/up rows, down columns), the router and the shared expert's gate whole; the
+    routed experts whole (all 8), on the experts' own mesh of dp_shard x cp x tp = 2 ranks; the dense layer's MLP
+    split as the decoder's. Fails on the planner before, which refused tensor parallelism on MoE models."""
+    from lightning_npu.plan import RankLocalShape
+    from lightning_npu.plan.replay import _units
+
+    spec = _tp_spec()
+    config = MoEConfig.from_preset("tiny", **QWEN2)
+    d, f, q = config.dim, config.expert_hidden_dim, config.n_heads * config.head_dim
+    shared = config.shared_expert_hidden_dim
+    moe_layer = spec.profile.block_profile(1).block_parameters()
+    assert moe_layer.attention[1] == (q // 2, d)  # wq's rows split
+    assert moe_layer.mlp_input[:2] == ((d,), (config.n_experts, d))  # ffn_norm and router whole
+    experts = [shape for shape in moe_layer.shapes if isinstance(shape, RankLocalShape)]
+    assert [tuple(shape) for shape in experts] == [(8, 2 * f, d), (8, d, f)]
+    assert {(shape.replicas, shape.spread) for shape in experts} == {(1, 2)}
+    assert moe_layer.mlp_input[3:] == ((shared // 2, d), (shared // 2, d), (1, d))
+    assert (d, shared // 2) in moe_layer.mlp_output
+    dense = spec.profile.block_profile(0).block_parameters()
+    assert dense.mlp_input[1:] == ((config.dense_hidden_dim // 2, d),) * 2
+    units = _units(spec)
+    assert (spec.shard_group, units.experts[1].group, units.experts[0]) == (1, 2, None)
+    assert spec.profile.num_params() == config.num_params()
+
+
+@pytest.mark.parametrize(("devices", "tp", "ep", "cp", "group"), [
+    (2, 2, 2, 1, 1),  # ep is the tp group: each rank holds 4 experts, FSDP over 2 x 1 / 2 = 1 rank
+    (4, 2, 2, 1, 2),  # dp_shard 2 x tp 2 / ep 2 = 2 ranks hold the same 4 experts
+    (4, 2, 4, 1, 1),
+    (8, 2, 2, 2, 4),  # dp_shard 2 x cp 2 x tp 2 / ep 2
+])
+def test_expert_parallelism_under_tensor_parallelism_borrows_the_tensor_parallel_ranks(devices, tp, ep, cp, group):
+    """Each rank holds n_experts / ep whole experts, FSDP-sharded over dp_shard x cp x tp / ep ranks, so the
+    sharded states equal plain sharding's experts' over the world; its all-to-alls send and receive its 1/tp share
+    of the routed rows. Fails on the planner before, which refused tensor parallelism on MoE models."""
+    from lightning_npu.plan.replay import _units
+
+    spec = _tp_spec(tp=tp, ep=ep, devices=devices, overrides={}, context=cp)
+    config = MoEConfig.from_preset("tiny")
+    units = _units(spec)
+    layer = config.moe_layers[0]
+    assert units.experts[layer].group == group
+    assert units.experts[layer].exact == config.n_experts // ep * 3 * config.expert_hidden_dim * config.dim
+    experts = len(config.moe_layers) * 3 * config.n_experts * config.expert_hidden_dim * config.dim
+    assert units.experts[layer].shard * devices == experts // len(config.moe_layers)
+    assert spec.profile.all_to_all_bytes(4) == 2 * 4 * config.top_k * config.dim / tp
+
+
+def test_an_moe_layer_under_tensor_parallelism_keeps_its_share_of_the_routed_rows():
+    """Per token of a rank's own under tp 2 (sequence parallelism): the norm's tensors split by sequence; the
+    router's input (the gathered tokens), logits and top-k, the indices and the unpermute's rows whole (every TP
+    rank routes and unpermutes every row); the experts' input and SwiGLU interiors halved (the rank's 1/tp share of
+    the rows); the shared expert's interiors halved (split like a dense MLP)."""
+    plain, split = (_tp_spec(tp=tp).profile for tp in (1, 2))
+    whole = plain.block_profile(1).mlp_saved("reference", 4, True)
+    half = split.block_profile(1).mlp_saved("reference", 4, True)
+    assert set(whole) == set(half)
+    for name, value in whole.items():
+        if name.startswith(("ffn_norm", "experts'", "permuted rows", "shared expert gate/up", "shared expert silu",
+                            "shared expert swiglu")):
+            assert half[name] == value / 2, name
+        else:
+            assert half[name] == value, name
+
+
+def test_tensor_parallelism_on_moe_models_is_refused_where_the_design_cannot_split_them():
+    """A shared expert or dense width the tensor-parallel ranks cannot split, an expert_parallel_size that does
+    not divide dp_shard x cp x tp, hybrid sharding with experts split, and DeepSeek's MLA (no TP plan yet)."""
+    from lightning_npu.plan import Parallelism, PlanSpec
+    from recipes.models.deepseek.memory_profile import lightning_npu_memory_profile as deepseek_profile
+
+    with pytest.raises(PlanError, match=r"shared_expert_hidden_dim=50 is not divisible by tensor_parallel_size=4"):
+        _tp_spec(tp=4, devices=4, overrides=dict(QWEN2, shared_expert_hidden_dim=50))
+    with pytest.raises(PlanError, match=r"expert_parallel_size=4 does not divide dp_shard=1 x context_parallel_size=1"
+                                        r" x tensor_parallel_size=2 = 2"):
+        _tp_spec(tp=2, ep=4, devices=2, overrides={})
+    moe = lightning_npu_memory_profile({"family": "moe", "preset": "tiny"}).with_expert_parallelism(2)
+    with pytest.raises(PlanError, match=r"expert_parallel_size=2 works with sharding='full' only"):
+        PlanSpec(model=moe.shape, profile=moe, seq_len=64, micro_batch=1, devices=2, nodes=2, sharding="hybrid",
+                 parallel=Parallelism(tensor=2))
+    deepseek = deepseek_profile({"family": "deepseek", "preset": "tiny"})
+    with pytest.raises(PlanError, match=r"its attention is MLA, which the recipe's tensor-parallel plan does not"):
+        PlanSpec(model=deepseek.shape, profile=deepseek, seq_len=64, micro_batch=1, devices=2,
+                 parallel=Parallelism(tensor=2))
+
+
+def test_the_moe_tensor_parallel_accuracy_cases_plan():
+    """The benchmark's cases that wait for MoE under tensor parallelism in npu_fsdp (CASES_AWAITING_MOE_TENSOR_
+    PARALLELISM: measured once main's parallel core trains them) are planned today, each rank holding its share."""
+    from benchmarks.plan_accuracy import CASES_AWAITING_MOE_TENSOR_PARALLELISM, case_spec
+
+    assert CASES_AWAITING_MOE_TENSOR_PARALLELISM
+    for name, case in CASES_AWAITING_MOE_TENSOR_PARALLELISM.items():
+        spec = case_spec(case)
+        assert spec.parallel.tensor == case["tp"] and spec.profile.expert_parallel_size == case.get("ep", 1), name
+        assert estimate(spec).total > 0
+
+
+def test_the_plan_names_its_expert_parallelism(tmp_path, capsys):
+    """The table's header and the JSON report say expert_parallel_size next to tensor and context parallelism."""
+    from lightning_npu.cli import main
+
+    config = _tiny_moe_config(tmp_path, expert_parallel_size=2, tensor_parallel_size=2)
+    assert main(["plan", "--config", str(config)]) == 0
+    assert "tensor parallel 2 (sequence parallel, loss parallel), expert parallel 2," in capsys.readouterr().out
+    assert main(["plan", "--config", str(config), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["expert_parallel_size"], plan["parallel"]["tensor"]) == (2, 2)

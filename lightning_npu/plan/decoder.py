@@ -50,23 +50,26 @@ TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 
 
 class RankLocalShape(tuple):
-    """The shape one rank holds of a parameter on a mesh of its own (an MoE layer's experts under expert
+    """The shape one rank holds of a parameter on a mesh of its own (an MoE layer's experts under expert or tensor
     parallelism, which npu_fsdp shards as an FSDP unit of their own, nested in the block's): ``replicas`` groups of
     ranks each hold a different part ([n_experts / expert_parallel_size, ...] on an expert-parallel rank), and FSDP2
-    shards it over the ranks of the shard group that hold the same part (the group divided by ``replicas``). The
-    model has ``replicas`` x its numel. The replay gathers, frees and reduce-scatters a block's rank-local
-    parameters as that nested unit."""
+    shards it over the ranks of the shard group times ``spread`` that hold the same part (the group times
+    ``spread``, divided by ``replicas``). ``spread``: the tensor-parallel ranks, which hold the same routed experts
+    (not split by tensor parallelism) and lend their ranks to the experts' mesh. The model has ``replicas`` x its
+    numel. The replay gathers, frees and reduce-scatters a block's rank-local parameters as that nested unit."""
 
     replicas: int
+    spread: int
 
-    def __new__(cls, shape: Shape, replicas: int) -> "RankLocalShape":
+    def __new__(cls, shape: Shape, replicas: int, spread: int = 1) -> "RankLocalShape":
         made = super().__new__(cls, shape)
         made.replicas = replicas
+        made.spread = spread
         return made
 
     def shard_group(self, group: int) -> int:
         """The ranks FSDP2 shards it over, for a block whose other parameters are sharded over ``group``."""
-        return group // self.replicas
+        return group * self.spread // self.replicas
 
 
 @dataclass(frozen=True)
@@ -223,19 +226,16 @@ class DecoderProfile:
 
     def tensor_parallel_problems(self, tp: int, *, seq_len: int, sequence_parallel: bool) -> list[str]:
         """What keeps ``tp`` ranks from splitting this model as the recipe's plan does (its checks: heads, kv heads,
-        ffn and vocabulary, the sequence with sequence parallelism), each with its numbers; a profile whose MLP or
-        root unit is not the decoder's (experts, tied embeddings) or that trains adapters has no plan to model."""
+        ffn and vocabulary, the sequence with sequence parallelism: ``tensor_parallel_sizes``), each with its
+        numbers; a profile with parts no plan splits (``unsplit_parts``: an MLP other than the decoder's that says
+        nothing of tensor parallelism), a root unit other than the decoder's (tied embeddings) or adapters has no
+        plan to model."""
         if tp == 1:
             return []
-        m = self.shape
-        sizes = [("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("vocab_size", m.vocab_size),
-                 ("ffn_hidden_dim", m.ffn_hidden_dim)]
+        sizes = self.tensor_parallel_sizes()
         problems = indivisible_by_tensor_parallel(tp, sizes + ([("data.seq_len", seq_len)] if sequence_parallel
                                                                else []))
-        if type(self).mlp_parameters is not DecoderProfile.mlp_parameters:
-            problems.append(f"its MLP is not the decoder's dense SwiGLU (experts), which the recipe's tensor-parallel"
-                            " plan does not split; train it with data parallelism (tensor_parallel_size: 1) and, for"
-                            " long sequences, context_parallel_size")
+        problems += self.unsplit_parts()
         if type(self).root_parameters is not DecoderProfile.root_parameters:
             problems.append("its root unit is not an untied embedding and output head (tie_embeddings): the lookup"
                             " splits the embedding by vocabulary rows and the head by vocabulary columns, so one tied"
@@ -244,6 +244,22 @@ class DecoderProfile:
             problems.append("LoRA adapters have no tensor-parallel plan (a LoRA run trains few parameters: plain"
                             " npu_fsdp sharding fits the frozen base)")
         return problems
+
+    def tensor_parallel_sizes(self) -> list[tuple[str, int]]:
+        """The model's sizes the tensor-parallel ranks split (each must divide by tp): heads, kv heads, vocabulary
+        and the MLP's width."""
+        m = self.shape
+        return [("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("vocab_size", m.vocab_size),
+                ("ffn_hidden_dim", m.ffn_hidden_dim)]
+
+    def unsplit_parts(self) -> list[str]:
+        """The parts of the block the recipe's tensor-parallel plan does not split (a problem each): an MLP other
+        than the decoder's dense SwiGLU, unless the subclass says how tensor parallelism splits it."""
+        if type(self).mlp_parameters is not DecoderProfile.mlp_parameters:
+            return ["its MLP is not the decoder's dense SwiGLU (experts), which the recipe's tensor-parallel plan"
+                    " does not split; train it with data parallelism (tensor_parallel_size: 1) and, for long"
+                    " sequences, context_parallel_size"]
+        return []
 
     def unsplit(self) -> "DecoderProfile":
         """This profile without tensor or context parallelism (the whole model's counts)."""

@@ -133,9 +133,9 @@ class PlanSpec:
             raise PlanError(f"device memory {self.device_memory_gib!r} GiB must be positive")
         self._check_parallelism()
         experts = self.profile.expert_parallel_size
-        if self.shard_group % experts:
+        if self.expert_ranks % experts:
             raise PlanError(
-                f"expert_parallel_size={experts} does not divide the {self.shard_group} devices parameters are sharded"
+                f"expert_parallel_size={experts} does not divide the {self.expert_ranks} devices parameters are sharded"
                 f" over ({self.nodes} nodes x {self.devices} devices{', hybrid' if self.sharding == 'hybrid' else ''});"
                 " choose a divisor"
             )
@@ -161,8 +161,11 @@ class PlanSpec:
         layout = checked(options.MeshLayout.for_run, num_nodes=self.nodes, devices_per_node=self.devices,
                           sharding=self.sharding, tensor_parallel_size=parallel.tensor,
                           context_parallel_size=parallel.context)
-        if self.profile.expert_parallel_size > 1:
-            checked(options.check_expert_parallel_size, self.profile.expert_parallel_size, layout, self.sharding)
+        experts = self.profile.expert_parallel_size
+        if experts > 1 and parallel.tensor > 1:
+            check_expert_parallel_under_tensor_parallel(experts, layout, self.sharding)
+        elif experts > 1:
+            checked(options.check_expert_parallel_size, experts, layout, self.sharding)
         checked(options.check_context_parallel_shapes, parallel.context, parallel.context_algo,
                  heads=self.model.n_heads, seq_len=self.seq_len, tp=parallel.tensor)
         object.__setattr__(self, "profile", self.profile.with_parallelism(parallel, seq_len=self.seq_len))
@@ -178,6 +181,13 @@ class PlanSpec:
         return (self.devices if self.sharding == "hybrid" else self.world_size) // self.parallel.tensor
 
     @property
+    def expert_ranks(self) -> int:
+        """Devices an expert-parallel group borrows its ranks from: those the experts are sharded over before the
+        split (``dp_shard x cp``, and the tensor-parallel ranks, which hold the same routed experts: ``dp_shard x cp
+        x tp``)."""
+        return self.shard_group * self.parallel.tensor
+
+    @property
     def local_seq_len(self) -> int:
         """Tokens of each sequence a rank holds: the sequence over the context-parallel ranks."""
         return self.seq_len // self.parallel.context
@@ -190,6 +200,24 @@ class PlanSpec:
     @property
     def bytes(self) -> PrecisionBytes:
         return PRECISIONS[self.precision]
+
+
+def check_expert_parallel_under_tensor_parallel(value: int, layout: options.MeshLayout, sharding: str) -> None:
+    """Expert parallelism with tensor parallelism as the parallel core's design for MoE plans it (issue 33; npu_fsdp
+    refuses the pair until it lands): the expert-parallel ranks are borrowed from ``dp_shard x cp x tp``, ep
+    innermost (with tp = ep the expert group is the tensor-parallel group), so ep must divide that many; full
+    sharding only, as with expert parallelism alone. PlanError with the numbers and the fix."""
+    if sharding != "full":
+        raise PlanError(f"expert_parallel_size={value} works with sharding='full' only (got sharding={sharding!r});"
+                        " drop one of the two")
+    borrowed = layout.dp_shard * layout.cp * layout.tp
+    if borrowed % value:
+        divisors = ", ".join(str(d) for d in range(1, borrowed + 1) if borrowed % d == 0)
+        raise PlanError(
+            f"expert_parallel_size={value} does not divide dp_shard={layout.dp_shard} x context_parallel_size="
+            f"{layout.cp} x tensor_parallel_size={layout.tp} = {borrowed}: under tensor parallelism the"
+            f" expert-parallel groups are carved out of those ranks; use a divisor of {borrowed} ({divisors})"
+        )
 
 
 def check_zero_stage(stage: Any) -> None:

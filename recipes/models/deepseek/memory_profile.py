@@ -54,6 +54,11 @@ class MLAProfile(DecoderProfile):
     def quantized_groups(self) -> tuple[str, ...]:
         return ATTENTION_QUANTIZED
 
+    def unsplit_parts(self) -> list[str]:
+        """MLA has no tensor-parallel plan in the recipe (DeepSeek trains without TP for now)."""
+        return [*super().unsplit_parts(), "its attention is MLA, which the recipe's tensor-parallel plan does not"
+                " split yet; train it with data, expert and context parallelism (tensor_parallel_size: 1)"]
+
     def base_block_parameters(self) -> BlockParameters:
         m, heads = self.shape, self.shape.n_heads
         nope = m.head_dim - self.qk_rope_head_dim

@@ -18,7 +18,15 @@ free head_dim); ``MoEProfile`` replaces the MLP half of each MoE layer by what m
 - under expert parallelism (``expert_parallel_size`` N) each rank holds E / N experts, gathered and given
   gradients as such, sharded over the ranks that hold the same experts as an FSDP unit of their own (npu_fsdp's
   ``shard_experts``); every all-to-all holds a send and a receive buffer of T x k rows, and the expert group and
-  FSDP's group over the experts' mesh are HCCL communicators of their own.
+  FSDP's group over the experts' mesh are HCCL communicators of their own;
+- LoRA on the experts (``expert_gate``, ``expert_up``, ``expert_down``): per-expert adapters stacked like the
+  experts' weights, what their grouped matmuls keep (the rank-r intermediate, the input A reads or its dropped-out
+  copy and mask), and the gradients that then flow through the frozen experts;
+- under tensor parallelism (tp), as the parallel core's design for MoE splits a layer (issue 33; npu_fsdp refuses
+  it until that lands): the router replicated and fed the tokens gathered over the tp group, the shared expert split
+  like a dense MLP, the routed experts whole, each tp rank running a 1/tp share of the routed rows (its own tensor:
+  the all-to-all's output under expert parallelism) and all-gathering the rows' outputs; the experts on a mesh of
+  dp_shard x cp x tp ranks, expert parallelism borrowing its ranks there.
 
 A layer's logits live until the next forward in the model, the replay frees them at the layer's backward; at
 T x E x 4 bytes a layer that is well under the tolerance (tiny configs: 4 KiB; Qwen3-30B-A3B at 4096 tokens: 2 MiB).
@@ -90,7 +98,7 @@ class MoEProfile(DecoderProfile):
         """A dense layer is the decoder's SwiGLU block (of the shape's ``ffn_hidden_dim``); an MoE layer this."""
         if layer in self.dense_layers:
             return DenseLayerProfile(self.shape, self.name, self.block_class, self.adapters, self.qkv_bias,
-                                     self.qk_norm)
+                                     self.qk_norm, self.parallel)
         return self
 
     def quantized_groups(self) -> tuple[str, ...]:
@@ -106,7 +114,8 @@ class MoEProfile(DecoderProfile):
     def mlp_parameters(self) -> tuple[tuple[Shape, ...], tuple[Shape, ...]]:
         """ffn_norm, the router, the local experts' w_gate_up, the shared expert's w_gate, w_up and gate; then the
         experts' and the shared expert's w_down."""
-        d, f, shared = self.shape.dim, self.expert_hidden_dim, self.shared_expert_hidden_dim
+        d, f = self.shape.dim, self.expert_hidden_dim
+        shared = self.shared_expert_hidden_dim // self.parallel.tensor  # split like a dense MLP
         mlp_input: tuple[Shape, ...] = ((d,), (self.n_experts, d), self.experts_shape(2 * f, d))
         mlp_output: tuple[Shape, ...] = (self.experts_shape(d, f),)
         if shared:
@@ -133,12 +142,35 @@ class MoEProfile(DecoderProfile):
 
     def experts_shape(self, rows: int, columns: int) -> Shape:
         """A stacked [experts, rows, columns] parameter of the experts module (a weight or an adapter) as one rank
-        holds it: all the experts, in the block's FSDP unit; under expert parallelism its E / N experts, on the
-        experts' own mesh (``RankLocalShape``: npu_fsdp shards the experts module as a unit of its own over the
-        ranks that hold the same experts)."""
-        ep = self.expert_parallel_size
+        holds it: all the experts, in the block's FSDP unit; under expert or tensor parallelism its E / N experts
+        (unsplit by tensor parallelism), on the experts' own mesh (``RankLocalShape``: npu_fsdp shards the experts
+        module as a unit of its own over the ranks that hold the same experts, dp_shard x cp x tp / N)."""
+        ep, tp = self.expert_parallel_size, self.parallel.tensor
         shape = (self.n_experts // ep, rows, columns)
-        return RankLocalShape(shape, ep) if ep > 1 else shape
+        return RankLocalShape(shape, ep, tp) if ep > 1 or tp > 1 else shape
+
+    def tensor_parallel_sizes(self) -> list[tuple[str, int]]:
+        """Attention's and the vocabulary's, the dense layers' width and the shared expert's (split like a dense
+        MLP); not the routed experts' (each tensor-parallel rank runs whole experts on a share of the rows)."""
+        m = self.shape
+        sizes = [("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("vocab_size", m.vocab_size)]
+        if self.dense_layers:
+            sizes.append(("dense_hidden_dim", m.ffn_hidden_dim))
+        if self.shared_expert_hidden_dim:
+            sizes.append(("shared_expert_hidden_dim", self.shared_expert_hidden_dim))
+        return sizes
+
+    def unsplit_parts(self) -> list[str]:
+        """None: under tensor parallelism an MoE layer routes the tokens gathered over the tensor-parallel group on
+        every rank (router replicated), splits the shared expert like a dense MLP, runs each rank's 1/tp share of
+        the routed rows on whole experts (expert parallelism borrowing its ranks from dp_shard x cp x tp) and
+        all-gathers the rows' outputs over the group (the parallel core's design for MoE, issue 33)."""
+        return []
+
+    @property
+    def routed_share(self) -> int:
+        """How many ranks split the routed rows of a rank's tokens: the tensor-parallel ranks (1 without)."""
+        return self.parallel.tensor
 
     # ------------------------------------------------------------------------------------------ activations
 
@@ -152,7 +184,8 @@ class MoEProfile(DecoderProfile):
         expert_adapters = self._adapted(EXPERT_PROJECTIONS)
         if not (residual_grad or trains or expert_adapters):
             return {}
-        d, k, experts, shared = self.shape.dim, self.top_k, self.n_experts, self.shared_expert_hidden_dim
+        d, k, experts, tp = self.shape.dim, self.top_k, self.n_experts, self.routed_share
+        shared = self.shared_expert_hidden_dim // self.parallel.tensor
         fused = kernels == "fused"
         dropout = self.adapters is not None and self.adapters.dropout
         probs_grad = residual_grad or trains  # the router's logits need a gradient
@@ -161,7 +194,9 @@ class MoEProfile(DecoderProfile):
         gate_up_grad = residual_grad or trains or bool({"expert_gate", "expert_up"}.intersection(expert_adapters))
         saved: dict[str, float] = {}
         if residual_grad:
-            saved.update(self._norm_saved("ffn_norm", kernels, a, trains))
+            saved.update(self._between_blocks_norm("ffn_norm", kernels, a, trains))
+        # Under tensor parallelism the router sees the tokens gathered over the group (the MLP's input, as a dense
+        # MLP's), and the indices and the unpermute cover every routed row; the experts run a 1/tp share of them.
         if trains:  # the router's fp32 copy of the tokens (the tokens themselves in fp32), the shared expert's input
             if a == FP32_BYTES:
                 saved["router (and shared expert) input"] = a * d
@@ -185,9 +220,9 @@ class MoEProfile(DecoderProfile):
         keeps_rows = trains or (fused and residual_grad) or (
             bool({"expert_gate", "expert_up"}.intersection(expert_adapters)) and not dropout)
         if keeps_rows:
-            saved["permuted rows (gate/up grouped matmul input)"] = a * k * d
+            saved["permuted rows (gate/up grouped matmul input)"] = a * k * d / tp
         keeps_down_input = trains or (fused and gate_up_grad) or ("expert_down" in expert_adapters and not dropout)
-        saved.update(self._swiglu_saved("experts' ", kernels, a, k * self.expert_hidden_dim, gate_up_grad,
+        saved.update(self._swiglu_saved("experts' ", kernels, a, k * self.expert_hidden_dim / tp, gate_up_grad,
                                         keeps_down_input))
         saved.update(self._expert_adapters_saved(kernels, a, residual_grad, gate_up_grad))
         if fused:
@@ -228,37 +263,45 @@ class MoEProfile(DecoderProfile):
     def forward_scratch(self, kernels: str, act_bytes: int, seq_len: int, checkpointed: bool) -> float:
         """The decoder's, with the routed rows in place of a dense MLP: the experts' output rows and (reference
         path) their fp32 weighted copy exist together before the sum over choices; a checkpointed block holds its
-        routed interiors at once; each all-to-all of expert parallelism its send and receive buffers."""
-        a, d, k = act_bytes, self.shape.dim, self.top_k
-        scratch = a * d + (0 if kernels == "fused" else FP32_BYTES * d)
+        routed interiors at once; each all-to-all of expert parallelism its send and receive buffers. Under tensor
+        parallelism the experts' interiors and the all-to-alls are the rank's 1/tp share of the rows, the rows
+        before the unpermute every rank's (the all-gather's output, beside the rank's own)."""
+        a, d, k, tp = act_bytes, self.shape.dim, self.top_k, self.routed_share
+        shared = self.shared_expert_hidden_dim / self.parallel.tensor
+        scratch = (a * d + (0 if kernels == "fused" else FP32_BYTES * d)) / self.parallel.between_blocks
         if kernels == "eager":
-            scratch += FP32_BYTES * self.shape.n_heads * seq_len
+            scratch += FP32_BYTES * self.local_heads * seq_len
         scratch += a * k * d + (0 if kernels == "fused" else FP32_BYTES * k * d)
+        if tp > 1:
+            scratch += a * k * d / tp  # the rank's own experts' output, all-gathered into the rows above
         if checkpointed:
-            scratch += 4 * a * (k * self.expert_hidden_dim + self.shared_expert_hidden_dim) + a * k * d
+            scratch += 4 * a * (k * self.expert_hidden_dim / tp + shared) + a * k * d / tp
         # An adapted stacked weight: its base output, the adapters' update and its scaled copy before their sum.
         scratch += 3 * a * k * sum(self._adapted_widths())
         return scratch + self.all_to_all_bytes(act_bytes)
+
+    def backward_scratch(self, kernels: str, act_bytes: int, seq_len: int) -> tuple[float, float]:
+        """The MLP half: the gradients of the SwiGLU outputs and inputs (routed rows and shared expert), of the
+        routed rows entering the unpermute and leaving the permute (and, under tensor parallelism, of the rank's
+        share the all-gather's backward keeps), and the all-to-all buffers; attention's is the decoder's."""
+        a, d, k, tp = act_bytes, self.shape.dim, self.top_k, self.routed_share
+        shared = self.shared_expert_hidden_dim / self.parallel.tensor
+        mlp = 2 * a * (k * self.expert_hidden_dim / tp + shared) + 2 * a * k * d + (a * k * d / tp if tp > 1 else 0)
+        mlp += a * k * sum(self._adapted_widths())  # the gradient of an adapted weight's scaled update
+        return mlp + self.all_to_all_bytes(act_bytes), super().backward_scratch(kernels, act_bytes, seq_len)[1]
+
+    def all_to_all_bytes(self, act_bytes: int) -> float:
+        """Per token, the send and receive buffers of an expert-parallel all-to-all of the rank's routed rows (its
+        1/tp share under tensor parallelism; none without expert parallelism)."""
+        if self.expert_parallel_size == 1:
+            return 0.0
+        return 2 * act_bytes * self.top_k * self.shape.dim / self.routed_share
 
     def _adapted_widths(self) -> list[int]:
         """The output width of each stacked expert weight an adapter sits on (w_gate_up: 2F, w_down: dim)."""
         adapted = set(self._adapted(EXPERT_PROJECTIONS))
         return ([2 * self.expert_hidden_dim] if adapted & {"expert_gate", "expert_up"} else []) + (
             [self.shape.dim] if "expert_down" in adapted else [])
-
-    def backward_scratch(self, kernels: str, act_bytes: int, seq_len: int) -> tuple[float, float]:
-        """The MLP half: the gradients of the SwiGLU outputs and inputs (routed rows and shared expert), of the
-        routed rows entering the unpermute and leaving the permute, and the all-to-all buffers; attention's is
-        the decoder's."""
-        a, d, k = act_bytes, self.shape.dim, self.top_k
-        mlp = 2 * a * (k * self.expert_hidden_dim + self.shared_expert_hidden_dim) + 2 * a * k * d
-        mlp += a * k * sum(self._adapted_widths())  # the gradient of an adapted weight's scaled update
-        return mlp + self.all_to_all_bytes(act_bytes), super().backward_scratch(kernels, act_bytes, seq_len)[1]
-
-    def all_to_all_bytes(self, act_bytes: int) -> float:
-        """Per token, the send and receive buffers of an expert-parallel all-to-all of the routed rows (none
-        without expert parallelism)."""
-        return 2 * act_bytes * self.top_k * self.shape.dim if self.expert_parallel_size > 1 else 0.0
 
 
 #: The block groups whose matrices the MoE family quantizes under ``lora.base_quantization`` (its ``lora_sites``).
