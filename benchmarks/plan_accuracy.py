@@ -1,15 +1,15 @@
 """How close is ``lightning-npu plan`` to the real peak memory of training? Measured on the CPU.
 
-    python benchmarks/plan_accuracy.py                 # all 28 cases, ~11 min on 2 cores
+    python benchmarks/plan_accuracy.py                 # all 39 cases, ~13 min on 2 cores
     python benchmarks/plan_accuracy.py --cases base,ac1 --out /tmp/plan_accuracy.json
     python benchmarks/plan_accuracy.py --cases tp2,cp2_ring --update  # re-measure some, keep the other rows
 
 Each case trains the recipe's DecoderLM LightningModule for a few steps with
 ``Trainer(accelerator="npu", strategy=NPUFSDPStrategy(...))`` on the simulated runtime
 (LIGHTNING_NPU_SIMULATE=<devices>), varying width, depth, sequence, micro-batch, ZeRO stage, activation
-checkpointing, precision, attention kernel, gradient accumulation, and tensor and context parallelism (the
+checkpointing, precision, attention kernel, gradient accumulation, tensor and context parallelism (the
 recipe's TP plan with and without sequence parallelism and loss_parallel; Ulysses and ring attention; both
-together). The planner's estimate for the same configuration (its CPU settings: PyTorch reference kernels, per-tensor AdamW, no HCCL buffers, no allowance) is
+together), expert parallelism, alone and with context parallelism, and LoRA on the experts. The planner's estimate for the same configuration (its CPU settings: PyTorch reference kernels, per-tensor AdamW, no HCCL buffers, no allowance) is
 compared with the measured peak of the steady-state steps (after the optimizer states exist).
 
 How the peak is measured, and why it can be trusted. PyTorch's CPU allocator reports every allocation and free
@@ -104,6 +104,52 @@ CASES: dict[str, dict[str, Any]] = {
                                tp=2, cp=2, cp_algo="ring"),
     "tp2_cp2_ulysses_bf16": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=4, zero=3,
                                  ac=0.0, tp=2, cp=2, cp_algo="ulysses", precision="bf16-mixed"),
+    # Expert parallelism (npu_fsdp's expert_parallel_size: the experts split over ep ranks borrowed from dp_shard x cp,
+    # an FSDP unit of their own over the ranks holding the same ones; the rows exchanged by all-to-all), alone on
+    # experts that outweigh the rest of each block, and with context parallelism (Ulysses and ring) on the tiny MoE
+    # and the tiny DeepSeek (MLA, shared expert, a dense first layer).
+    "moe_ep2_zero3_heavy": dict(family="moe", model=dict(n_experts=16, expert_hidden_dim=512), seq=64, batch=2,
+                                devices=4, zero=3, ac=0.0, ep=2),
+    "moe_ep2_cp2_ulysses": dict(family="moe", model={}, seq=256, batch=4, devices=4, zero=3, ac=0.0, ep=2, cp=2,
+                                cp_algo="ulysses"),
+    "moe_ep2_cp2_ring_zero2_ac05": dict(family="moe", model={}, seq=256, batch=4, devices=4, zero=2, ac=0.5, ep=2,
+                                        cp=2, cp_algo="ring"),
+    "moe_ep2_cp2_ring_heavy": dict(family="moe", model=dict(n_experts=16, expert_hidden_dim=512), seq=64, batch=2,
+                                   devices=4, zero=3, ac=0.0, ep=2, cp=2, cp_algo="ring"),
+    "deepseek_ep2_cp2_ulysses_bf16": dict(family="deepseek", model={}, seq=256, batch=4, devices=4, zero=3, ac=0.0,
+                                          ep=2, cp=2, cp_algo="ulysses", precision="bf16-mixed"),
+    "deepseek_ep2_cp2_ring": dict(family="deepseek", model={}, seq=256, batch=4, devices=4, zero=3, ac=0.0, ep=2,
+                                  cp=2, cp_algo="ring"),
+    # LoRA on the experts (lora.targets expert_gate / expert_up / expert_down: per-expert adapters stacked like the
+    # experts, everything else frozen): alone; with attention's and dropout on a Qwen2-MoE (shared expert, dense
+    # first layer); with half the blocks checkpointed; under ep 2 x cp 2; on DeepSeek with MLA's output, bf16.
+    "moe_expert_lora": dict(family="moe", model={}, seq=256, batch=4, devices=2, zero=3, ac=0.0,
+                            lora=dict(rank=8, targets=["expert_gate", "expert_up", "expert_down"])),
+    "moe_qwen2_expert_lora_dropout_zero2": dict(family="moe", model=dict(
+        architecture="qwen2_moe", shared_expert_hidden_dim=192, dense_layers=[0], dense_hidden_dim=256,
+        qkv_bias=True, norm_topk_prob=False), seq=256, batch=4, devices=2, zero=2, ac=0.0,
+        lora=dict(rank=8, dropout=0.1, targets=["q", "v", "expert_gate", "expert_down"])),
+    "moe_expert_lora_ac05": dict(family="moe", model={}, seq=256, batch=4, devices=2, zero=3, ac=0.5,
+                                 lora=dict(rank=16, targets=["expert_gate", "expert_up"])),
+    "moe_expert_lora_ep2_cp2": dict(family="moe", model={}, seq=256, batch=4, devices=4, zero=3, ac=0.0, ep=2, cp=2,
+                                    cp_algo="ulysses", lora=dict(rank=8, targets=["expert_up", "expert_down"])),
+    "deepseek_expert_lora_bf16": dict(family="deepseek", model={}, seq=256, batch=4, devices=2, zero=3, ac=0.0,
+                                      precision="bf16-mixed",
+                                      lora=dict(rank=8, targets=["o", "expert_gate", "expert_up", "expert_down"])),
+}
+#: Cases of MoE models under tensor parallelism, with and without expert parallelism, as the parallel core's design
+#: splits them (issue 33: attention and dense MLPs as today, the router replicated, the shared expert split like a
+#: dense MLP, each TP rank's 1/tp share of the routed rows on whole experts, ep borrowing its ranks from dp_shard x cp
+#: x tp). npu_fsdp refuses these until that design lands on main; ``--cases`` runs them by name, and they are not
+#: among the default cases.
+CASES_AWAITING_MOE_TENSOR_PARALLELISM: dict[str, dict[str, Any]] = {
+    "moe_tp2": dict(family="moe", model=dict(
+        architecture="qwen2_moe", shared_expert_hidden_dim=192, dense_layers=[0], dense_hidden_dim=256,
+        qkv_bias=True, norm_topk_prob=False), seq=256, batch=4, devices=2, zero=3, ac=0.0, tp=2),
+    "moe_tp2_ep2": dict(family="moe", model={}, seq=256, batch=4, devices=2, zero=3, ac=0.0, tp=2, ep=2),
+    "moe_tp2_ep2_dev4_zero2": dict(family="moe", model={}, seq=256, batch=4, devices=4, zero=2, ac=0.0, tp=2, ep=2),
+    "moe_tp2_ep2_cp2_ring": dict(family="moe", model={}, seq=256, batch=4, devices=4, zero=3, ac=0.0, tp=2, ep=2,
+                                 cp=2, cp_algo="ring"),
 }
 STEPS = 4  # optimizer steps per run (a case's "steps" overrides it); the first is excluded (no optimizer states yet)
 
@@ -124,6 +170,7 @@ def case_spec(case: dict[str, Any]):
     module = importlib.import_module(BLOCKS[family].rpartition(".model.")[0] + ".memory_profile")
     profile = module.lightning_npu_memory_profile(
         {"family": family, "preset": "tiny", "config": case["model"], "lora": case.get("lora")})
+    profile = profile.with_expert_parallelism(case.get("ep", 1))
     return PlanSpec(
         model=profile.shape,
         profile=profile,
@@ -188,6 +235,11 @@ def worker(case: dict[str, Any], out: Path) -> None:
 
         module.lora = LoRAConfig.from_value(case["lora"])
         module.on_fit_start = lambda: None  # nothing to load
+        if any(target.startswith("expert_") for target in module.lora.targets):
+            # Built here with its values (as tests/scripts/expert_lora_ep_run.py builds it), not on the meta device
+            # inside fit: npu_fsdp would reset the stacked adapters' meta parameters once sharded, and their
+            # per-expert initialisation iterates a DTensor along its sharded dim, which DTensor refuses.
+            module.configure_model()
     vocab, seq, batch = module.config.vocab_size, case["seq"], case["batch"]
     accumulate = case.get("accumulate", 1)
     steps = case.get("steps", STEPS)
@@ -228,6 +280,8 @@ def worker(case: dict[str, Any], out: Path) -> None:
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case["devices"] * case.get("nodes", 1))
         backend = "fake"
+        if case.get("ep", 1) > 1:
+            _balanced_all_to_all()
     strategy = NPUFSDPStrategy(
         auto_wrap_policy=[block],
         zero_stage=case["zero"],
@@ -239,6 +293,7 @@ def worker(case: dict[str, Any], out: Path) -> None:
         context_parallel_algo=case.get("cp_algo", "ulysses"),
         sequence_parallel=case.get("sequence_parallel", True),
         loss_parallel=case.get("loss_parallel", True),
+        expert_parallel_size=case.get("ep", 1),
         timeout=600,
         process_group_backend=backend,
     )
@@ -283,6 +338,26 @@ def worker(case: dict[str, Any], out: Path) -> None:
         "fit_seconds": seconds,
     }
     out.with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def _balanced_all_to_all() -> None:
+    """Under the fake process group every collective leaves its output as it was allocated, but expert parallelism
+    reads the per-expert counts its all-to-all exchanges on the host and sizes the rows' exchange by them. So for
+    the expert-parallel cases ``all_to_all_single`` returns what this rank sent (in place, allocating nothing): every
+    rank routes as rank 0 does, so each receives as many rows as it sends (T x top_k; the balanced exchange the
+    planner plans for), and the split sizes stay consistent."""
+    import torch.distributed as dist
+
+    exchange = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        work = exchange(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        if output.shape == input.shape:
+            output.copy_(input)
+        return work
+
+    dist.all_to_all_single = all_to_all_single
 
 
 def _data_parallel(case: dict[str, Any]) -> int:
@@ -374,7 +449,9 @@ def compare(name: str, case: dict[str, Any], workdir: Path, timeout: float = 900
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated subset of {', '.join(CASES)} (default: all of them), or of the cases"
+                             f" awaiting MoE under tensor parallelism, {', '.join(CASES_AWAITING_MOE_TENSOR_PARALLELISM)}")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")), help="where the JSON result goes")
     parser.add_argument("--backend", choices=("fake", "gloo"), default="fake",
                         help="fake: one process poses as rank 0 of N (exact, default); gloo: N real processes, whose"
@@ -391,27 +468,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CASES]
+    known = {**CASES, **CASES_AWAITING_MOE_TENSOR_PARALLELISM}
+    unknown = [n for n in names if n not in known]
     if unknown:
-        parser.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
+        parser.error(f"unknown case(s) {unknown}; choose from {', '.join(known)}")
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for name in names:
-            row = compare(name, dict(CASES[name], backend=args.backend), Path(workdir))
+            row = compare(name, dict(known[name], backend=args.backend), Path(workdir))
             rows.append(row)
-            print(f"{name:<16} predicted {row['predicted_mib']:8.1f} MiB  measured {row['measured_mib']:8.1f} MiB"
+            print(f"{name:<30} predicted {row['predicted_mib']:8.1f} MiB  measured {row['measured_mib']:8.1f} MiB"
                   f"  error {row['error_pct']:+6.1f}%   ({row['wall_seconds']:.0f} s)", flush=True)
     if args.update and Path(args.out).is_file():
         run = {row["case"] for row in rows}
         kept = [row for row in json.loads(Path(args.out).read_text())["rows"] if row["case"] not in run]
-        rows = sorted(kept + rows, key=lambda row: list(CASES).index(row["case"]) if row["case"] in CASES else 0)
+        rows = sorted(kept + rows, key=lambda row: list(known).index(row["case"]) if row["case"] in known else 0)
     print()
-    print(f"{'case':<20}{'zero':>5}{'AC':>5}{'prec':>11}{'kernels':>10}{'world':>6}{'tokens':>7}"
+    print(f"{'case':<30}{'zero':>5}{'AC':>5}{'prec':>11}{'kernels':>10}{'world':>6}{'tokens':>7}"
           f"{'plan MiB':>10}{'real MiB':>10}{'error':>8}{'state chk':>11}")
     for r in rows:
         c = r["config"]
         extra = r["check_live_minus_state_mib"]
-        print(f"{r['case'] + (' (h)' if c.get('holdout') else ''):<20}{c['zero']:>5}{c['ac']:>5.2f}"
+        print(f"{r['case'] + (' (h)' if c.get('holdout') else ''):<30}{c['zero']:>5}{c['ac']:>5.2f}"
               f"{c.get('precision', '32-true'):>11}{c.get('kernels', 'reference'):>10}"
               f"{c['devices'] * c.get('nodes', 1):>6}{c['seq'] * c['batch']:>7}{r['predicted_mib']:>10.1f}"
               f"{r['measured_mib']:>10.1f}{r['error_pct']:>+7.1f}%{extra[-1] - extra[0]:>+9.2f}MiB")

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -50,26 +51,33 @@ def test_shards_pad_each_tensor_to_a_multiple_of_the_group_along_dim_0():
     assert state_bytes(spec)["parameters"] == (38 + 86) * 4
 
 
-def _saved_bytes_per_token(block, dtype, kernels_context, batch_sizes, seq, input_grad=True):
+def _saved_bytes_per_token(block, dtype, kernels_context, batch_sizes, seq, input_grad=True, cos_sin=None):
     """What autograd keeps from one forward of ``block``, per token (from two batch sizes, so constants cancel);
-    ``input_grad=False``: a block whose input needs no gradient (the first, after a frozen embedding)."""
+    ``input_grad=False``: a block whose input needs no gradient (the first, after a frozen embedding). Only what is
+    still kept when the forward returns counts: a node whose output the forward drops (the values of a top-k of
+    which only the ids are used) is freed with what it saved, whose storage a later tensor may then reuse.
+    ``cos_sin``: the block's rotary tables for ``seq`` positions (default: ``rotary_tables`` at its head_dim)."""
     from lightning_npu.kernels import rotary_tables
 
-    cos, sin = (t.to(dtype) for t in rotary_tables(seq, block.attention.head_dim))
+    if cos_sin is None:
+        cos_sin = rotary_tables(seq, block.attention.head_dim)
+    cos, sin = (t.to(dtype) for t in cos_sin)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     totals = []
     for batch in batch_sizes:
         x = torch.randn(batch, seq, block.attention_norm.weight.numel(), dtype=dtype, requires_grad=input_grad)
-        storages: dict[int, int] = {}
+        saved: list[weakref.ref] = []
 
-        def pack(tensor, storages=storages):
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+        def pack(tensor, saved=saved):
+            saved.append(weakref.ref(tensor))
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kernels_context():
-            block(x, cos, sin)
-        params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+            out = block(x, cos, sin)  # kept: the graph, and what it saved, live as long as the output
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (ref() for ref in saved) if t is not None}
         totals.append(sum(n for ptr, n in storages.items() if ptr not in params))
+        del out
     return (totals[1] - totals[0]) / ((batch_sizes[1] - batch_sizes[0]) * seq)
 
 

@@ -155,9 +155,10 @@ def test_sizes_that_do_not_divide_are_refused_with_the_numbers_and_the_fix(paral
         _tiny(devices=devices, seq_len=72, **parallel)
 
 
-def test_tied_embeddings_lora_and_experts_are_refused_under_tensor_parallelism_and_experts_plan_under_cp(tmp_path):
+def test_tied_embeddings_and_lora_are_refused_under_tensor_parallelism_and_experts_plan_under_tp_and_cp(tmp_path):
     """What the recipe's tensor-parallel plan refuses (recipes/train.py check_run) the planner refuses too, with the
-    reason; context parallelism splits only attention, so an MoE model plans under it."""
+    reason; context parallelism splits only attention, so an MoE model plans under it, with expert parallelism
+    too; an MoE model plans under tensor parallelism by the parallel core's design for it."""
     tied = lightning_npu_memory_profile({"preset": "llama3.2-1b"})
     with pytest.raises(PlanError, match=r"tie_embeddings.*cannot be both"):
         PlanSpec(model=tied.shape, profile=tied, seq_len=512, micro_batch=1, devices=2, parallel=Parallelism(tensor=2))
@@ -167,15 +168,16 @@ def test_tied_embeddings_lora_and_experts_are_refused_under_tensor_parallelism_a
     from recipes.models.moe.memory_profile import lightning_npu_memory_profile as moe_profile
 
     moe = moe_profile({"family": "moe", "preset": "tiny"})
-    with pytest.raises(PlanError, match=r"MLP is not the decoder's dense SwiGLU \(experts\)"):
-        PlanSpec(model=moe.shape, profile=moe, seq_len=64, micro_batch=1, devices=2, parallel=Parallelism(tensor=2))
+    # An MoE model plans under tensor parallelism as the parallel core's design splits it (tests/test_plan_moe.py).
+    split = PlanSpec(model=moe.shape, profile=moe, seq_len=64, micro_batch=1, devices=2, parallel=Parallelism(tensor=2))
+    assert split.profile.parallel.tensor == 2
     plain = PlanSpec(model=moe.shape, profile=moe, seq_len=64, micro_batch=2, devices=2)
     cp = dataclasses.replace(plain, parallel=Parallelism(context=2, context_algo="ring"))
     assert estimate(cp).items["activations"] < estimate(plain).items["activations"]
-    with pytest.raises(PlanError, match=r"expert_parallel_size=2 with tensor_parallel_size=1 and context_parallel_size=2:"
-                                         r" npu_fsdp trains this layout, but the planner does not model it yet"):
-        PlanSpec(model=moe.shape, profile=moe.with_expert_parallelism(2), seq_len=64, micro_batch=1, devices=4,
-                 parallel=Parallelism(context=2))
+    # With expert parallelism too (ep borrows its ranks from dp_shard x cp): see tests/test_plan_moe.py.
+    ep = PlanSpec(model=moe.shape, profile=moe.with_expert_parallelism(2), seq_len=64, micro_batch=1, devices=4,
+                  parallel=Parallelism(context=2))
+    assert (ep.shard_group, ep.local_seq_len, ep.profile.expert_parallel_size) == (4, 32, 2)
 
 
 def test_the_config_s_strategy_values_are_read_and_the_flags_override_them(tmp_path, capsys):

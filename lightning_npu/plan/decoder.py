@@ -38,6 +38,10 @@ HALF_PRECISION_COPY = 0.5
 #: The block's projections, in forward order: the attention's four, then gate, up and down. Low-rank adapters name the ones they sit beside.
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 ATTENTION_PROJECTIONS = ("q", "k", "v", "o")
+#: The stacked experts' projections of an MoE layer (its gate, up and down for every expert at once): adapters there
+#: are per expert, stacked as the experts are (the recipe's ``lora.targets`` of the same names). A profile with
+#: experts counts them (``DecoderProfile`` has none: a dense layer of an MoE model leaves them out).
+EXPERT_PROJECTIONS = ("expert_gate", "expert_up", "expert_down")
 #: A dropout mask's bytes per element on the fused (NPU) path: torch's native_dropout keeps a bool mask. The CPU
 #: paths (reference, eager) run torch's unfused dropout, which keeps its scaled noise in the input's dtype.
 FUSED_DROPOUT_MASK_BYTES = 1
@@ -46,17 +50,26 @@ TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 
 
 class RankLocalShape(tuple):
-    """The shape one rank holds of a parameter of which ``replicas`` groups of ranks each hold a different part
-    (an expert-parallel rank's experts, [n_experts / expert_parallel_size, ...]): FSDP2 shards it over the ranks
-    of the shard group that hold the same part (the group divided by ``replicas``), and the model has
-    ``replicas`` x its numel."""
+    """The shape one rank holds of a parameter on a mesh of its own (an MoE layer's experts under expert or tensor
+    parallelism, which npu_fsdp shards as an FSDP unit of their own, nested in the block's): ``replicas`` groups of
+    ranks each hold a different part ([n_experts / expert_parallel_size, ...] on an expert-parallel rank), and FSDP2
+    shards it over the ranks of the shard group times ``spread`` that hold the same part (the group times
+    ``spread``, divided by ``replicas``). ``spread``: the tensor-parallel ranks, which hold the same routed experts
+    (not split by tensor parallelism) and lend their ranks to the experts' mesh. The model has ``replicas`` x its
+    numel. The replay gathers, frees and reduce-scatters a block's rank-local parameters as that nested unit."""
 
     replicas: int
+    spread: int
 
-    def __new__(cls, shape: Shape, replicas: int) -> "RankLocalShape":
+    def __new__(cls, shape: Shape, replicas: int, spread: int = 1) -> "RankLocalShape":
         made = super().__new__(cls, shape)
         made.replicas = replicas
+        made.spread = spread
         return made
+
+    def shard_group(self, group: int) -> int:
+        """The ranks FSDP2 shards it over, for a block whose other parameters are sharded over ``group``."""
+        return group * self.spread // self.replicas
 
 
 @dataclass(frozen=True)
@@ -103,8 +116,9 @@ class TrainableParameters:
 @dataclass(frozen=True)
 class LowRankAdapters:
     """Low-rank adapters (LoRA) on a frozen decoder: every base parameter, embeddings and norms included, is
-    frozen, and beside each projection named in ``projections`` (among PROJECTIONS) a trainable A [rank, in] and
-    B [rows, rank] add ``B(A(dropout(x)))`` to its output. ``dropout``: whether each adapter drops out its own
+    frozen, and beside each projection named in ``projections`` (among PROJECTIONS, and EXPERT_PROJECTIONS for a
+    profile with experts: one adapter per expert, stacked) a trainable A [rank, in] and B [rows, rank] add
+    ``B(A(dropout(x)))`` to its output. ``dropout``: whether each adapter drops out its own
     copy of the input (it then keeps that copy and a mask instead of sharing the projection's input).
     ``base_quantization``: how every projection of the blocks (adapted or not) is stored, ``int8`` or ``nf4``
     (``lightning_npu.facts.weight_quant``; codes plus scales), or None (the master dtype)."""
@@ -117,11 +131,12 @@ class LowRankAdapters:
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise PlanError(f"adapter rank={self.rank!r} is invalid: it must be a positive integer")
-        unknown = [name for name in self.projections if name not in PROJECTIONS]
+        known = PROJECTIONS + EXPERT_PROJECTIONS
+        unknown = [name for name in self.projections if name not in known]
         if unknown or not self.projections or len(set(self.projections)) != len(self.projections):
             raise PlanError(f"adapter projections {list(self.projections)} must name each of some of"
-                            f" {', '.join(PROJECTIONS)} once")
-        object.__setattr__(self, "projections", tuple(p for p in PROJECTIONS if p in self.projections))
+                            f" {', '.join(known)} once")
+        object.__setattr__(self, "projections", tuple(p for p in known if p in self.projections))
         try:
             weight_quant.check_scheme(self.base_quantization, "adapter base_quantization")
         except ValueError as error:
@@ -211,19 +226,16 @@ class DecoderProfile:
 
     def tensor_parallel_problems(self, tp: int, *, seq_len: int, sequence_parallel: bool) -> list[str]:
         """What keeps ``tp`` ranks from splitting this model as the recipe's plan does (its checks: heads, kv heads,
-        ffn and vocabulary, the sequence with sequence parallelism), each with its numbers; a profile whose MLP or
-        root unit is not the decoder's (experts, tied embeddings) or that trains adapters has no plan to model."""
+        ffn and vocabulary, the sequence with sequence parallelism: ``tensor_parallel_sizes``), each with its
+        numbers; a profile with parts no plan splits (``unsplit_parts``: an MLP other than the decoder's that says
+        nothing of tensor parallelism), a root unit other than the decoder's (tied embeddings) or adapters has no
+        plan to model."""
         if tp == 1:
             return []
-        m = self.shape
-        sizes = [("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("vocab_size", m.vocab_size),
-                 ("ffn_hidden_dim", m.ffn_hidden_dim)]
+        sizes = self.tensor_parallel_sizes()
         problems = indivisible_by_tensor_parallel(tp, sizes + ([("data.seq_len", seq_len)] if sequence_parallel
                                                                else []))
-        if type(self).mlp_parameters is not DecoderProfile.mlp_parameters:
-            problems.append(f"its MLP is not the decoder's dense SwiGLU (experts), which the recipe's tensor-parallel"
-                            " plan does not split; train it with data parallelism (tensor_parallel_size: 1) and, for"
-                            " long sequences, context_parallel_size")
+        problems += self.unsplit_parts()
         if type(self).root_parameters is not DecoderProfile.root_parameters:
             problems.append("its root unit is not an untied embedding and output head (tie_embeddings): the lookup"
                             " splits the embedding by vocabulary rows and the head by vocabulary columns, so one tied"
@@ -232,6 +244,22 @@ class DecoderProfile:
             problems.append("LoRA adapters have no tensor-parallel plan (a LoRA run trains few parameters: plain"
                             " npu_fsdp sharding fits the frozen base)")
         return problems
+
+    def tensor_parallel_sizes(self) -> list[tuple[str, int]]:
+        """The model's sizes the tensor-parallel ranks split (each must divide by tp): heads, kv heads, vocabulary
+        and the MLP's width."""
+        m = self.shape
+        return [("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("vocab_size", m.vocab_size),
+                ("ffn_hidden_dim", m.ffn_hidden_dim)]
+
+    def unsplit_parts(self) -> list[str]:
+        """The parts of the block the recipe's tensor-parallel plan does not split (a problem each): an MLP other
+        than the decoder's dense SwiGLU, unless the subclass says how tensor parallelism splits it."""
+        if type(self).mlp_parameters is not DecoderProfile.mlp_parameters:
+            return ["its MLP is not the decoder's dense SwiGLU (experts), which the recipe's tensor-parallel plan"
+                    " does not split; train it with data parallelism (tensor_parallel_size: 1) and, for long"
+                    " sequences, context_parallel_size"]
+        return []
 
     def unsplit(self) -> "DecoderProfile":
         """This profile without tensor or context parallelism (the whole model's counts)."""
@@ -270,7 +298,7 @@ class DecoderProfile:
         groups: dict[str, list[Shape]] = {"attention": [], "mlp_input": [], "mlp_output": []}
         if self.adapters is not None:
             r = self.adapters.rank
-            for name in self.adapters.projections:
+            for name in self._adapted(PROJECTIONS):  # the experts' adapters are the profile with experts' to count
                 rows, columns = self.projection_shapes()[name]
                 group = "attention" if name in ATTENTION_PROJECTIONS else "mlp_output" if name == "down" else "mlp_input"
                 groups[group] += [(r, columns), (rows, r)]
@@ -352,7 +380,8 @@ class DecoderProfile:
         return self._saved(kernels, act_bytes, seq_len, input_grad=True)
 
     def saved_by_first_block(self, kernels: str, act_bytes: int, seq_len: int) -> BlockActivations:
-        """``saved_by_block`` for the first block, whose input is the embedding's output: with a frozen embedding
+        """``saved_by_block`` for a block whose input needs no gradient: the first, whose input is the embedding's
+        output, when the embedding is frozen (and under LoRA every block before the first one with adapters):
         nothing before the block's first trainable parameter needs a gradient, so nothing there is kept."""
         if self.trainable_parameters().embedding > 0:
             return self.saved_by_block(kernels, act_bytes, seq_len)  # so a subclass's count serves every block

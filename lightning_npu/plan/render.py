@@ -44,6 +44,7 @@ def report(spec: PlanSpec) -> dict[str, Any]:
         "nodes": spec.nodes,
         "shard_group": spec.shard_group,
         "parallel": dataclasses.asdict(spec.parallel),
+        "expert_parallel_size": spec.profile.expert_parallel_size,
         "precision": spec.precision,
         "configured_zero_stage": spec.zero_stage,
         "checkpointed_layers": len(spec.checkpointed_layers),
@@ -63,6 +64,8 @@ def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
     layout = f"{spec.nodes} node x {spec.devices}" if spec.nodes == 1 else f"{spec.nodes} nodes x {spec.devices}"
     per_token = plan["activation_bytes_per_token_per_layer"]
     parallel = "" if spec.parallel.describe() == "none" else f", {spec.parallel.describe()}"
+    if spec.profile.expert_parallel_size > 1:
+        parallel += f", expert parallel {spec.profile.expert_parallel_size}"
     own = "" if spec.parallel.context == 1 else f"; each device holds {spec.local_seq_len} tokens of each sequence"
     params, trainable = spec.profile.num_params(), spec.profile.num_trainable_params()
     lines = [

@@ -13,12 +13,14 @@ autograd and AdamW make, in their order; the peak of the running total is the es
   after its forward and gathers it again for backward, one unit ahead (prefetch), and the flat all-gather buffer
   of the previous unit lives until the next copy-out; ZeRO-2 keeps every unit gathered from its forward to the
   end of its backward; the root unit stays gathered from its forward to the end of its backward under both stages
-  (npu_fsdp shards it with reshard_after_forward=False);
+  (npu_fsdp shards it with reshard_after_forward=False); under expert parallelism each layer's experts are a unit of
+  their own nested in the block's (on the experts' mesh), gathered when the MLP reaches them, and backward's
+  prefetch follows FSDP2's reverse post-forward order (a block, its experts, the block before);
 - unsharded gradients of a unit live until its reduce-scatter, whose fp32 input buffer is kept until the next
   unit's reduce-scatter starts; the root's are reduced last;
 - activations are the tensors autograd saves, as the spec's profile counts them (the first block's apart: after a
-  frozen embedding its input needs no gradient); checkpointed blocks keep only their input until backward
-  recomputes them;
+  frozen embedding its input needs no gradient, nor that of any block before the first that trains); checkpointed
+  blocks keep only their input until backward recomputes them;
 - logits are fp32 ``[batch, seq, vocab]``; cross-entropy saves its log-softmax, and its backward briefly holds
   three such tensors;
 - under tensor and context parallelism (``PlanSpec.parallel``) every count is one rank's: its tensor-parallel slice of
@@ -41,7 +43,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from lightning_npu.facts import optim8bit, weight_quant
-from lightning_npu.plan.decoder import FP32_BYTES, DecoderProfile
+from lightning_npu.plan.decoder import FP32_BYTES, DecoderProfile, RankLocalShape
 from lightning_npu.plan.shape import Parallelism
 from lightning_npu.plan.spec import GIB, ITEMS, MIB, Estimate, PlanSpec, check_zero_stage
 
@@ -103,16 +105,25 @@ class _Unit:
     code_padded_bytes: int = 0
     #: The numel of the unit's largest quantized weight (the copy one matmul decodes).
     decoded: int = 0
+    #: The ranks it is sharded over (a group of one all-gathers nothing: the shard is the parameter).
+    group: int = 1
+
+    @property
+    def gathers(self) -> bool:
+        return self.group > 1
 
 
 def _unit(name: str, shapes: Iterable[tuple[int, ...]], group: int,
           schemes: Optional[Iterable[Optional[str]]] = None) -> _Unit:
-    """The unit of ``shapes``, stored as ``schemes`` says (None: the master dtype; ``int8`` / ``nf4``: quantized)."""
+    """The unit of ``shapes``, stored as ``schemes`` says (None: the master dtype; ``int8`` / ``nf4``: quantized).
+    Rank-local shapes (``RankLocalShape``: an expert-parallel rank's experts) form a unit of their own, sharded over
+    the ranks of the experts' mesh that hold the same part; ``group`` is then the block's shard group."""
     shard = padded = exact = largest = quantized = codes = decoded = 0
     shapes = list(shapes)
+    unit_group = group
     for shape, scheme in zip(shapes, schemes if schemes is not None else [None] * len(shapes)):
-        # A rank-local tensor (an expert-parallel rank's experts) is sharded over the ranks that hold the same part.
-        shape_group = group // getattr(shape, "replicas", 1)
+        shape_group = shape.shard_group(group) if isinstance(shape, RankLocalShape) else group
+        unit_group = shape_group
         if scheme is not None:
             code_shape, shape = weight_quant.stored_shapes(shape, scheme)  # the scales count as a float tensor
             codes += -(-code_shape[0] // shape_group) * code_shape[1]
@@ -122,40 +133,59 @@ def _unit(name: str, shapes: Iterable[tuple[int, ...]], group: int,
         shard, padded, exact = shard + local, padded + local * shape_group, exact + rows * rest
         largest = max(largest, local)
         quantized += local if optim8bit.quantizes(tuple(shape), shape_group) else 0
-    return _Unit(name, shard, padded, exact, largest, quantized, codes, codes * group, decoded)
+    return _Unit(name, shard, padded, exact, largest, quantized, codes, codes * group, decoded, unit_group)
 
 
-def _units(spec: PlanSpec, trainable: bool = False) -> tuple[_Unit, list[_Unit]]:
-    """(root unit, block units): all their parameters, or (``trainable``) those that get gradients. Without an
-    auto-wrap policy the whole model is the root unit."""
+@dataclass(frozen=True)
+class _Units:
+    """A model's FSDP units: the root, the blocks (none without an auto-wrap policy: the root holds them), and per
+    layer the experts' nested unit (None where a layer has no rank-local parameters)."""
+
+    root: _Unit
+    blocks: list[_Unit]
+    experts: list[Optional[_Unit]]
+
+    @property
+    def all(self) -> list[_Unit]:
+        return [self.root, *self.blocks, *(unit for unit in self.experts if unit is not None)]
+
+
+def _units(spec: PlanSpec, trainable: bool = False) -> _Units:
+    """The model's units, of all their parameters or (``trainable``) of those that get gradients. Without an
+    auto-wrap policy the whole model but the experts' units is the root unit."""
     group, profile = spec.shard_group, spec.profile
     layers = range(spec.model.n_layers)
     if trainable:
         root = list(profile.trainable_parameters().root)
-        blocks = [(profile.block_profile(i).trainable_parameters().block.shapes, None) for i in layers]
+        stored = [[(shape, None) for shape in _split(profile.block_profile(i), spec.parallel)
+                   .trainable_parameters().block.shapes] for i in layers]
     else:
         root = profile.root_parameters().shapes
-        blocks = []
-        for i in layers:
-            shapes, schemes = zip(*profile.block_profile(i).block_storage())
-            blocks.append((list(shapes), list(schemes)))
+        stored = [_split(profile.block_profile(i), spec.parallel).block_storage() for i in layers]
+    blocks, experts = [], []
+    for layer in stored:
+        own = [(shape, scheme) for shape, scheme in layer if not isinstance(shape, RankLocalShape)]
+        local = [shape for shape, _ in layer if isinstance(shape, RankLocalShape)]
+        blocks.append(own)
+        experts.append(_unit("experts", local, group) if local else None)
     if spec.wrap_blocks:
-        return _unit("root", root, group), [_unit("block", shapes, group, schemes) for shapes, schemes in blocks]
-    every = None if trainable else [None] * len(root) + [scheme for _, schemes in blocks for scheme in schemes]
-    return _unit("root", root + [shape for shapes, _ in blocks for shape in shapes], group, every), []
+        return _Units(_unit("root", root, group),
+                      [_unit("block", [shape for shape, _ in own], group, [scheme for _, scheme in own])
+                       for own in blocks], experts)
+    every = None if trainable else [None] * len(root) + [scheme for own in blocks for _, scheme in own]
+    return _Units(_unit("root", root + [shape for own in blocks for shape, _ in own], group, every), [], experts)
 
 
 def state_bytes(spec: PlanSpec) -> dict[str, float]:
     """Per-device bytes of the sharded parameters, and of the gradients and AdamW's two moments of the trainable
     ones (in host memory instead under ``cpu_offload``)."""
-    shards, trainable = (sum(unit.shard * spec.bytes.master + unit.code_shard_bytes for unit in [root] + blocks)
-                         for root, blocks in (_units(spec), _units(spec, trainable=True)))
+    shards, trainable = (sum(unit.shard * spec.bytes.master + unit.code_shard_bytes for unit in units.all)
+                         for units in (_units(spec), _units(spec, trainable=True)))
     optimizer = 2 * trainable
     if spec.optimizer == "adamw8bit":
-        root, blocks = _units(spec, trainable=True)
         optimizer = sum(optim8bit.state_bytes(unit.quantized_shard, True)
                         + optim8bit.state_bytes(unit.shard - unit.quantized_shard, False, spec.bytes.master)
-                        for unit in [root] + blocks)
+                        for unit in _units(spec, trainable=True).all)
     return {"parameters": shards, "gradients": trainable, "optimizer": optimizer}
 
 
@@ -169,12 +199,18 @@ class _StepReplay:
         self.act, self.param, self.master, self.reduced = sizes.activation, sizes.param, sizes.master, sizes.reduce
         self.tokens = batch * spec.local_seq_len  # this rank's part of each sequence (all of it without cp)
         self.parallel = spec.parallel
-        self.root, self.blocks = _units(spec)
+        units = _units(spec)
+        self.root, self.blocks, self.experts = units.root, units.blocks, units.experts
         #: The same units' trainable parameters: what gets gradients, reduce-scatters and AdamW moments.
         self.trainable = spec.profile.trainable_parameters()
-        self.train_root, self.train_blocks = _units(spec, trainable=True)
-        self.shard_total = sum(unit.shard for unit in [self.train_root] + self.train_blocks)
-        self.gathers = spec.shard_group > 1  # a group of one all-gathers nothing: the shard is the parameter
+        self.train = _units(spec, trainable=True)
+        self.train_root, self.train_blocks = self.train.root, self.train.blocks
+        self.shard_total = sum(unit.shard for unit in self.train.all)
+        #: The units in the order backward reaches them (FSDP2's reverse post-forward order: a block, then the
+        #: experts nested in it, then the block before), each of which prefetches the next under ZeRO-3.
+        self.backward_order = [unit for i in reversed(range(spec.model.n_layers))
+                               for unit in (self.blocks[i] if self.blocks else None, self.experts[i])
+                               if unit is not None]
         self.checkpointed = set(spec.checkpointed_layers)
         self.timeline = _Timeline()
         self.host = 0.0
@@ -188,10 +224,14 @@ class _StepReplay:
         self.layers = [_split(self.profile.block_profile(i), self.parallel) for i in range(shape.n_layers)]
         #: (all, MLP half) of what each block saves, in bytes.
         self.saved = []
-        for i, layer in enumerate(self.layers):
-            count = layer.saved_by_first_block if i == 0 else layer.saved_by_block
+        # A block's input needs a gradient once something before it trains: the embedding, or an earlier block
+        # (under LoRA the blocks before the first adapted one keep only what their input-less backward needs).
+        upstream_trains = self.trainable.embedding > 0
+        for layer in self.layers:
+            count = layer.saved_by_block if upstream_trains else layer.saved_by_first_block
             kept = count(spec.kernels, self.act, spec.seq_len)
             self.saved.append((sum(kept.all.values()) * self.tokens, sum(kept.mlp.values()) * self.tokens))
+            upstream_trains = upstream_trains or bool(layer.trainable_parameters().block.shapes)
         self.final_saved = self.profile.saved_by_final_norm(spec.kernels, self.act) * self.tokens
         #: The flat all-gather buffer of the last unit gathered in forward (freed after the next copy-out).
         self.retained_gather = 0.0
@@ -227,6 +267,8 @@ class _StepReplay:
             hybrid = spec.sharding == "hybrid" and spec.nodes > 1
             communicators = COMMUNICATORS_HYBRID if hybrid else COMMUNICATORS_FULL
             communicators += self.profile.expert_parallel_size > 1  # the expert group's all-to-alls
+            # FSDP over the experts' own mesh (the ranks holding the same experts), where it is more than one rank.
+            communicators += any(unit is not None and unit.gathers for unit in self.experts)
             communicators += _parallel_communicators(self.parallel)
             t.alloc("comm", communicators * HCCL_BUFFERS_PER_COMMUNICATOR * spec.hccl_buffsize_mb * MIB, "start")
         batches = BATCHES_HELD * TENSORS_PER_BATCH * self.tokens * INT64_BYTES
@@ -245,14 +287,22 @@ class _StepReplay:
         """All-gather ``unit`` into a flat buffer (unless prefetched), copy out into the unsharded parameters."""
         t, nbytes = self.timeline, self.gathered_bytes(unit)
         forward = phase.startswith("forward")
-        if self.gathers and not flat_ready:
+        if unit.gathers and not flat_ready:
             t.alloc("gathered", nbytes, phase + " all-gather")
         if forward:
             t.free("gathered", self.retained_gather)
-            self.retained_gather = nbytes if self.gathers else 0.0
+            self.retained_gather = nbytes if unit.gathers else 0.0
         t.alloc("gathered", nbytes, phase + " copy-out")
-        if self.gathers and not forward:
+        if unit.gathers and not forward:
             t.free("gathered", nbytes)
+
+    def prefetch_after(self, unit: _Unit, phase: str) -> None:
+        """ZeRO-3's backward prefetch at ``unit``'s pre-backward: the flat all-gather buffer of the unit backward
+        reaches next (``backward_order``), if any."""
+        order = self.backward_order
+        index = next((k for k, other in enumerate(order) if other is unit), len(order) - 1)
+        if index + 1 < len(order) and order[index + 1].gathers:
+            self.timeline.alloc("gathered", self.gathered_bytes(order[index + 1]), phase + " prefetch")
 
     def forward(self) -> None:
         spec, t = self.spec, self.timeline
@@ -262,14 +312,18 @@ class _StepReplay:
             phase = f"forward: layer {i}"
             if self.blocks:
                 self.gather(self.blocks[i], phase)
+            if self.experts[i] is not None:  # the experts' own unit, gathered when the MLP reaches them
+                self.gather(self.experts[i], phase + " experts")
             checkpointed = i in self.checkpointed
             saved = self.saved_by(i)[0]
             scratch = (self.layers[i].forward_scratch(spec.kernels, self.act, spec.seq_len, checkpointed)
                        + self.layers[i].parallel_scratch(spec.kernels, self.act, spec.seq_len)[0]) * self.tokens
             t.moment("temporaries", scratch + (0 if checkpointed else saved) + self.decoded_bytes(i), phase)
             t.alloc("activations", self.residual if checkpointed else saved, phase)
-            if self.blocks and self.stage == 3:
-                t.free("gathered", self.gathered_bytes(self.blocks[i]))
+            if self.stage == 3:
+                for unit in (self.experts[i], self.blocks[i] if self.blocks else None):
+                    if unit is not None:
+                        t.free("gathered", self.gathered_bytes(unit))
         t.free("gathered", self.retained_gather)  # the root's post-forward frees the last flat buffer
         self.retained_gather = 0.0
         # The root unit stays gathered until its backward ends (reshard_after_forward=False).
@@ -331,8 +385,9 @@ class _StepReplay:
         if self.act != FP32_BYTES:
             t.alloc("logits", self.logits, "backward: logits to bf16")
             t.free("logits", self.logits_fp32)
-        if self.stage == 3 and self.blocks and self.gathers:  # the root's pre-backward prefetches the last block
-            t.alloc("gathered", self.gathered_bytes(self.blocks[-1]), "backward: root prefetch")
+        order = self.backward_order
+        if self.stage == 3 and order and order[0].gathers:  # the root's pre-backward prefetches the last block
+            t.alloc("gathered", self.gathered_bytes(order[0]), "backward: root prefetch")
         t.alloc("temporaries", self.residual, "backward: output projection")  # the residual stream's gradient
         t.alloc("unsharded_grads", self.trainable.head * self.param, "backward: output projection")
         t.free("logits", self.logits)
@@ -345,8 +400,7 @@ class _StepReplay:
         phase = f"backward: layer {i}"
         if self.blocks and self.stage == 3:
             self.gather(self.blocks[i], phase, flat_ready=True)
-            if i > 0 and self.gathers:  # prefetch the next unit of the backward pass
-                t.alloc("gathered", self.gathered_bytes(self.blocks[i - 1]), phase + " prefetch")
+            self.prefetch_after(self.blocks[i], phase)  # the next unit of the backward pass
         checkpointed = i in self.checkpointed
         saved, mlp_saved = self.saved_by(i)
         if checkpointed:
@@ -354,9 +408,17 @@ class _StepReplay:
         params = layer.trainable_parameters().block
         mlp_scratch, attention_scratch = (
             per_token * self.tokens for per_token in layer.backward_scratch(spec.kernels, self.act, spec.seq_len))
+        experts = self.experts[i]
+        if experts is not None and self.stage == 3:  # the experts' unit, prefetched at the block's pre-backward
+            self.gather(experts, phase + " experts", flat_ready=True)
+            self.prefetch_after(experts, phase + " experts")
         t.alloc("unsharded_grads", _numel(params.mlp_output) * self.param, phase + " (MLP)")
         t.moment("temporaries", mlp_scratch + self.decoded_bytes(i), phase + " (MLP)")
         t.alloc("unsharded_grads", _numel(params.mlp_input) * self.param, phase + " (MLP)")
+        if experts is not None:  # their post-backward: reduce-scatter over the experts' mesh, reshard
+            if self.train.experts[i] is not None:
+                self.reduce(self.train.experts[i], phase + " experts reduce-scatter")
+            t.free("gathered", self.gathered_bytes(experts))
         t.free("activations", mlp_saved)
         t.alloc("unsharded_grads", _numel(params.attention) * self.param, phase + " (attention)")
         parallel_scratch = layer.parallel_scratch(spec.kernels, self.act, spec.seq_len)[1] * self.tokens
@@ -371,7 +433,7 @@ class _StepReplay:
         largest two; AdamW8bit's loop the working set of its largest (ADAMW8BIT_SCRATCH_TENSORS)."""
         if self.spec.cpu_offload or self.spec.optimizer == "fused":
             return
-        largest = max(unit.largest_shard for unit in [self.train_root] + self.train_blocks)
+        largest = max(unit.largest_shard for unit in self.train.all)
         if self.spec.optimizer == "foreach":
             scratch = self.shard_total * self.master
         elif self.spec.optimizer == "adamw8bit":

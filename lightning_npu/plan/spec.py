@@ -133,9 +133,9 @@ class PlanSpec:
             raise PlanError(f"device memory {self.device_memory_gib!r} GiB must be positive")
         self._check_parallelism()
         experts = self.profile.expert_parallel_size
-        if self.shard_group % experts:
+        if self.expert_ranks % experts:
             raise PlanError(
-                f"expert_parallel_size={experts} does not divide the {self.shard_group} devices parameters are sharded"
+                f"expert_parallel_size={experts} does not divide the {self.expert_ranks} devices parameters are sharded"
                 f" over ({self.nodes} nodes x {self.devices} devices{', hybrid' if self.sharding == 'hybrid' else ''});"
                 " choose a divisor"
             )
@@ -163,12 +163,6 @@ class PlanSpec:
                           context_parallel_size=parallel.context)
         if self.profile.expert_parallel_size > 1:
             checked(options.check_expert_parallel_size, self.profile.expert_parallel_size, layout, self.sharding)
-            if layout.tp > 1 or layout.cp > 1:
-                raise PlanError(
-                    f"expert_parallel_size={self.profile.expert_parallel_size} with tensor_parallel_size={layout.tp}"
-                    f" and context_parallel_size={layout.cp}: npu_fsdp trains this layout, but the planner does not"
-                    " model it yet; plan expert parallelism with tensor_parallel_size = context_parallel_size = 1"
-                )
         checked(options.check_context_parallel_shapes, parallel.context, parallel.context_algo,
                  heads=self.model.n_heads, seq_len=self.seq_len, tp=parallel.tensor)
         object.__setattr__(self, "profile", self.profile.with_parallelism(parallel, seq_len=self.seq_len))
@@ -182,6 +176,13 @@ class PlanSpec:
         """Devices each parameter is sharded over: all of them, or one node's under hybrid sharding, less the
         tensor-parallel ranks, which hold different parts (FSDP shards over ``dp_shard x cp``)."""
         return (self.devices if self.sharding == "hybrid" else self.world_size) // self.parallel.tensor
+
+    @property
+    def expert_ranks(self) -> int:
+        """Devices an expert-parallel group borrows its ranks from: those the experts are sharded over before the
+        split (``dp_shard x cp``, and the tensor-parallel ranks, which hold the same routed experts: ``dp_shard x cp
+        x tp``)."""
+        return self.shard_group * self.parallel.tensor
 
     @property
     def local_seq_len(self) -> int:

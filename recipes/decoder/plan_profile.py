@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 
 from lightning_npu.plan import LowRankAdapters, PlanError
 from recipes import families
-from recipes.decoder.lora_config import LoRAConfig
+from recipes.decoder.lora_config import EXPERT_TARGETS, LoRAConfig
 
 #: DecoderLM's default preset (module.py), used when a config's model: section names none.
 DEFAULT_PRESET = "tiny"
@@ -33,13 +33,17 @@ def family_config(model: Mapping[str, Any], profile_module: str, config_class: A
     return preset, config_class.from_preset(preset, **dict(overrides))
 
 
-def adapters(lora: Any, unplanned: tuple[str, ...] = ()) -> Optional[LowRankAdapters]:
+def adapters(lora: Any, unplanned: tuple[str, ...] = (), experts: bool = False) -> Optional[LowRankAdapters]:
     """The planner's adapters for a config's ``model.lora`` value (None: full fine-tuning), validated by the
     recipe's own ``LoRAConfig``; ``PlanError`` if it targets any of ``unplanned`` (targets the family's profile does
-    not count yet)."""
+    not count yet), or the experts' projections in a family without experts (``experts`` False), which the recipe
+    refuses too."""
     config = LoRAConfig.from_value(lora)
     if config is None:
         return None
+    on_experts = [target for target in config.targets if target in EXPERT_TARGETS]
+    if on_experts and not experts:
+        raise PlanError(f"lora.targets {on_experts}: this model has no experts to adapt; adapt its projections instead")
     refused = [target for target in config.targets if target in unplanned]
     if refused:
         raise PlanError(
