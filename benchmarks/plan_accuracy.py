@@ -136,13 +136,8 @@ CASES: dict[str, dict[str, Any]] = {
     "deepseek_expert_lora_bf16": dict(family="deepseek", model={}, seq=256, batch=4, devices=2, zero=3, ac=0.0,
                                       precision="bf16-mixed",
                                       lora=dict(rank=8, targets=["o", "expert_gate", "expert_up", "expert_down"])),
-}
-#: Cases of MoE models under tensor parallelism, with and without expert parallelism, as the parallel core's design
-#: splits them (issue 33: attention and dense MLPs as today, the router replicated, the shared expert split like a
-#: dense MLP, each TP rank's 1/tp share of the routed rows on whole experts, ep borrowing its ranks from dp_shard x cp
-#: x tp). npu_fsdp refuses these until that design lands on main; ``--cases`` runs them by name, and they are not
-#: among the default cases.
-CASES_AWAITING_MOE_TENSOR_PARALLELISM: dict[str, dict[str, Any]] = {
+    # MoE under tensor parallelism (attention and dense MLPs split, the router whole, the shared expert split like a
+    # dense MLP, each TP rank's share of the routed rows on whole experts, ep borrowing dp_shard x cp x tp)
     "moe_tp2": dict(family="moe", model=dict(
         architecture="qwen2_moe", shared_expert_hidden_dim=192, dense_layers=[0], dense_hidden_dim=256,
         qkv_bias=True, norm_topk_prob=False), seq=256, batch=4, devices=2, zero=3, ac=0.0, tp=2),
@@ -450,8 +445,7 @@ def compare(name: str, case: dict[str, Any], workdir: Path, timeout: float = 900
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES),
-                        help=f"comma-separated subset of {', '.join(CASES)} (default: all of them), or of the cases"
-                             f" awaiting MoE under tensor parallelism, {', '.join(CASES_AWAITING_MOE_TENSOR_PARALLELISM)}")
+                        help=f"comma-separated subset of {', '.join(CASES)} (default: all of them)")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")), help="where the JSON result goes")
     parser.add_argument("--backend", choices=("fake", "gloo"), default="fake",
                         help="fake: one process poses as rank 0 of N (exact, default); gloo: N real processes, whose"
@@ -468,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
-    known = {**CASES, **CASES_AWAITING_MOE_TENSOR_PARALLELISM}
+    known = CASES
     unknown = [n for n in names if n not in known]
     if unknown:
         parser.error(f"unknown case(s) {unknown}; choose from {', '.join(known)}")

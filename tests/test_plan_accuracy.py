@@ -78,6 +78,13 @@ CASES = {
     "deepseek_expert_lora_ep2_cp2_ring": dict(family="deepseek", model={}, seq=128, batch=4, devices=4, zero=3,
                                               ac=0.0, steps=2, ep=2, cp=2, cp_algo="ring",
                                               lora=dict(rank=8, targets=["o", *EXPERT_TARGETS])),
+    # MoE under tensor parallelism: a Qwen2-MoE (shared expert split like a dense MLP, a dense first layer) at tp 2,
+    # and the tiny MoE at tp 2 x ep 2 (the pair splits the experts, each rank runs its share of the routed rows).
+    "moe_qwen2_tp2": dict(family="moe", model=dict(
+        architecture="qwen2_moe", shared_expert_hidden_dim=192, dense_layers=[0], dense_hidden_dim=256, qkv_bias=True,
+        norm_topk_prob=False), seq=128, batch=4, devices=2, zero=3, ac=0.0, steps=2, tp=2),
+    "moe_tp2_ep2_dev4_zero2": dict(family="moe", model={}, seq=128, batch=4, devices=4, zero=2, ac=0.0, steps=2,
+                                   tp=2, ep=2),
 }
 
 

@@ -545,18 +545,6 @@ def test_tensor_parallelism_on_moe_models_is_refused_where_the_design_cannot_spl
                  parallel=Parallelism(tensor=2))
 
 
-def test_the_moe_tensor_parallel_accuracy_cases_plan():
-    """The benchmark's cases that wait for MoE under tensor parallelism in npu_fsdp (CASES_AWAITING_MOE_TENSOR_
-    PARALLELISM: measured once main's parallel core trains them) are planned today, each rank holding its share."""
-    from benchmarks.plan_accuracy import CASES_AWAITING_MOE_TENSOR_PARALLELISM, case_spec
-
-    assert CASES_AWAITING_MOE_TENSOR_PARALLELISM
-    for name, case in CASES_AWAITING_MOE_TENSOR_PARALLELISM.items():
-        spec = case_spec(case)
-        assert spec.parallel.tensor == case["tp"] and spec.profile.expert_parallel_size == case.get("ep", 1), name
-        assert estimate(spec).total > 0
-
-
 def test_the_plan_names_its_expert_parallelism(tmp_path, capsys):
     """The table's header and the JSON report say expert_parallel_size next to tensor and context parallelism."""
     from lightning_npu.cli import main

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from lightning_npu.kernels.context_parallel import ContextParallel
+from lightning_npu.parallel.context import ContextParallel
 from lightning_npu.plan import Parallelism
 
 SEQ, BATCHES, WORLD = 32, (2, 4), 2
