@@ -94,6 +94,9 @@ CASES: dict[str, dict[str, Any]] = {
     # Tensor and context parallelism (npu_fsdp's tensor_parallel_size / context_parallel_size with the recipe's
     # plan: sequence parallelism and loss_parallel by default; Ulysses and ring attention), on 2 or 4 ranks.
     "tp2": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=2, zero=3, ac=0.0, tp=2),
+    # The embedding tied to the head (LLaMA-3.2, Qwen3's small sizes): one [vocab / tp, dim] matrix per rank.
+    "tp2_tied": dict(model=dict(dim=256, ffn_hidden_dim=688, tie_embeddings=True), seq=256, batch=4, devices=2,
+                     zero=3, ac=0.0, tp=2),
     "tp2_plain_bf16_ac05": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=4, zero=3, ac=0.5,
                                 tp=2, sequence_parallel=False, loss_parallel=False, precision="bf16-mixed"),
     "cp2_ulysses": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=2, zero=3, ac=0.0, cp=2,

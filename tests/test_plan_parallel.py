@@ -155,13 +155,16 @@ def test_sizes_that_do_not_divide_are_refused_with_the_numbers_and_the_fix(paral
         _tiny(devices=devices, seq_len=72, **parallel)
 
 
-def test_tied_embeddings_and_lora_are_refused_under_tensor_parallelism_and_experts_plan_under_tp_and_cp(tmp_path):
+def test_lora_is_refused_under_tensor_parallelism_and_tied_embeddings_and_experts_plan_under_tp_and_cp(tmp_path):
     """What the recipe's tensor-parallel plan refuses (recipes/train.py check_run) the planner refuses too, with the
-    reason; context parallelism splits only attention, so an MoE model plans under it, with expert parallelism
-    too; an MoE model plans under tensor parallelism by the parallel core's design for it."""
+    reason; a tied embedding and head split by vocabulary rows is one [vocab / tp, dim] matrix per rank; context
+    parallelism splits only attention, so an MoE model plans under it, with expert parallelism too; an MoE model
+    plans under tensor parallelism as the parallel core splits it."""
     tied = lightning_npu_memory_profile({"preset": "llama3.2-1b"})
-    with pytest.raises(PlanError, match=r"tie_embeddings.*cannot be both"):
-        PlanSpec(model=tied.shape, profile=tied, seq_len=512, micro_batch=1, devices=2, parallel=Parallelism(tensor=2))
+    split_tied = PlanSpec(model=tied.shape, profile=tied, seq_len=512, micro_batch=1, devices=2,
+                          parallel=Parallelism(tensor=2))
+    vocab, dim = tied.shape.vocab_size, tied.shape.dim
+    assert split_tied.profile.root_parameters().shapes == [(vocab // 2, dim), (dim,)]
     lora = lightning_npu_memory_profile({"preset": "tiny", "lora": {"rank": 8, "targets": ["q", "v"]}})
     with pytest.raises(PlanError, match=r"LoRA adapters have no tensor-parallel plan"):
         PlanSpec(model=lora.shape, profile=lora, seq_len=64, micro_batch=1, devices=2, parallel=Parallelism(tensor=2))

@@ -37,8 +37,6 @@ def test_the_plan_splits_every_projection_and_the_vocabulary_and_leaves_nothing_
                             r" tensor_parallel_size=8.*; n_kv_heads=2 is not divisible.*"
                             r"Use a tensor_parallel_size that divides them \(1, 2\)"),
         (TINY_LLAMA, 2, 63, r"data.seq_len=63 is not divisible by tensor_parallel_size=2"),
-        (LLaMAConfig.from_preset("tiny", tie_embeddings=True), 2, 64, r"tie_embeddings=true: under tensor"
-                                                                        r" parallelism .* cannot be both"),
         # An MoE layer's shared expert splits like a dense MLP: its width must divide too.
         (MoEConfig.from_preset("tiny", architecture="qwen2_moe", shared_expert_hidden_dim=66, qkv_bias=True), 4, 64,
          r"shared_expert_hidden_dim=66 is not divisible by tensor_parallel_size=4"),

@@ -49,8 +49,43 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
             " expert_parallel_size splits them over ranks (the tensor-parallel ones included). Remove those entries"
             " from the plan"
         )
+    tied = _tied_parameters(model)
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
+    _tie_again(tied)
     return sorted(styles)
+
+
+def _tied_parameters(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
+    """Each parameter registered under several names (a tied embedding and head), as ``(name, module, attribute)``
+    of every place it is registered."""
+    places: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attribute, param in module.named_parameters(recurse=False):
+            places.setdefault(id(param), []).append((f"{module_name}.{attribute}".lstrip("."), module, attribute))
+    return [group for group in places.values() if len(group) > 1]
+
+
+def _tie_again(tied: list[list[tuple[str, nn.Module, str]]]) -> None:
+    """Make each tied parameter one parameter again after the plan split its places one by one (each style made a
+    parameter of its own); ValueError if the plan split them differently, since one tensor cannot hold both. (A tied
+    embedding and head both split by vocabulary rows, ``Shard(0)``, as the row-parallel embedding and the
+    column-parallel head do.)"""
+    for group in tied:
+        first_name, first_module, first_attribute = group[0]
+        param = getattr(first_module, first_attribute)
+        for name, module, attribute in group[1:]:
+            other = getattr(module, attribute)
+            if other is param:
+                continue
+            layouts = [(getattr(p, "device_mesh", None), tuple(getattr(p, "placements", ()))) for p in (param, other)]
+            if layouts[0] != layouts[1]:
+                raise ValueError(
+                    f"{first_name} and {name} are one tied parameter, but the tensor-parallel plan splits them"
+                    f" differently ({layouts[0][1]} and {layouts[1][1]}); split both alike (a tied embedding and head:"
+                    " RowwiseParallel on the embedding and ColwiseParallel on the head both split the vocabulary"
+                    " rows) or untie them"
+                )
+            setattr(module, attribute, param)
 
 
 def tensor_parallel_parameters(model: nn.Module) -> list[str]:

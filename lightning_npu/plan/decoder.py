@@ -90,15 +90,19 @@ class BlockParameters:
 
 @dataclass(frozen=True)
 class RootParameters:
-    """Parameters outside the blocks: token embeddings, final norm, output projection."""
+    """Parameters outside the blocks: token embeddings, final norm, output projection. ``tied``: the output
+    projection is the token embedding (``tie_embeddings``), so the unit (its shards, gathered copy and gradient)
+    holds that matrix once; the planner allocates the shared gradient at the output projection's backward, and the
+    embedding's backward adds a second transient [vocab, dim] gradient that autograd sums into it."""
 
     embedding: Shape
     final_norm: Shape
     output: Shape
+    tied: bool = False
 
     @property
     def shapes(self) -> list[Shape]:
-        return [self.embedding, self.final_norm, self.output]
+        return [self.embedding, self.final_norm] if self.tied else [self.embedding, self.final_norm, self.output]
 
 
 @dataclass(frozen=True)
@@ -170,7 +174,7 @@ class DecoderProfile:
     policies name it (``"TransformerBlock"``), ``None`` when the model comes from shapes alone. ``adapters``:
     a LoRA run (frozen base, trainable adapters); ``None`` trains every parameter. ``qkv_bias``: the query, key
     and value projections have biases (Qwen2); ``qk_norm``: an RMSNorm over each query and key head, before
-    rotary (Qwen3).
+    rotary (Qwen3); ``tie_embeddings``: the output projection is the token embedding (``RootParameters.tied``).
 
     Every block is alike unless a subclass says otherwise in ``block_profile(layer)`` (an MoE model's dense
     layers); the replay asks it for each layer's parameters, saved tensors and scratch.
@@ -190,6 +194,7 @@ class DecoderProfile:
     adapters: Optional[LowRankAdapters] = None
     qkv_bias: bool = False
     qk_norm: bool = False
+    tie_embeddings: bool = False
     parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
 
     def block_profile(self, layer: int) -> "DecoderProfile":
@@ -228,8 +233,7 @@ class DecoderProfile:
         """What keeps ``tp`` ranks from splitting this model as the recipe's plan does (its checks: heads, kv heads,
         ffn and vocabulary, the sequence with sequence parallelism: ``tensor_parallel_sizes``), each with its
         numbers; a profile with parts no plan splits (``unsplit_parts``: an MLP other than the decoder's that says
-        nothing of tensor parallelism), a root unit other than the decoder's (tied embeddings) or adapters has no
-        plan to model."""
+        nothing of tensor parallelism), a root unit other than the decoder's or adapters has no plan to model."""
         if tp == 1:
             return []
         sizes = self.tensor_parallel_sizes()
@@ -237,9 +241,8 @@ class DecoderProfile:
                                                                else []))
         problems += self.unsplit_parts()
         if type(self).root_parameters is not DecoderProfile.root_parameters:
-            problems.append("its root unit is not an untied embedding and output head (tie_embeddings): the lookup"
-                            " splits the embedding by vocabulary rows and the head by vocabulary columns, so one tied"
-                            " matrix cannot be both")
+            problems.append("its root unit is not the decoder's embedding, final norm and output head, which the"
+                            " recipe's plan splits by vocabulary")
         if self.adapters is not None:
             problems.append("LoRA adapters have no tensor-parallel plan (a LoRA run trains few parameters: plain"
                             " npu_fsdp sharding fits the frozen base)")
@@ -331,7 +334,8 @@ class DecoderProfile:
         """Embedding, final norm and output head; under tensor parallelism the embedding (row-parallel) and the
         head (column-parallel) hold vocab / tp rows each, the norm is replicated."""
         m, vocab = self.shape, self.shape.vocab_size // self.parallel.tensor
-        return RootParameters(embedding=(vocab, m.dim), final_norm=(m.dim,), output=(vocab, m.dim))
+        return RootParameters(embedding=(vocab, m.dim), final_norm=(m.dim,), output=(vocab, m.dim),
+                              tied=self.tie_embeddings)
 
     def trainable_parameters(self) -> TrainableParameters:
         """What trains: everything, or (with adapters) the adapters only."""

@@ -47,11 +47,6 @@ def tensor_parallel_problems(config: Any, tp: int, *, seq_len: int, sequence_par
     if sequence_parallel:
         sizes.append(("data.seq_len", seq_len))
     problems = indivisible_by_tensor_parallel(tp, sizes)
-    if config.tie_embeddings:
-        problems.append(
-            "tie_embeddings=true: under tensor parallelism the embedding is split by vocabulary rows for the lookup"
-            " and the head by vocabulary columns for the logits, so one tied matrix cannot be both"
-        )
     if getattr(config, "mtp_layers", 0):
         problems.append(
             f"mtp_layers={config.mtp_layers}: the multi-token-prediction modules have no tensor-parallel plan; train"

@@ -4,7 +4,7 @@ Torch-free: the planner imports it to read a config. The recipe's TransformerBlo
 ``lightning_npu.plan.decoder`` counts (RMSNorm, grouped-query attention with rotary, fused gate/up SwiGLU, fp32
 logits: see model.py), so the profile is that decoder at the preset's shape: LLaMA-2's, or the LLaMA-3 family's
 (vocabulary 128256, 8 kv heads). With ``tie_embeddings`` (LLaMA-3.2 1B/3B) the root unit holds one
-[vocab, dim] matrix where the generic decoder has two (``TiedDecoderProfile``). With ``lora`` (validated by the
+[vocab, dim] matrix where the generic decoder has two. With ``lora`` (validated by the
 recipe's own ``LoRAConfig``) the profile is a LoRA run: the base frozen, adapters of the configured rank beside
 the targeted projections, which are the decoder's projections of the same names, and with
 ``lora.base_quantization`` every projection of the blocks is counted at its quantized bytes, as lora.py stores them.
@@ -12,10 +12,9 @@ the targeted projections, which are the decoder's projections of the same names,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
-from lightning_npu.plan import DecoderProfile, ModelShape, RootParameters
+from lightning_npu.plan import DecoderProfile, ModelShape
 from recipes.decoder.plan_profile import adapters, family_config
 from recipes.models.llama.config import LLaMAConfig
 
@@ -23,31 +22,9 @@ from recipes.models.llama.config import LLaMAConfig
 BLOCK_CLASS = "recipes.models.llama.model.TransformerBlock"
 
 
-@dataclass(frozen=True)
-class TiedRootParameters(RootParameters):
-    """The root unit of a model whose output projection is its token embedding: ``output`` is the same matrix as
-    ``embedding``, so the unit (its shards, gathered copy and gradient) holds it once. The planner allocates the
-    shared gradient at the output projection's backward, and the embedding's backward adds a second transient
-    [vocab, dim] gradient that autograd sums into it."""
-
-    @property
-    def shapes(self) -> list[tuple[int, ...]]:
-        return [self.embedding, self.final_norm]
-
-
-@dataclass(frozen=True)
-class TiedDecoderProfile(DecoderProfile):
-    """The recipe's decoder with ``tie_embeddings``: one [vocab, dim] parameter in the root unit."""
-
-    def root_parameters(self) -> RootParameters:
-        m = self.shape
-        return TiedRootParameters(embedding=(m.vocab_size, m.dim), final_norm=(m.dim,), output=(m.vocab_size, m.dim))
-
-
 def lightning_npu_memory_profile(model: Mapping[str, Any]) -> DecoderProfile:
     """The profile of the DecoderLM module a config's ``model:`` section (``family``, ``preset``, ``config``,
     ``lora``) builds, for a section of this family."""
     preset, config = family_config(model, __name__, LLaMAConfig)
-    profile = TiedDecoderProfile if config.tie_embeddings else DecoderProfile
-    return profile(ModelShape.of(config), name=f"LLaMA {preset}", block_class=BLOCK_CLASS,
-                   adapters=adapters(model.get("lora")))
+    return DecoderProfile(ModelShape.of(config), name=f"LLaMA {preset}", block_class=BLOCK_CLASS,
+                          adapters=adapters(model.get("lora")), tie_embeddings=config.tie_embeddings)

@@ -97,8 +97,8 @@ class MoEProfile(DecoderProfile):
     def block_profile(self, layer: int) -> DecoderProfile:
         """A dense layer is the decoder's SwiGLU block (of the shape's ``ffn_hidden_dim``); an MoE layer this."""
         if layer in self.dense_layers:
-            return DenseLayerProfile(self.shape, self.name, self.block_class, self.adapters, self.qkv_bias,
-                                     self.qk_norm, self.parallel)
+            return DenseLayerProfile(self.shape, self.name, self.block_class, self.adapters, qkv_bias=self.qkv_bias,
+                                     qk_norm=self.qk_norm, parallel=self.parallel)
         return self
 
     def quantized_groups(self) -> tuple[str, ...]:

@@ -11,7 +11,6 @@ from typing import Any, Mapping
 
 from lightning_npu.plan import DecoderProfile, ModelShape
 from recipes.decoder.plan_profile import adapters, family_config
-from recipes.models.llama.memory_profile import TiedDecoderProfile
 from recipes.models.qwen.config import QwenConfig
 
 #: The class the recipe's configs shard and checkpoint by (auto_wrap_policy / activation_checkpointing_policy).
@@ -22,6 +21,6 @@ def lightning_npu_memory_profile(model: Mapping[str, Any]) -> DecoderProfile:
     """The profile of the DecoderLM module a config's ``model:`` section (``family: qwen``, ``preset``, ``config``,
     ``lora``) builds."""
     preset, config = family_config(model, __name__, QwenConfig)
-    profile = TiedDecoderProfile if config.tie_embeddings else DecoderProfile
-    return profile(ModelShape.of(config), name=f"Qwen {preset}", block_class=BLOCK_CLASS,
-                   adapters=adapters(model.get("lora")), qkv_bias=config.qkv_bias, qk_norm=config.qk_norm)
+    return DecoderProfile(ModelShape.of(config), name=f"Qwen {preset}", block_class=BLOCK_CLASS,
+                          adapters=adapters(model.get("lora")), qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
+                          tie_embeddings=config.tie_embeddings)
