@@ -462,6 +462,12 @@ class CausalDecoder(nn.Module):
             cos, sin = self.rotary_at(position_ids.flatten(), h.dtype)
         return h, cos, sin, bounds
 
+    def no_loss(self) -> Tensor:
+        """A 0-d fp32 zero on the model's device: what an extra loss term is when it is off. A plain tensor, not one
+        made from a parameter, which tensor or data parallelism may have made a DTensor (a sum with it would turn
+        the loss into one)."""
+        return torch.zeros((), device=self.norm.weight.device)
+
     def logits(self, h: Tensor) -> Tensor:
         """fp32 next-token logits of the last block's output ``h``."""
         return self.output(self.norm(h)).float()

@@ -240,7 +240,7 @@ class DeepSeek(RoutedDecoder):
         next-token labels of the last forward, -100 ignored) moved k ahead, its targets past the end of a row or
         sample ignored; 0 when the last forward ran no MTP (evaluation, or ``mtp_layers`` 0)."""
         if not self.mtp_logits:
-            return self.tok_embeddings.weight.new_zeros(())
+            return self.no_loss()
         flat, index = labels.flatten(), torch.arange(labels.numel(), device=labels.device)
         losses = []
         for k, logits in enumerate(self.mtp_logits, start=1):

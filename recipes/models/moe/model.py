@@ -179,7 +179,7 @@ class RoutedDecoder(CausalDecoder):
         None: this rank's."""
         coef = self.config.router_aux_loss_coef
         if not coef:
-            return self.tok_embeddings.weight.new_zeros(())
+            return self.no_loss()
         logits = [layer.router_logits for layer in self._moe_layers()]
         return coef * load_balancing_loss(logits, self.config.top_k, sum_over_ranks)
 
