@@ -71,3 +71,20 @@ def trained_tiny_run(_trained_tiny_run):
     yield run
     assert run.snapshot() == trained, (f"a test wrote into the shared trained run {run.root}; "
                                        "write into TrainedRun.copy_to(tmp_path) instead")
+
+
+@PREFETCHED.fixture(seconds=140)
+def layout_parity_runs(tmp_path_factory):
+    """``tests/scripts/layout_parity_run.py``'s three launches (2, 4, 2 simulated NPUs): MoE, Qwen3 and DeepSeek
+    under tensor and expert parallelism, and plain npu_fsdp with as many data-parallel replicas, from one
+    checkpoint of first weights per model. Returns each run's losses (tensors) and its whole record."""
+    import torch
+
+    from tests.helpers import SCRIPTS, read_json, run_python
+
+    out = tmp_path_factory.mktemp("layout_parity")
+    for stage, devices in (("plain", 2), ("mesh", 4), ("resume", 2)):
+        run_python([str(SCRIPTS / "layout_parity_run.py"), "--out", str(out), "--stage", stage], simulate=devices,
+                   timeout=2400)
+    result = {name: run for stage in ("plain", "mesh", "resume") for name, run in read_json(out / f"{stage}.json").items()}
+    return {name: torch.tensor(run["losses"]) for name, run in result.items()}, result

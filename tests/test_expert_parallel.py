@@ -260,52 +260,43 @@ def test_expert_parallelism_with_context_parallelism_trains_with_the_losses_of_p
     assert losses["dp_all_experts"][-5:].mean() < losses["dp_all_experts"][:5].mean() - 0.5
 
 
-@PREFETCHED.fixture(seconds=75)
-def moe_tensor_parallel_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("moe_tensor_parallel")
-    script = str(SCRIPTS / "moe_tensor_parallel_run.py")
-    for stage, devices in (("plain", 2), ("mesh", 4), ("resume", 2)):
-        run_python([script, "--out", str(out), "--stage", stage], simulate=devices, timeout=1800)
-    result = {**read_json(out / "plain.json"), **read_json(out / "mesh.json"), **read_json(out / "resume.json")}
-    return {name: torch.tensor(run["losses"]) for name, run in result.items()}, result
-
-
 @pytest.mark.slow
-def test_moe_under_tensor_parallelism_trains_with_the_losses_of_plain_sharding(moe_tensor_parallel_runs):
+def test_moe_under_tensor_parallelism_trains_with_the_losses_of_plain_sharding(layout_parity_runs):
     """tiny MoE with tensor_parallel_size 2, and 2 x expert_parallel_size 2, on 4 simulated NPUs against plain
     npu_fsdp on 2 (as many data-parallel replicas: the same rows on each replica), every token routed to every
     expert, the load-balancing loss and the balancing bias on: the 20 per-step losses agree within 1e-5, and the
     loss falls. Each tensor-parallel rank runs half the routed rows; under ep 2 the pair splits the experts."""
-    losses, result = moe_tensor_parallel_runs
-    plain = losses["plain_all"]
+    losses, result = layout_parity_runs
+    plain = losses["moe_all"]
     assert len(plain) == 20 and plain[-5:].mean() < plain[:5].mean() - 0.5
-    for run in ("tp2_all", "tp2_ep2_all"):
+    for run in ("moe_tp2_all", "moe_tp2_ep2_all"):
         torch.testing.assert_close(losses[run], plain, rtol=0, atol=1e-5, msg=run)
-        assert result[run]["first_biases"] == result["plain_all"]["first_biases"], run
+        assert result[run]["first_biases"] == result["moe_all"]["first_biases"], run
     # Under tp 2 x ep 2 each rank holds 4 of the 8 experts, FSDP-shards them over the 2 ranks holding the same.
-    assert result["tp2_ep2_all"]["placements"] == ["_S(0, 2)", "S(0)"]
+    assert result["moe_tp2_ep2_all"]["placements"] == ["_S(0, 2)", "S(0)"]
 
 
 @pytest.mark.slow
 def test_moe_under_tensor_parallelism_with_top_2_routing_follows_plain_sharding_over_the_first_steps(
-        moe_tensor_parallel_runs):
+        layout_parity_runs):
     """With top-2 routing the first 6 steps agree within 1e-4. The router sees the whole tokens on every
     tensor-parallel rank, but they come out of split attention and MLPs whose sums run in another order (1e-7
     apart), which can flip a near-tied expert choice once training has moved the weights; measured (2026-12-05,
     fp32): no flip in 20 steps, every step within 1e-6 of plain sharding."""
-    losses, _ = moe_tensor_parallel_runs
-    plain = losses["plain_top2"]
+    losses, _ = layout_parity_runs
+    plain = losses["moe_top2"]
     assert len(plain) == 20 and plain[-5:].mean() < plain[:5].mean() - 0.5
-    for run in ("tp2_top2", "tp2_ep2_top2"):
+    for run in ("moe_tp2_top2", "moe_tp2_ep2_top2"):
         assert len(losses[run]) == 20, run
         torch.testing.assert_close(losses[run][:6], plain[:6], rtol=0, atol=1e-4, msg=run)
 
 
 @pytest.mark.slow
-def test_a_checkpoint_resumes_across_tensor_and_expert_parallel_meshes_at_the_first_step(moe_tensor_parallel_runs):
+def test_a_checkpoint_resumes_across_tensor_and_expert_parallel_meshes_at_the_first_step(layout_parity_runs):
     """plain (2 replicas) -> tp 2 x ep 2 and tp 2 x ep 2 -> plain: the sharded checkpoint after epoch 0 resumed on
     the other mesh gives, at its first step, the loss the uninterrupted run had there."""
-    losses, _ = moe_tensor_parallel_runs
-    torch.testing.assert_close(losses["plain_to_tp2_ep2"][:1], losses["plain_all"][10:11], rtol=0, atol=1e-5)
-    torch.testing.assert_close(losses["tp2_ep2_to_plain"][:1], losses["tp2_ep2_all"][10:11], rtol=0, atol=1e-5)
-    assert len(losses["plain_to_tp2_ep2"]) == len(losses["tp2_ep2_to_plain"]) == 10
+    losses, _ = layout_parity_runs
+    torch.testing.assert_close(losses["moe_plain_to_tp2_ep2"][:1], losses["moe_all"][10:11], rtol=0, atol=1e-5)
+    torch.testing.assert_close(losses["moe_tp2_ep2_to_plain"][:1], losses["moe_tp2_ep2_all"][10:11], rtol=0,
+                               atol=1e-5)
+    assert len(losses["moe_plain_to_tp2_ep2"]) == len(losses["moe_tp2_ep2_to_plain"]) == 10

@@ -31,8 +31,10 @@ SEQ, BATCH = 32, 2  # per rank: 4 ranks x 2 rows of 32 tokens a step
 CONFIG = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=8, top_k=2, expert_hidden_dim=32,
               max_seq_len=SEQ)
 #: The runs' model per family: its config fields over the tiny preset, and the block FSDP wraps and recomputes.
-#: DeepSeek's: MLA (q/k heads 48 wide, v 32), the first layer dense, then DeepSeekMoE (8 routed + 1 shared experts).
-FAMILIES = {"moe": (CONFIG, "MoEBlock"), "deepseek": (dict(n_layers=2, max_seq_len=SEQ), "DeepSeekBlock")}
+#: DeepSeek's: MLA (q/k heads 48 wide, v 32), the first layer dense, then DeepSeekMoE (8 routed + 1 shared experts);
+#: Qwen's: Qwen3 (per-head q/k norms, head_dim 48, the embedding tied to the head).
+FAMILIES = {"moe": (CONFIG, "MoEBlock"), "deepseek": (dict(n_layers=2, max_seq_len=SEQ), "DeepSeekBlock"),
+            "qwen": (dict(n_layers=2, max_seq_len=SEQ), "QwenBlock")}
 
 
 class Tokens(Dataset):
@@ -57,7 +59,7 @@ class Losses(Callback):
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if trainer.global_step == 1:  # the biases the first step's routing moved
-            routers = [module.model.layers[i].feed_forward.router for i in module.config.moe_layers]
+            routers = [module.model.layers[i].feed_forward.router for i in getattr(module.config, "moe_layers", [])]
             self.first_biases = [router.expert_bias.tolist() for router in routers if hasattr(router, "expert_bias")]
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
@@ -114,9 +116,10 @@ def fit(out: Path, name: str, ep: int, *, state_dict_type: str = "sharded", resu
     trainer.fit(lm, train_dataloaders=loader, ckpt_path=resume)
     if state_dict_type == "full":
         trainer.save_checkpoint(out / f"{name}.ckpt")
-    weight = next(m.w_gate_up for m in lm.model.modules() if hasattr(m, "w_gate_up"))  # the first MoE layer's
-    return {"losses": losses.losses, "local_shape": list(weight.to_local().shape),
-            "placements": [str(p) for p in weight.placements], "first_biases": losses.first_biases}
+    weight = next((m.w_gate_up for m in lm.model.modules() if hasattr(m, "w_gate_up")), None)  # the first MoE layer's
+    return {"losses": losses.losses, "first_biases": losses.first_biases,
+            "local_shape": None if weight is None else list(weight.to_local().shape),
+            "placements": None if weight is None else [str(p) for p in weight.placements]}
 
 
 def fabric_fit(ep: int, steps: int = 6) -> dict:
