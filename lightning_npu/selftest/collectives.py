@@ -1,5 +1,7 @@
 """Collective checks: all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single (context
-parallelism's Ulysses exchange) and broadcast over the process group the strategy built (hccl on NPUs, gloo when simulated), checked for exact results and timed per size.
+parallelism's Ulysses exchange; with uneven split sizes, expert parallelism's token exchange), all_gather of a list
+(the experts' row shares under tensor parallelism) and broadcast over the process group the strategy built (hccl on
+NPUs, gloo when simulated), checked for exact results and timed per size.
 
 Every rank fills its tensors with small integers times (rank + 1), so every correct result is an exact
 float32 integer (sums stay below 2**24 up to 64 ranks) and is compared bit for bit. Bus bandwidth follows
@@ -74,6 +76,36 @@ def _all_to_all(ops: Any, group: Any, n: int, rank: int, numel: int, device: tor
     return _Prepared(lambda: ops.all_to_all_single(output, source, group=group), output, expected)
 
 
+def _all_to_all_uneven(ops: Any, group: Any, n: int, rank: int, numel: int, device: torch.device) -> _Prepared:
+    """Expert parallelism's exchange: rank r sends rank c ``(r + c) % n + 1`` units (uneven split sizes)."""
+    unit = max(1, numel // (n * n))
+
+    def sizes(source: int) -> list[int]:
+        return [((source + c) % n + 1) * unit for c in range(n)]
+
+    source = torch.cat([_base(size, device) * (rank + 1) + c for c, size in enumerate(sizes(rank))])
+    receive = [sizes(s)[rank] for s in range(n)]
+    output = torch.empty(sum(receive), device=device)
+    expected = torch.cat([_base(size, device) * (s + 1) + rank for s, size in enumerate(receive)])
+    return _Prepared(lambda: ops.all_to_all_single(output, source, output_split_sizes=receive,
+                                                   input_split_sizes=sizes(rank), group=group), output, expected)
+
+
+def _all_gather_list(ops: Any, group: Any, n: int, rank: int, numel: int, device: torch.device) -> _Prepared:
+    """The list form the experts' row shares are gathered with under tensor parallelism (one tensor per rank)."""
+    chunk = _base(numel // n, device)
+    outputs = [torch.empty_like(chunk) for _ in range(n)]
+    source = chunk * (rank + 1)
+    expected = torch.cat([chunk * (r + 1) for r in range(n)])
+    result = torch.empty(n * chunk.numel(), device=device)
+
+    def run() -> None:
+        ops.all_gather(outputs, source, group=group)
+        torch.cat(outputs, out=result)
+
+    return _Prepared(run, result, expected)
+
+
 def _broadcast(ops: Any, group: Any, n: int, rank: int, numel: int, device: torch.device) -> _Prepared:
     base = _base(numel, device)
     tensor = base * (rank + 1)
@@ -94,6 +126,8 @@ COLLECTIVES = (
     Collective("all_gather_into_tensor", _all_gather, lambda n: (n - 1) / n),
     Collective("reduce_scatter_tensor", _reduce_scatter, lambda n: (n - 1) / n),
     Collective("all_to_all_single", _all_to_all, lambda n: (n - 1) / n),
+    Collective("all_to_all_single uneven", _all_to_all_uneven, lambda n: (n - 1) / n),
+    Collective("all_gather", _all_gather_list, lambda n: (n - 1) / n),
     Collective("broadcast", _broadcast, lambda n: 1.0),
 )
 
