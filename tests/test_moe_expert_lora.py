@@ -96,6 +96,31 @@ def test_merged_expert_adapters_give_the_adapted_model_s_logits():
         torch.testing.assert_close(merged(tokens), model(tokens), rtol=0, atol=1e-5)
 
 
+def test_a_stacked_adapter_sharded_on_its_expert_dimension_initialises_on_this_rank_s_shard():
+    """npu_fsdp builds the recipe's model on the meta device and initialises it shard by shard: a stacked A
+    [n_experts, rank, in] sharded on the experts (FSDP's Shard(0)) was iterated expert by expert as a whole tensor,
+    which DTensor refuses ("Attempted to unbind along the sharded dimension 0"); now each rank draws its own
+    experts' matrices, within PEFT's bound 1 / sqrt(in). Rank 0 of 2 through torch's fake process group."""
+    import math
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from recipes.decoder.lora import init_lora_a
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = distribute_tensor(torch.zeros(8, 4, 16), mesh, [Shard(0)], src_data_rank=None)
+        init_lora_a(weight)
+        local = weight.to_local()
+        assert local.shape == (4, 4, 16) and (local != 0).all() and local.abs().max() <= 1 / math.sqrt(16)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_expert_targets_on_a_family_without_experts_are_refused():
     from recipes.models.llama.config import LLaMAConfig
     from recipes.models.llama.model import LLaMA

@@ -60,9 +60,14 @@ ADAPTER_MARKERS = (".lora_a.", ".lora_b.")
 
 def init_lora_a(weight: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
     """PEFT's initialisation of an A [rank, in], in place: Kaiming uniform (a=sqrt(5), bound 1/sqrt(in)); a stacked
-    [n_experts, rank, in] expert by expert, each with its own fan-in (PEFT's per-expert A)."""
+    [n_experts, rank, in] expert by expert, each with its own fan-in (PEFT's per-expert A). A sharded A (a DTensor:
+    npu_fsdp initialises a model built on the meta device shard by shard) is drawn on this rank's shard, whose rows
+    keep the fan-in ``in``."""
+    from torch.distributed.tensor import DTensor
+
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
     with torch.no_grad():
-        for matrix in weight.view(-1, *weight.shape[-2:]):
+        for matrix in local.view(-1, *local.shape[-2:]):
             nn.init.kaiming_uniform_(matrix, a=math.sqrt(5), generator=generator)
     return weight
 
