@@ -362,3 +362,18 @@ def test_step_time_tokens_and_peak_memory_agree_with_a_model_of_known_cost(tmp_p
     _, last = records[-1]
     assert last["perf/step_time_s"] < 2 * sleep_per_step
     assert last["perf/tokens_per_sec_per_device"] > TOKENS_PER_MICRO_BATCH / sleep_per_step
+
+
+def test_the_ranks_that_share_a_batch_share_its_tokens():
+    """Tensor, context and pipeline parallelism: world 8 over 2 sampler replicas is 4 ranks a batch, each doing a
+    quarter of its work (tokens/s per device and MFU count a quarter of its tokens on each); one rank alone, all."""
+    from types import SimpleNamespace
+
+    from lightning_npu.telemetry.monitor import _ranks_per_batch
+
+    def trainer(world, sampler):
+        return SimpleNamespace(world_size=world, strategy=SimpleNamespace(distributed_sampler_kwargs=sampler))
+
+    assert _ranks_per_batch(trainer(8, {"num_replicas": 2, "rank": 0})) == 4
+    assert _ranks_per_batch(trainer(8, {"num_replicas": 8, "rank": 3})) == 1
+    assert _ranks_per_batch(trainer(1, None)) == 1

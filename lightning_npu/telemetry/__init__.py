@@ -8,10 +8,12 @@ Every ``log_every_n_steps`` optimizer steps, rank 0 prints one line (here folded
 and the numbers go to every logger under ``perf/...``. The formulas, per device, over the window of optimizer
 steps since the last line (device work synchronised before each clock read, validation time left out)::
 
-    tokens/s/device = tokens this rank trained on / window seconds         (printed: the mean over ranks)
+    tokens/s/device = tokens of this rank's batches / ranks sharing a batch / window seconds  (printed: mean over ranks)
     FLOP/s/device   = tokens/s/device * flops_per_token
     MFU             = FLOP/s/device / peak dense bf16 FLOP/s of the chip   (ChipFacts.peak_bf16_flops)
 
+The ranks of a tensor-, context- or pipeline-parallel group train on one batch together, each doing its share of
+the work: the strategy's sampler replicas say how many share one (``world_size / num_replicas``).
 ``flops_per_token`` comes from the LightningModule. For a decoder LLM it is the PaLM (appendix B) count that
 ``LLaMAConfig.flops_per_token(seq_len)`` implements: ``6 * N + 12 * L * S * D`` with N the non-embedding
 parameters, L layers, S the sequence length and D the model width (forward + backward; the causal mask's skipped

@@ -28,7 +28,9 @@ class TokenThroughputMonitor(Callback):
     """Prints and logs tokens/s per device, TFLOP/s, MFU, memory and step time every few optimizer steps.
 
     Tokens per batch: ``pl_module.count_tokens(batch)`` if the LightningModule defines it, else
-    ``batch["input_ids"].numel()`` for dict batches; otherwise only step time is reported (said once).
+    ``batch["input_ids"].numel()`` for dict batches; otherwise only step time is reported (said once). A batch's
+    tokens are shared by the ranks that train on it together (tensor, context and pipeline parallelism: the
+    strategy's ``distributed_sampler_kwargs`` say how many replicas there are).
     FLOPs per token: ``pl_module.flops_per_token`` (attribute or property; for a decoder LLM
     ``6 * N_non_embedding + 12 * n_layers * seq_len * dim``, see ``LLaMAConfig.flops_per_token``).
     MFU needs the chip's peak (``runtime.chip().peak_bf16_flops``); on an unknown chip, the CPU or the simulated
@@ -227,7 +229,8 @@ class TokenThroughputMonitor(Callback):
             return None
         self._token_source_known = True
         # A tensor count stays on the device until the next report, so counting adds no host sync per batch.
-        return tokens.detach() if isinstance(tokens, Tensor) else int(tokens)
+        tokens = tokens.detach() if isinstance(tokens, Tensor) else int(tokens)
+        return tokens / _ranks_per_batch(pl_module.trainer)
 
     def _add_loss(self, trainer: Trainer, pl_module: LightningModule, outputs: Any) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
@@ -274,6 +277,12 @@ def _with_peak(memory: Optional[MemoryReading], peak_bytes: Optional[float]) -> 
     if memory is None or peak_bytes is None:
         return memory
     return MemoryReading(peak_bytes, memory.total_bytes, memory.process_rss)
+
+
+def _ranks_per_batch(trainer: Trainer) -> int:
+    """How many ranks train on each batch together: the world over the sampler's replicas (1 without a split)."""
+    sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return max(trainer.world_size // sampler.get("num_replicas", trainer.world_size), 1)
 
 
 def _max_steps(trainer: Trainer) -> Optional[int]:
