@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Literal, Optional, Union
 
+from lightning_npu.facts import pipeline
+
 #: What each supported ZeRO stage means under FSDP2 (``reshard_after_forward``), in order of preference.
 ZERO_STAGES = {
     3: "parameters resharded after forward, least memory",
@@ -93,6 +95,13 @@ def check_parallel_size(option: str, value: Any) -> int:
     """``value`` if it is a positive int (a mesh dimension's size); ValueError otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{option}={value!r} must be a positive integer (the number of devices in each group)")
+    return value
+
+
+def check_optional_count(option: str, value: Any) -> Optional[int]:
+    """``value`` if it is None (the default applies) or a positive int; ValueError otherwise."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{option}={value!r} must be a positive integer, or unset for the default")
     return value
 
 
@@ -376,6 +385,20 @@ class FSDPOptions:
         1, check_parallel_size, "devices (consecutive ranks of dp_shard x cp x tp) that split each MoE layer's experts"
         " between them and exchange its tokens by all_to_all; must divide dp_shard x cp x tp and every layer's expert"
         " count")
+    pipeline_parallel_size: int = option(
+        1, check_parallel_size, "pipeline stages' ranks (the outermost mesh dimension): each holds a share of the"
+        " blocks (the first the embedding, the last the head) and passes activations to the next; the model names"
+        " its parts in its plan (`ParallelPlan.pipeline`)")
+    pipeline_schedule: str = option(
+        pipeline.DEFAULT_SCHEDULE, value_check(pipeline.check_schedule),
+        "`\"1F1B\"`, `\"GPipe\"`, `\"Interleaved1F1B\"` (several stages per rank), `\"ZBVZeroBubble\"` or"
+        " `\"DualPipeV\"` (2 stages per rank, V-shaped)")
+    pipeline_microbatches: Optional[int] = option(
+        None, check_optional_count, "microbatches each step's batch splits into (its rows must divide by them); unset: one per"
+        " stage")
+    pipeline_stages_per_rank: Optional[int] = option(
+        None, check_optional_count, "stages each rank runs: 1 (GPipe, 1F1B), 2 (ZBVZeroBubble, DualPipeV), 2 or more"
+        " (Interleaved1F1B); unset: the schedule's")
 
     def __post_init__(self) -> None:
         for spec in fields(FSDPOptions):
@@ -388,12 +411,55 @@ class FSDPOptions:
                 " blocks training anyway; use state_dict_type='sharded' (consolidate later with"
                 " `lightning-npu consolidate`) or async_save=False"
             )
+        if self.pipeline_parallel_size > 1:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        pp = self.pipeline_parallel_size
+        per_rank = pipeline.stages_per_rank(self.pipeline_schedule, self.pipeline_stages_per_rank)
+        pipeline.check_microbatches(self.pipeline_schedule, self.microbatches, pp, per_rank)
+        refused = [(name, reason) for name, given, reason in (
+            ("context_parallel_size", self.context_parallel_size > 1,
+             "its sequence exchanges run inside the stages, out of step with the pipeline's"),
+            ("expert_parallel_size", self.expert_parallel_size > 1,
+             "the experts' exchanges under a pipeline are not tested yet"),
+            ("activation_checkpointing_policy", bool(self.activation_checkpointing_policy)
+             and self.activation_checkpointing_ratio > 0 and pipeline.SCHEDULES[self.pipeline_schedule].splits_backward,
+             f"pipeline_schedule={self.pipeline_schedule!r} computes each backward in two passes (input, then weight"
+             " gradients), and torch 2.13 cannot recompute a checkpointed block's activations a second time; use"
+             " 1F1B or Interleaved1F1B with activation checkpointing"),
+            ("sequence_parallel=True", self.tensor_parallel_size > 1 and self.sequence_parallel,
+             "the activations would cross to the next stage split by sequence, and a stage could not tell the"
+             " whole sequence's positions; set sequence_parallel=False"),
+            ("state_dict_type='full'", self.state_dict_type == "full",
+             "a full checkpoint would hold rank 0's stage only; save sharded and consolidate it"
+             " (`lightning-npu consolidate`)"),
+        ) if given]
+        if refused:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} does not run with " + "; ".join(f"{name} ({why})" for name, why in refused)
+                + ": drop those options, or train without pipeline parallelism"
+            )
+
+    @property
+    def stages_per_rank(self) -> int:
+        """How many pipeline stages each rank runs."""
+        return pipeline.stages_per_rank(self.pipeline_schedule, self.pipeline_stages_per_rank)
+
+    @property
+    def microbatches(self) -> int:
+        """The microbatches each pipelined step splits its batch into."""
+        if self.pipeline_microbatches is not None:
+            return self.pipeline_microbatches
+        return pipeline.default_microbatches(self.pipeline_schedule, self.pipeline_parallel_size,
+                                             self.stages_per_rank)
 
     def layout(self, num_nodes: int, devices_per_node: int) -> MeshLayout:
         """The mesh these options give ``num_nodes x devices_per_node`` devices (ValueError if they cannot)."""
         layout = MeshLayout.for_run(num_nodes=num_nodes, devices_per_node=devices_per_node, sharding=self.sharding,
                                     tensor_parallel_size=self.tensor_parallel_size,
-                                    context_parallel_size=self.context_parallel_size)
+                                    context_parallel_size=self.context_parallel_size,
+                                    pipeline_parallel_size=self.pipeline_parallel_size)
         check_expert_parallel_size(self.expert_parallel_size, layout, self.sharding)
         return layout
 

@@ -12,6 +12,6 @@ The NPU attention math stays in ``lightning_npu.kernels``; the strategies (``lig
 mesh's lifetime and call ``parallelize``.
 """
 
-from lightning_npu.parallel.protocol import ParallelPlan
+from lightning_npu.parallel.protocol import ParallelPlan, PipelineLayout
 
-__all__ = ["ParallelPlan"]
+__all__ = ["ParallelPlan", "PipelineLayout"]

@@ -27,10 +27,20 @@ that returns the plan (``""`` is that module itself).
     :func:`~lightning_npu.parallel.expert.local_experts` of each parameter. Expert parallelism
     (``expert_parallel_size``) splits them over ranks and moves the rows; under tensor parallelism each
     tensor-parallel rank runs a share of the rows. The experts are never split by a tensor-parallel plan.
+``pipeline``
+    A :class:`PipelineLayout`: the module that pipelines under ``pipeline_parallel_size > 1`` and its parts, an
+    "inputs -> blocks -> outputs" model (the embedding, a ``ModuleList`` of blocks, the final norm and head). That
+    module's ``forward(x, *, labels=None, **kwargs)`` gives, with ``labels``, the loss (the mean over the labels that
+    are not -100), computed by its ``loss(output, labels, reduction)``; and it runs with parts set to ``None``: the
+    first stage gets the inputs, the others the previous stage's activations (one tensor), the last returns the
+    output its ``loss`` takes. ``kwargs`` (per-row tensors) reach every stage. Under pipeline parallelism npu_fsdp
+    keeps each rank's stages of it (parameter names unchanged) and its ``forward`` with ``labels`` runs the schedule:
+    every microbatch's forward and backward, returning the step's loss on every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
@@ -42,14 +52,30 @@ TensorParallelPlan = Callable[..., dict[str, Any]]
 
 
 @dataclass(frozen=True)
+class PipelineLayout:
+    """The module that pipelines (``module``: its name, ``""`` for the one returning the plan) and, among its
+    children, what the first stage holds (``inputs``), the container of repeated blocks (``blocks``) and what the
+    last stage holds (``outputs``). Its other children must hold no parameters (they stay on every stage)."""
+
+    module: str
+    inputs: tuple[str, ...]
+    blocks: str
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
-    """How a module splits over tensor-, context- and expert-parallel ranks (the module docstring says each field)."""
+    """How a module splits over tensor-, context-, expert- and pipeline-parallel ranks (the module docstring says
+    each field)."""
 
     tensor_parallel: Optional[TensorParallelPlan] = None
     context_parallel: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
+    pipeline: Optional[PipelineLayout] = None
 
     def __post_init__(self) -> None:
+        if self.pipeline is not None and not isinstance(self.pipeline, PipelineLayout):
+            raise TypeError(f"ParallelPlan.pipeline must be a PipelineLayout; got {type(self.pipeline).__name__}")
         if self.tensor_parallel is not None and not callable(self.tensor_parallel):
             raise TypeError(f"ParallelPlan.tensor_parallel must be a function plan(tp_mesh, *, sequence_parallel,"
                             f" loss_parallel); got {type(self.tensor_parallel).__name__}")
@@ -70,9 +96,26 @@ class ParallelPlan:
         def tensor_parallel(tp_mesh: Any, **flags: Any) -> dict[str, Any]:
             return {named(name): style for name, style in inner(tp_mesh, **flags).items()}
 
+        pipeline = None if self.pipeline is None else dataclasses.replace(self.pipeline,
+                                                                          module=named(self.pipeline.module))
         return ParallelPlan(tensor_parallel=None if inner is None else tensor_parallel,
                             context_parallel=tuple(map(named, self.context_parallel)),
-                            experts=tuple(map(named, self.experts)))
+                            experts=tuple(map(named, self.experts)), pipeline=pipeline)
+
+    def without(self, removed: set[str]) -> "ParallelPlan":
+        """The same plan with the modules named in ``removed`` left out (what a pipeline split removed from this
+        rank: another stage's blocks), the tensor-parallel plan's entries for them too."""
+        inner = self.tensor_parallel
+
+        def tensor_parallel(tp_mesh: Any, **flags: Any) -> dict[str, Any]:
+            return {name: style for name, style in inner(tp_mesh, **flags).items() if name not in removed}
+
+        def kept(names: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(name for name in names if name not in removed)
+
+        return ParallelPlan(tensor_parallel=None if inner is None else tensor_parallel,
+                            context_parallel=kept(self.context_parallel), experts=kept(self.experts),
+                            pipeline=self.pipeline)
 
     def modules(self, root: nn.Module, field_name: str) -> list[tuple[str, nn.Module]]:
         """``(name, module)`` for each module the field ``field_name`` names, found in ``root``."""
@@ -134,4 +177,5 @@ def plan_of(module: nn.Module, function: Optional[Callable[[nn.Module], Parallel
     return plan
 
 
-__all__ = ["ParallelPlan", "PlanFunction", "TensorParallelPlan", "find_modules", "plan_of", "resolve_parallel_plan"]
+__all__ = ["ParallelPlan", "PipelineLayout", "PlanFunction", "TensorParallelPlan", "find_modules", "plan_of",
+           "resolve_parallel_plan"]

@@ -1,0 +1,160 @@
+"""Pipeline schedules, torch-free: what each of ``torch.distributed.pipelining``'s schedules needs (stages per rank,
+where the stages sit, its microbatch rule), the split rule that balances blocks over stages, and the bubble each
+schedule leaves. The strategy checks a run's options against these before workers start, and ``lightning-npu plan``
+reads them too.
+
+Sources (pipeline-facts.md): torch 2.13's ``schedules.py`` (the microbatch rules its constructors enforce), the
+bubble fractions of GPipe / 1F1B ((p - 1) / m of the ideal step), interleaved 1F1B ((p - 1) / (v m), Narayanan et
+al. 2021), zero bubble (ZBV ~0 at one activation set, Qi et al. 2024); MindSpeed-LLM and torchtitan balance the end
+stages by counting the embedding and the head as blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One schedule: its torch class (``torch.distributed.pipelining.schedules``), how many stages each rank runs
+    (``None``: any number >= 2, chosen by ``pipeline_stages_per_rank``), where a rank's stages sit (``"loop"``:
+    ``r, r + pp, ...``; ``"v"``: ``r, 2 pp - 1 - r``, so rank 0 holds the first and the last stage), and whether it
+    splits each backward into input and weight parts (the zero-bubble family)."""
+
+    class_name: str
+    stages_per_rank: Optional[int]
+    style: str
+    splits_backward: bool = False
+    since: str = ""
+
+
+#: The schedules npu_fsdp runs, by their option name (``pipeline_schedule``). ``since``: the torch release that has
+#: the class (the strategy checks for the class itself).
+SCHEDULES: dict[str, Schedule] = {
+    "GPipe": Schedule("ScheduleGPipe", 1, "loop", since="2.4"),
+    "1F1B": Schedule("Schedule1F1B", 1, "loop", since="2.4"),
+    "Interleaved1F1B": Schedule("ScheduleInterleaved1F1B", None, "loop", since="2.4"),
+    "ZBVZeroBubble": Schedule("ScheduleZBVZeroBubble", 2, "v", splits_backward=True, since="2.6"),
+    "DualPipeV": Schedule("ScheduleDualPipeV", 2, "v", splits_backward=True, since="2.9"),
+}
+DEFAULT_SCHEDULE = "1F1B"
+
+
+def check_schedule(value: object) -> str:
+    """``value`` if it names one of ``SCHEDULES``; ValueError with the choices otherwise."""
+    if value not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule={value!r} is not one of {', '.join(map(repr, SCHEDULES))}")
+    return value  # type: ignore[return-value]
+
+
+def stages_per_rank(schedule: str, requested: Optional[int] = None) -> int:
+    """How many stages each rank runs under ``schedule``: its fixed number, or ``requested`` (default 2 for a
+    schedule that takes any number); ValueError with the fix when ``requested`` does not fit the schedule."""
+    fixed = SCHEDULES[schedule].stages_per_rank
+    if fixed is None:
+        value = 2 if requested is None else requested
+        if value < 2:
+            raise ValueError(f"pipeline_schedule={schedule!r} interleaves several stages on each rank:"
+                             f" pipeline_stages_per_rank={value} must be at least 2")
+        return value
+    if requested is not None and requested != fixed:
+        raise ValueError(f"pipeline_schedule={schedule!r} runs {fixed} stage(s) per rank, not"
+                         f" pipeline_stages_per_rank={requested}; leave it unset or use another schedule")
+    return fixed
+
+
+def check_microbatches(schedule: str, microbatches: int, pp: int, per_rank: int) -> None:
+    """ValueError, with the rule and a count that works, unless ``schedule`` takes ``microbatches`` per step over
+    ``pp`` ranks of ``per_rank`` stages (torch's constructors refuse the rest, or a step hangs on them)."""
+    stages = pp * per_rank
+    if microbatches < 1:
+        raise ValueError(f"pipeline_microbatches={microbatches} must be at least 1")
+    if schedule in ("1F1B", "DualPipeV") and microbatches < stages:
+        raise ValueError(f"pipeline_schedule={schedule!r} needs at least as many microbatches as stages ({stages}):"
+                         f" pipeline_microbatches={microbatches}; use {stages} or more")
+    if schedule == "Interleaved1F1B" and microbatches % max(1, microbatches // pp):
+        raise ValueError(f"pipeline_schedule='Interleaved1F1B' runs the microbatches in rounds of pp={pp}:"
+                         f" pipeline_microbatches={microbatches} must be a multiple of max(1, microbatches // pp);"
+                         f" use a multiple of {pp}")
+
+
+def default_microbatches(schedule: str, pp: int, per_rank: int) -> int:
+    """The microbatches per step when the options leave them unset: one per stage (the fewest every schedule
+    takes; more shrink the bubble, at the cost of smaller matmuls)."""
+    return pp * per_rank
+
+
+def stage_ids(schedule: str, pp_rank: int, pp: int, per_rank: int) -> tuple[int, ...]:
+    """The stages pipeline rank ``pp_rank`` runs (see ``Schedule.style``)."""
+    if SCHEDULES[schedule].style == "v":
+        return (pp_rank, 2 * pp - 1 - pp_rank)
+    return tuple(pp_rank + k * pp for k in range(per_rank))
+
+
+def last_stage_rank(schedule: str, pp: int, per_rank: int) -> int:
+    """The pipeline rank holding the last stage (where the loss is computed)."""
+    return 0 if SCHEDULES[schedule].style == "v" else (pp * per_rank - 1) % pp
+
+
+def blocks_per_stage(num_blocks: int, num_stages: int, *, input_weight: int = 1, output_weight: int = 1,
+                     layers_per_stage: Optional[Sequence[Union[int, Sequence[int]]]] = None) -> list[list[int]]:
+    """The block indices each stage holds, in stage order: contiguous, every block once.
+
+    The rule: the first stage's inputs (the embedding) count as ``input_weight`` blocks and the last stage's outputs
+    (the final norm and head) as ``output_weight``, and the ``num_blocks + input_weight + output_weight`` units are
+    spread as evenly as they go, the remainder to the middle stages first, then the first, then the last; so the end
+    stages take fewer blocks (8 blocks on 4 stages: 1, 3, 3, 1). ``layers_per_stage`` overrides it: a count per stage
+    (``[1, 3, 3, 1]``) or the indices of each (``[[0], [1, 2, 3], ...]``)."""
+    if layers_per_stage is not None:
+        return _explicit(num_blocks, num_stages, layers_per_stage)
+    if num_stages == 1:
+        return [list(range(num_blocks))]
+    base, extra = divmod(num_blocks + input_weight + output_weight, num_stages)
+    units = [base] * num_stages
+    for stage in [*range(1, num_stages - 1), 0, num_stages - 1][:extra]:
+        units[stage] += 1
+    counts = list(units)
+    counts[0] -= input_weight
+    counts[-1] -= output_weight
+    if min(counts) < 0:
+        raise ValueError(
+            f"{num_blocks} blocks do not spread over {num_stages} pipeline stages once the embedding and the head count"
+            f" as blocks (counts {counts}): use fewer stages (pipeline_parallel_size x pipeline_stages_per_rank), or"
+            " give the layers of each stage"
+        )
+    return _ranges(counts)
+
+
+def _ranges(counts: Sequence[int]) -> list[list[int]]:
+    start, out = 0, []
+    for count in counts:
+        out.append(list(range(start, start + count)))
+        start += count
+    return out
+
+
+def _explicit(num_blocks: int, num_stages: int, given: Sequence[Union[int, Sequence[int]]]) -> list[list[int]]:
+    if len(given) != num_stages:
+        raise ValueError(f"the layers of {len(given)} stages were given for {num_stages} pipeline stages")
+    stages = _ranges(given) if all(isinstance(entry, int) for entry in given) else [list(e) for e in given]  # type: ignore[arg-type]
+    if [index for stage in stages for index in stage] != list(range(num_blocks)):
+        raise ValueError(f"the layers of each stage must give blocks 0..{num_blocks - 1} once each, in order; got"
+                         f" {stages}")
+    return stages
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, per_rank: int = 1) -> float:
+    """The share of a step each rank idles, from the schedule's formula (equal stages, backward = 2 x forward):
+    GPipe and 1F1B (p - 1) / (m + p - 1); interleaved 1F1B (p - 1) / (v m + p - 1); ZBV and DualPipeV about 0
+    (their weight-gradient work fills the bubble)."""
+    if pp == 1:
+        return 0.0
+    if SCHEDULES[schedule].splits_backward:
+        return 0.0
+    v = per_rank if schedule == "Interleaved1F1B" else 1
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+__all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "Schedule", "blocks_per_stage", "bubble_fraction", "check_microbatches",
+           "check_schedule", "default_microbatches", "last_stage_rank", "stage_ids", "stages_per_rank"]
