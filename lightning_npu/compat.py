@@ -545,3 +545,16 @@ def set_gradient_divide_factor(unit: Any, factor: float, shard_size: int) -> Non
     if shard_size > 1:
         unit.set_force_sum_reduction_for_comms(True)
     unit.set_gradient_divide_factor(factor)
+
+
+def run_shape_inference_inside(stage: Any, context: Callable[[], Any]) -> None:
+    """Make the pipeline ``stage`` run its forward metadata inference (the forward torch runs once per schedule, at
+    its first step, to learn what the stage sends; torch 2.13's private ``_forward_metadata_inference``) inside
+    ``context()``; AttributeError in a torch without it."""
+    infer = stage._forward_metadata_inference
+
+    def inside(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return infer(*args, **kwargs)
+
+    stage._forward_metadata_inference = inside

@@ -1,32 +1,50 @@
 """``parallelize``: every parallelism applied to a finished model, in order, for the Trainer and Fabric strategies
-alike (torchtitan's ``parallelize_llama`` shape): tensor parallelism by the model's plan, context parallelism to the
-modules it names, the experts (expert parallelism, tensor-parallel shares of rows), activation checkpointing, then
-FSDP: the experts, the blocks by policy, the model as the root unit."""
+alike (torchtitan's ``parallelize_llama`` shape): the pipeline split (this rank's stages), tensor parallelism by the
+model's plan, context parallelism to the modules it names, the experts (expert parallelism, tensor-parallel shares of
+rows), activation checkpointing, then FSDP: the experts, the blocks by policy, the model as the root unit (each stage
+as one under pipeline parallelism), and the pipeline's schedule."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Optional
 
+import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_npu.facts import pipeline as pipeline_facts
 from lightning_npu.facts.options import FSDPOptions
 from lightning_npu.parallel.checkpointing import apply_activation_checkpointing
 from lightning_npu.parallel.context import ContextParallel, apply_context_parallel
 from lightning_npu.parallel.expert import apply_experts, check_experts, shard_experts
 from lightning_npu.parallel.fsdp import apply_fsdp, fully_shard_options, resolve_module_classes, wrap_classes
 from lightning_npu.parallel.mesh import ParallelMesh
-from lightning_npu.parallel.protocol import ParallelPlan
+from lightning_npu.parallel.pipeline import Pipeline, PipelineSplit, split
+from lightning_npu.parallel.protocol import ParallelPlan, find_modules
 from lightning_npu.parallel.tensor import apply_tensor_parallel, tensor_parallel_parameters
 from lightning_npu.precision import mixed_precision_policy
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, precision: Optional[str],
-                plan: ParallelPlan, step_methods: Iterable[str] = ()) -> None:
+                plan: ParallelPlan, step_methods: Iterable[str] = (), device: Optional[torch.device] = None
+                ) -> Optional[Pipeline]:
     """Split and shard ``model`` over ``mesh`` as ``options`` and its ``plan`` say (the module docstring gives the
     order); ``precision``: the run's precision name (FSDP's mixed-precision policy); ``step_methods``: the model's
-    methods that run a step (each gathers the root unit's parameters, like ``forward``)."""
-    experts = plan.modules(model, "experts")
+    methods that run a step (each gathers the root unit's parameters, like ``forward``). Under pipeline parallelism
+    the plan's pipelined module is first pruned to this rank's stages, and the ``Pipeline`` its ``forward`` now runs
+    (on ``device``) is returned; None otherwise."""
+    # Chosen on the whole model: a pipeline stage may hold none of the blocks, or one.
+    ac_classes = resolve_module_classes(options.activation_checkpointing_policy, model, "activation_checkpointing_policy")
+    classes, chosen_by = wrap_classes(options.auto_wrap_policy, model)
+    order = [name for name, _ in model.named_parameters()]  # the whole model's, before a pipeline split
+    experts = plan.modules(model, "experts")  # the plan's names checked against the whole model
+    split_ = None
+    if mesh.pp is not None:
+        before = {name for name, _ in model.named_modules()}
+        split_ = _split(model, mesh, options, plan)
+        plan = plan.without(before - {name for name, _ in model.named_modules()})
+        experts = plan.modules(model, "experts")
     check_experts(experts, options.expert_parallel_size)
     if mesh.tp is not None:
         _tensor_parallel(model, mesh, options, plan, experts)
@@ -39,19 +57,58 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, prec
         ep, tp = options.expert_parallel_size, mesh.layout.tp
         split = f"expert parallelism over {ep} ranks: the experts of {len(experts)} modules split" if ep > 1 else (
             f"the experts of {len(experts)} modules")
-        rank_zero_info(f"npu_fsdp: {split}{f'; each of {tp} tensor-parallel ranks runs a share of their rows' if tp > 1 else ''}")
-    ac_classes = resolve_module_classes(options.activation_checkpointing_policy, model, "activation_checkpointing_policy")
+        rows = f"; each of {tp} tensor-parallel ranks runs a share of their rows" if tp > 1 else ""
+        rank_zero_info(f"npu_fsdp: {split}{rows}")
     checkpointed = apply_activation_checkpointing(model, ac_classes, float(options.activation_checkpointing_ratio))
     policy = mixed_precision_policy(precision)
     if experts_apart:
-        shard_experts(experts, mesh.expert_fsdp, mesh.layout.loss_ranks, reshard_after_forward=options.reshard_after_forward,
+        shard_experts(experts, mesh.expert_fsdp, mesh.layout.loss_ranks,
+                      reshard_after_forward=options.reshard_after_forward,
                       **fully_shard_options(mesh.expert_fsdp, policy, options.cpu_offload))
-    classes, chosen_by = wrap_classes(options.auto_wrap_policy, model)
-    sharded = apply_fsdp(model, mesh.fsdp, wrap_classes=classes, reshard_after_forward=options.reshard_after_forward,
-                         mp_policy=policy, cpu_offload=options.cpu_offload, step_methods=step_methods,
-                         scalar_group=mesh.loss_group)
+    shard = dict(wrap_classes=classes, mp_policy=policy, cpu_offload=options.cpu_offload, scalar_group=mesh.loss_group)
+    if split_ is None:
+        sharded = apply_fsdp(model, mesh.fsdp, reshard_after_forward=options.reshard_after_forward,
+                             step_methods=step_methods, **shard)
+    else:
+        # Each stage is a unit of its own (the root the schedule calls), its blocks kept gathered for the whole step
+        # (see parallel.pipeline: one all-gather per unit per step; the zero-bubble schedules need it).
+        sharded = [name for stage in split_.stages.values()
+                   for name in apply_fsdp(stage, mesh.fsdp, reshard_after_forward=False, **shard)]
     rank_zero_info(f"npu_fsdp: {len(sharded)} FSDP units ({chosen_by}; zero_stage={options.zero_stage},"
                    f" sharding={options.sharding!r}), activation checkpointing on {len(checkpointed)} modules")
+    if split_ is None:
+        return None
+    pipeline = Pipeline(split_, options.pipeline_schedule, options.microbatches, mesh.pp.get_group(), device,
+                        options.stages_per_rank, parameter_order=order)
+    pipeline.install()
+    return pipeline
+
+
+def _split(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: ParallelPlan) -> PipelineSplit:
+    """Prune the plan's pipelined module to this rank's stages (``parallel.pipeline.split``)."""
+    layout = plan.pipeline
+    if layout is None:
+        raise ValueError(
+            f"pipeline_parallel_size={mesh.layout.pp}, but the model's ParallelPlan names no pipeline: give"
+            " ParallelPlan(pipeline=PipelineLayout(module, inputs, blocks, outputs)) for the module to split (see"
+            " lightning_npu.parallel.protocol), or train without pipeline parallelism"
+        )
+    ((_, module),) = find_modules(model, [layout.module], "ParallelPlan.pipeline")
+    outside = [name for name, param in model.named_parameters()
+               if not any(param is inner for inner in module.parameters())]
+    if outside:
+        raise ValueError(
+            f"under pipeline parallelism every parameter belongs to a stage of {layout.module or 'the model'};"
+            f" {outside[:5]} lie outside it: move them into its parts (inputs, blocks or outputs)"
+        )
+    per_rank = options.stages_per_rank
+    pp, pp_rank = mesh.layout.pp, mesh.pp.get_local_rank()
+    stage_ids = pipeline_facts.stage_ids(options.pipeline_schedule, pp_rank, pp, per_rank)
+    split_ = split(module, dataclasses.replace(layout, module=""), stage_ids, pp * per_rank)
+    held = [f"{stage}: {split_.blocks[stage]}" for stage in stage_ids]
+    rank_zero_info(f"npu_fsdp: pipeline ({options.pipeline_schedule}, {options.microbatches} microbatches) over"
+                   f" {pp * per_rank} stages; rank 0 runs stage(s) {', '.join(held)}")
+    return split_
 
 
 def _tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: ParallelPlan,

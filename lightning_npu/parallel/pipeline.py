@@ -1,0 +1,397 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``: a model's stages over the ``pp`` ranks, and one call that
+runs a schedule.
+
+The model says how it splits (``ParallelPlan.pipeline``, a ``PipelineLayout``: its inputs, blocks and outputs;
+the contract is in ``lightning_npu.parallel.protocol``). This module:
+
+- splits it (:func:`split`): the model is pruned **in place** to this rank's stages: the parts no local stage holds
+  become ``None`` and the blocks container keeps the local blocks under their original indices (``KeptBlocks``), so
+  every parameter keeps its name (``layers.5.attention.wq.weight``) and optimizer states and checkpoints are keyed as
+  without PP: a sharded checkpoint saved under one layout loads under another. Each stage is a *view* of the
+  pruned model (a shallow copy with its own children and hook dicts, sharing the submodules), which FSDP shards as
+  a unit and the schedule runs; the model's own ``forward`` is then free to become the pipeline
+  (:meth:`Pipeline.install`);
+- runs a step (:class:`Pipeline`): the schedule (``scale_grads=False``) over the microbatches, the loss normalised
+  by the batch's labelled tokens (the mean the unpipelined model gives, however unevenly labels fall on the
+  microbatches), the step's loss broadcast from the rank holding the last stage to every rank of the pipeline. The
+  returned loss is differentiable: the schedule has run every backward already, and the loss's own backward adds the
+  step's gradients to ``.grad``, times what it brings (Lightning's ``1 / accumulate_grad_batches``, a loss scale),
+  so code written for an unpipelined model (``loss.backward()``, ``zero_grad`` between forward and backward, a
+  scaled loss) gets the gradients it would get. ``eval`` (forward only) for validation. Every microbatch must have
+  the shapes of the first (torch infers its P2P buffers from microbatch 0): an uneven split is refused in training
+  on every rank before any exchange (evaluation pads the batch with unlabelled rows), and a new shape builds the
+  schedule again, which infers the shapes again.
+- checks a schedule's point-to-point batches (:class:`P2PRecorder`): torch_npu sends a ``batch_isend_irecv`` list
+  as one ``HcclBatchSendRecv``, which refuses two tasks in the same direction to one peer.
+
+Measured on gloo (tests/test_pipeline.py): every schedule gives the unpipelined model's losses and gradients; FSDP2
+under PP: torch turns gradient sync off for every microbatch and reduce-scatters once per unit per step, so each
+stage's unsharded gradients live for the whole step; its blocks keep their parameters gathered from forward to
+the end of the step (``reshard_after_forward=False``, torchtitan's choice under PP: one all-gather per unit per step
+instead of one per microbatch and stage visit), and the zero-bubble schedules need it (with resharding torch 2.13
+computes wrong weight gradients, silently).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_npu import compat
+from lightning_npu.facts import pipeline as facts
+from lightning_npu.parallel.protocol import PipelineLayout
+
+#: The label that marks a token without loss (prompts, padding), as in ``torch.nn.functional.cross_entropy``.
+IGNORE_INDEX = -100
+
+_INFERRING = threading.local()
+
+
+def inferring_shapes() -> bool:
+    """Whether this thread runs a stage's forward only for torch to infer what the stage sends (once per schedule,
+    at its first step, with microbatch 0): a forward that is no training step, whose side effects (counters a
+    training forward updates, such as an MoE layer's routed tokens) must not count."""
+    return getattr(_INFERRING, "active", False)
+
+
+@contextmanager
+def _inferring() -> Iterator[None]:
+    _INFERRING.active = True
+    try:
+        yield
+    finally:
+        _INFERRING.active = False
+
+
+class KeptBlocks(nn.Module):
+    """The blocks of a ``ModuleList`` a rank keeps, named by their original indices, so their parameters keep their
+    names (``layers.5.weight``). Iterates like the list; ``named_children`` gives the original indices."""
+
+    def __init__(self, blocks: Mapping[int, nn.Module]) -> None:
+        super().__init__()
+        for index, block in sorted(blocks.items()):
+            self.add_module(str(index), block)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return self.children()
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.children())
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return self.get_submodule(str(index))
+
+
+@dataclass
+class PipelineSplit:
+    """What :func:`split` made: ``module`` pruned to this rank's stages, ``stages`` each local stage's view by stage
+    index, of ``num_stages``, and the blocks of every stage (``blocks[s]``)."""
+
+    module: nn.Module
+    stages: dict[int, nn.Module]
+    num_stages: int
+    blocks: list[list[int]]
+
+
+def split(module: nn.Module, layout: PipelineLayout, stage_ids: Sequence[int], num_stages: int) -> PipelineSplit:
+    """Prune ``module`` in place to the stages ``stage_ids`` of ``num_stages`` (see the module docstring); ValueError
+    naming what does not fit the layout."""
+    _check_layout(module, layout)
+    container = getattr(module, layout.blocks)
+    blocks = facts.blocks_per_stage(len(container), num_stages)
+
+    def parts(stage: int) -> set[str]:
+        return (set(layout.inputs) if stage == 0 else set()) | (set(layout.outputs) if stage == num_stages - 1 else set())
+
+    kept = set().union(*(parts(stage) for stage in stage_ids))
+    for name in (*layout.inputs, *layout.outputs):
+        if name not in kept:
+            setattr(module, name, None)
+    indices = sorted(index for stage in stage_ids for index in blocks[stage])
+    setattr(module, layout.blocks, KeptBlocks({index: container[index] for index in indices}))
+    stages = {stage: _view(module, parts(stage), layout, blocks[stage]) for stage in stage_ids}
+    return PipelineSplit(module, stages, num_stages, blocks)
+
+
+def _check_layout(module: nn.Module, layout: PipelineLayout) -> None:
+    if not callable(getattr(module, "loss", None)):
+        raise TypeError(f"{type(module).__name__} has no loss(output, labels, reduction) for the last pipeline stage to"
+                        " call (see lightning_npu.parallel.protocol: pipeline)")
+    children = dict(module.named_children())
+    missing = [name for name in (*layout.inputs, layout.blocks, *layout.outputs) if name not in children]
+    if missing:
+        raise ValueError(f"the pipeline layout names {missing}, which {type(module).__name__} has no child called;"
+                         f" its children are {sorted(children)}")
+    if not isinstance(children[layout.blocks], nn.ModuleList):
+        raise TypeError(f"the pipeline's blocks ({layout.blocks}) must be an nn.ModuleList, not"
+                        f" {type(children[layout.blocks]).__name__}")
+    if any(True for _ in module.parameters(recurse=False)):
+        raise ValueError(f"{type(module).__name__} holds parameters of its own: under pipeline parallelism each"
+                         " parameter must belong to one stage's part (an input, a block or an output)")
+    named = {*layout.inputs, layout.blocks, *layout.outputs}
+    holding = [name for name, child in children.items()
+               if name not in named and child is not None and any(True for _ in child.parameters())]
+    if holding:
+        raise ValueError(f"{holding} hold parameters but are in no part of the pipeline layout: only"
+                         " parameter-free children can stay on every stage")
+
+
+def _view(module: nn.Module, keep: set[str], layout: PipelineLayout, indices: Sequence[int]) -> nn.Module:
+    """A shallow copy of ``module`` holding ``keep`` and the blocks ``indices``: its submodules are the module's, its
+    dicts (children, parameters, hooks) its own, so FSDP's hooks on a view stay on that view."""
+    view = copy.copy(module)
+    for key, value in list(vars(module).items()):
+        if isinstance(value, (dict, set, list)):
+            vars(view)[key] = copy.copy(value)
+    for name in (*layout.inputs, *layout.outputs):
+        if name not in keep:
+            setattr(view, name, None)
+    container = getattr(module, layout.blocks)
+    setattr(view, layout.blocks, KeptBlocks({index: container[index] for index in indices}))
+    return view
+
+
+class _TokenMeanLoss:
+    """The schedule's loss of one microbatch: the model's summed loss over its labelled tokens divided by the batch's
+    labelled tokens (``tokens``, set before each step), so the gradients the schedule sums over the microbatches are
+    those of the batch's token mean. A loss computed on vocabulary-split logits (``loss_parallel``) is the same on
+    every tensor-parallel rank: its local value."""
+
+    def __init__(self, loss: Any) -> None:
+        self.loss = loss
+        self.tokens: Tensor = torch.ones(())
+
+    def __call__(self, output: Tensor, labels: Tensor) -> Tensor:
+        loss = self.loss(output, labels, reduction="sum")
+        if isinstance(loss, DTensor):
+            loss = loss.to_local()
+        return loss / self.tokens
+
+
+class _StepGradients:
+    """The gradients one training step of the schedule computed, held apart from ``.grad`` until the backward of the
+    loss it returned: that backward adds them, times the factor it brings (``1 / accumulate_grad_batches``, a loss
+    scale), as autograd would have. Code between the forward and the backward (Lightning's ``zero_grad`` on the
+    first batch of an accumulation window) then sees the gradients of earlier steps only."""
+
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        self.grads = [(param, param.grad) for param in params if param.grad is not None]
+
+    def release(self, factor: Tensor) -> None:
+        for param, grad in self.grads:
+            _local(grad).mul_(factor.to(grad.dtype))
+            if param.grad is None:
+                param.grad = grad
+            else:
+                _local(param.grad).add_(_local(grad))
+        self.grads = []
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class _PipelineLoss(torch.autograd.Function):
+    """The step's loss as autograd sees it: its value, whose backward releases the step's gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, loss: Tensor, gradients: _StepGradients) -> Tensor:
+        ctx.gradients = gradients
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, factor: Tensor) -> tuple[None, None, None]:
+        ctx.gradients.release(factor)
+        return None, None, None
+
+
+class Pipeline:
+    """This rank's share of a pipeline: its stages (``torch.distributed.pipelining.PipelineStage``), the schedule, the
+    loss; :meth:`run` returns the batch's loss on every rank of ``pp_group``. ``split_.module``: the pruned model,
+    whose ``loss(output, labels, reduction)`` the last stage calls. ``parameter_order``: every parameter's name in the
+    whole model, in its order (what a checkpoint's param groups list, see ``checkpoints.optimizer_state``)."""
+
+    def __init__(self, split_: PipelineSplit, schedule: str, microbatches: int, pp_group: Any, device: torch.device,
+                 per_rank: int, parameter_order: Sequence[str] = ()) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        self.split = split_
+        self.parameter_order = list(parameter_order)
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self.pp_group = pp_group
+        self.device = device
+        self.loss = _TokenMeanLoss(split_.module.loss)
+        self.stages = [PipelineStage(view, index, split_.num_stages, device, group=pp_group)
+                       for index, view in sorted(split_.stages.items())]
+        for stage in self.stages:
+            compat.run_shape_inference_inside(stage, _inferring)
+        self.has_last = any(stage.is_last for stage in self.stages)
+        pp = dist.get_world_size(pp_group)
+        self.last_stage_rank = facts.last_stage_rank(schedule, pp, per_rank)
+        self.schedule = self._build()
+        self._shapes: Optional[tuple] = None
+        self.rebuilt = 0
+
+    def _build(self) -> Any:
+        from torch.distributed.pipelining import schedules
+
+        cls = getattr(schedules, facts.SCHEDULES[self.schedule_name].class_name, None)
+        if cls is None:
+            raise RuntimeError(f"pipeline_schedule={self.schedule_name!r} needs torch >="
+                               f" {facts.SCHEDULES[self.schedule_name].since}; this is torch {torch.__version__}")
+        stages = self.stages if issubclass(cls, schedules.PipelineScheduleMulti) else self.stages[0]
+        return cls(stages, self.microbatches, loss_fn=self.loss, scale_grads=False)
+
+    def install(self) -> None:
+        """Make the pruned model's ``forward(x, *, labels, **kwargs)`` run the pipeline (``run``)."""
+        def forward(x: Tensor, *, labels: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
+            if labels is None:
+                raise ValueError(
+                    "under pipeline parallelism the model is called with labels and returns the loss (each stage"
+                    " holds part of it, and only the last sees the logits): call model(inputs, labels=labels)"
+                )
+            return self.run(x, labels, **kwargs)
+
+        self.split.module.forward = forward
+
+    def run(self, x: Tensor, labels: Tensor, **kwargs: Any) -> Tensor:
+        """The batch's mean loss over its labelled tokens, on every rank of the pipeline. With autograd on, every
+        microbatch's forward and backward run here, and the backward of the returned loss puts the gradients in
+        ``.grad`` (:class:`_StepGradients`); otherwise the forward only. ``kwargs`` that are None are left out."""
+        kwargs = {name: value for name, value in kwargs.items() if value is not None}
+        x, labels, kwargs = self._check_shapes(x, labels, kwargs)
+        self.loss.tokens = (labels != IGNORE_INDEX).sum().to(torch.float32).clamp_min(1)
+        losses: list[Tensor] = []
+        if not torch.is_grad_enabled():
+            try:
+                with _no_local_backward_handoff(self.stages):
+                    self.schedule.eval(x, target=labels, losses=losses, **kwargs)
+            finally:
+                _reshard(self.split.stages.values())  # parameters kept gathered for a backward that never comes
+            return self._broadcast(torch.stack(losses).sum() if self.has_last else None)
+        params = [param for param in self.split.module.parameters() if param.requires_grad]
+        earlier = [param.grad for param in params]
+        for param in params:
+            param.grad = None
+        try:
+            self.schedule.step(x, target=labels, losses=losses, return_outputs=False, **kwargs)
+            gradients = _StepGradients(params)
+        finally:
+            for param, grad in zip(params, earlier):
+                param.grad = grad
+        loss = self._broadcast(torch.stack(losses).sum() if self.has_last else None)
+        anchor = torch.ones((), device=loss.device, requires_grad=True)
+        return _PipelineLoss.apply(anchor, loss, gradients)
+
+    def _check_shapes(self, x: Tensor, labels: Tensor, kwargs: dict[str, Any]) -> tuple[Tensor, Tensor, dict]:
+        """The step's inputs, split-ready: every keyword input a tensor of the batch's rows; under evaluation a batch
+        that does not split into equal microbatches (the last, short one) padded with rows of no label, which
+        change no loss. A new shape builds the schedule again."""
+        rows = labels.shape[0]
+        bad = [name for name, value in kwargs.items() if not (isinstance(value, Tensor) and value.shape[:1] == (rows,))]
+        if bad:
+            raise ValueError(
+                f"under pipeline parallelism every keyword input is split by rows into the microbatches, but {bad}"
+                f" are not tensors of {rows} rows (packed samples' boundaries, cu_seqlens, cannot be split: train"
+                " without packing)"
+            )
+        if rows % self.microbatches:
+            if torch.is_grad_enabled():
+                raise ValueError(
+                    f"a batch of {rows} rows does not split into pipeline_microbatches={self.microbatches} equal"
+                    " microbatches: make the batch size a multiple of it (and the last batch whole: drop_last=True)"
+                )
+            missing = self.microbatches - rows % self.microbatches
+            x, *values = (torch.cat([t, t[-1:].expand(missing, *t.shape[1:])]) for t in (x, *kwargs.values()))
+            kwargs = dict(zip(kwargs, values))
+            labels = torch.cat([labels, labels.new_full((missing, *labels.shape[1:]), IGNORE_INDEX)])
+        shapes = tuple((tuple(t.shape), t.dtype) for t in (x, labels, *kwargs.values()))
+        if self._shapes is not None and shapes != self._shapes:
+            # torch infers the P2P buffers at a schedule's first step: a new schedule over the same stages infers
+            # the new shapes (a shorter batch, another sequence length), where the old would fail in a receive.
+            self.schedule = self._build()
+            self.rebuilt += 1
+        self._shapes = shapes
+        return x, labels, kwargs
+
+    def _broadcast(self, value: Optional[Tensor]) -> Tensor:
+        loss = torch.zeros((), device=self.device) if value is None else value.detach().to(self.device).reshape(())
+        loss = loss.to(torch.float32)
+        dist.broadcast(loss, src=dist.get_global_rank(self.pp_group, self.last_stage_rank), group=self.pp_group)
+        return loss
+
+
+def _reshard(units: Any) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for root in units:
+        for unit in root.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+
+
+@contextmanager
+def _no_local_backward_handoff(stages: Sequence[Any]) -> Iterator[None]:
+    """torch 2.13's ``eval()`` on a V-shaped schedule (ZBV, DualPipeV) still hands input gradients to the adjacent
+    stage on the same rank, which raises without a backward ("can't steal_bwd_input if this stage doesn't have
+    backward"); inside this the hand-off does nothing."""
+    for stage in stages:
+        stage.get_local_bwd_output = lambda mb_index: ()
+        stage.set_local_bwd_input = lambda outputs, mb_index: None
+    try:
+        yield
+    finally:
+        for stage in stages:
+            del stage.get_local_bwd_output, stage.set_local_bwd_input
+
+
+@dataclass
+class P2PBatch:
+    """One ``batch_isend_irecv`` call (one ``HcclBatchSendRecv`` under torch_npu): ``(direction, global peer, shape)``
+    per operation."""
+
+    ops: list[tuple[str, int, tuple[int, ...]]]
+
+    def repeats_a_task(self) -> bool:
+        """Two operations in the same direction to one peer: what HcclBatchSendRecv refuses."""
+        keys = [(direction, peer) for direction, peer, _ in self.ops]
+        return len(keys) != len(set(keys))
+
+
+@dataclass
+class P2PRecorder:
+    """Records every ``dist.batch_isend_irecv`` call made while active (``with P2PRecorder() as recorder: ...``). Gloo
+    runs each operation of a batch alone, so a simulated run cannot fail as HCCL would; this shows what HCCL would
+    be given. torch 2.13's schedules send an all-send or all-receive group as separate operations and only a mixed
+    one through ``batch_isend_irecv``."""
+
+    batches: list[P2PBatch] = field(default_factory=list)
+
+    def __enter__(self) -> "P2PRecorder":
+        self._original = original = dist.batch_isend_irecv
+
+        def batch_isend_irecv(ops: list) -> list:
+            self.batches.append(P2PBatch([("send" if op.op is dist.isend else "recv", int(op.peer),
+                                           tuple(op.tensor.shape)) for op in ops]))
+            return original(ops)
+
+        dist.batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv = batch_isend_irecv
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv = self._original
+
+    def refused_by_hccl(self) -> list[P2PBatch]:
+        return [batch for batch in self.batches if batch.repeats_a_task()]
+
+
+__all__ = ["IGNORE_INDEX", "KeptBlocks", "inferring_shapes", "P2PBatch", "P2PRecorder", "Pipeline", "PipelineSplit", "split"]
