@@ -34,6 +34,7 @@ from lightning_npu.facts.options import (
 from lightning_npu.parallel.fsdp import STEP_METHODS
 from lightning_npu.parallel.mesh import ParallelMesh
 from lightning_npu.parallel.parallelize import parallelize
+from lightning_npu.parallel.pipeline import Pipeline
 from lightning_npu.parallel.protocol import plan_of, resolve_parallel_plan
 from lightning_npu.parallel.tensor import loss_parallel_if
 from lightning_npu.precision import precision_name
@@ -140,6 +141,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
         # What rank 0's configure_model built (Trainer), and which parameters sharding replaced (Fabric).
         self._built_in_configure_model: Optional[initial_state.BuiltParameters] = None
         self._replaced = ReplacedParameters()
+        self._pipeline: Optional[Pipeline] = None  # this rank's stages under pipeline parallelism
 
     __init__.__signature__ = constructor_signature()  # type: ignore[attr-defined]  # what LightningCLI reads
     __init__.__doc__ = options_docstring()
@@ -174,6 +176,12 @@ class _FSDPStrategyBase(BackendFromRuntime):
             compat.check_mesh_join("sharding='hybrid' with context_parallel_size")
         super()._configure_launcher()
 
+    @property
+    def _stages_group(self) -> Optional[Any]:
+        """The pipeline's ranks, each holding other parameters (gradient clipping takes the norm over them); None
+        without pipeline parallelism."""
+        return None if self.parallel_mesh.pp is None else self.parallel_mesh.pp.get_group()
+
     def _reduce_group(self, group: Optional[Any]) -> Optional[Any]:
         """The group a reduction without one runs over: the ranks whose values differ (every rank, or outside a
         tensor-parallel group, whose members hold the same values)."""
@@ -204,8 +212,8 @@ class _FSDPStrategyBase(BackendFromRuntime):
             state = initial_state.capture(model, self._built_in_configure_model)
             self._built_in_configure_model = None
             refuse_fsdp1_units(model)
-            parallelize(model, self.parallel_mesh, self.options, precision_name(precision_plugin),
-                        plan_of(model, self._plan_function), step_methods)
+            self._pipeline = parallelize(model, self.parallel_mesh, self.options, precision_name(precision_plugin),
+                                         plan_of(model, self._plan_function), step_methods, self.root_device)
             # Initialised on the mesh's device, whose generator DTensor offsets per rank, then offloaded.
             initial_state.apply(model, state, self.root_device)
             if self.options.cpu_offload:
@@ -279,8 +287,8 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        # Gradient clipping over parameters on several meshes (experts, tensor-parallel splits): see grad_norm.
-        use_for_trainer_clipping(self.precision_plugin)
+        # Gradient clipping over parameters on several meshes (experts, tensor-parallel splits) and stages: grad_norm.
+        use_for_trainer_clipping(self.precision_plugin, self._stages_group)
 
     @contextmanager
     @override
@@ -312,7 +320,7 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         # parameters as optimizer.state_dict() does, as Lightning's FSDP strategies write it (without FSDP1 APIs).
         optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         _reshard(self.model)  # after an evaluation forward the root holds gathered parameters, not the optimizer's
-        return optimizer_state_dict(self.model, optimizer, self._state_dict_options())
+        return optimizer_state_dict(self.model, optimizer, self._state_dict_options(), self._pipeline)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -381,7 +389,8 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
                             norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         # Fabric's calls torch's clip_grad_norm_, which fails for parameters on several meshes (see grad_norm).
         self.precision.unscale_gradients(optimizer)
-        return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
+        return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite,
+                               stages_group=self._stages_group)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -406,7 +415,8 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
             )
         path = Path(self.broadcast(path))
         options = self._state_dict_options()
-        tensors, metadata = split_fabric_state(state, options.full_state_dict, filter, options.cpu_offload)
+        tensors, metadata = split_fabric_state(state, options.full_state_dict, filter, options.cpu_offload,
+                                               self._pipeline)
         if compat.saves_distributed_checkpoint(self):
             self._checkpoints.save_sharded(self, path, tensors, metadata)
         else:

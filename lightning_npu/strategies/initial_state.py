@@ -49,11 +49,13 @@ class InitialState:
     """What rank 0 holds before sharding: which tensors are left uninitialised (meta), and the others' values.
 
     ``values`` holds references (no copy) to rank 0's real parameters, by every name they have (tied ones
-    included); it is empty on the other ranks.
+    included), and ``buffers`` to its real buffers; both are empty on the other ranks. Rank 0 may hold only part of
+    the model after sharding (a pipeline stage): these still hold the whole model's.
     """
 
     meta_names: frozenset[str]
     values: dict[str, Tensor] = field(default_factory=dict)
+    buffers: dict[str, Tensor] = field(default_factory=dict)
 
 
 class BuiltParameters:
@@ -96,6 +98,7 @@ def capture(model: nn.Module, built: Optional[BuiltParameters] = None) -> Initia
     ``configure_model`` built (:func:`recording_built_parameters`), for the parameters the user sharded there."""
     rank0 = _rank() == 0
     values: dict[str, Tensor] = {}
+    buffers: dict[str, Tensor] = {}
     view: list = [None]
     if rank0:
         meta_names = frozenset(name for name, tensor in _named_tensors(model) if tensor.is_meta)
@@ -106,6 +109,7 @@ def capture(model: nn.Module, built: Optional[BuiltParameters] = None) -> Initia
                 values[name] = param
             elif built is not None and (full := built.full_value(model, name, param)) is not None:
                 values[name] = full
+        buffers = {name: buffer for name, buffer in model.named_buffers() if name not in meta_names}
         user_sharded = {name for name, param in model.named_parameters(remove_duplicate=False)
                         if isinstance(param, DTensor)}
         view = [(sorted(meta_names), sorted(user_sharded - meta_names - values.keys()))]
@@ -115,7 +119,7 @@ def capture(model: nn.Module, built: Optional[BuiltParameters] = None) -> Initia
     meta_names = frozenset(meta)
     _check_materializable(model, meta_names)
     _check_user_sharded(model, frozenset(unvouched))
-    return InitialState(meta_names, values)
+    return InitialState(meta_names, values, buffers)
 
 
 def apply(model: nn.Module, state: InitialState, device: torch.device) -> None:
@@ -137,10 +141,22 @@ def apply(model: nn.Module, state: InitialState, device: torch.device) -> None:
         model, state.values,
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
     )
+    _send_buffers(model, state.buffers, device)
+
+
+def _send_buffers(model: nn.Module, buffers: dict[str, Tensor], device: torch.device) -> None:
+    """Rank 0's ``buffers`` (by name) into the buffers of those names on every rank; a rank holding none of a name
+    (another pipeline stage's) takes part in its broadcast only."""
+    listed = [[(name, buffer.shape, buffer.dtype) for name, buffer in buffers.items()]]
+    dist.broadcast_object_list(listed, src=0)
+    own = dict(model.named_buffers())
     with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name not in state.meta_names:
-                dist.broadcast(buffer, src=0)
+        for name, shape, dtype in listed[0]:
+            sent = buffers[name].to(device, copy=True) if name in buffers else torch.empty(shape, dtype=dtype,
+                                                                                           device=device)
+            dist.broadcast(sent, src=0)
+            if name in own:
+                own[name].copy_(sent)
 
 
 def _split_over_tensor_parallel(param: Tensor) -> bool:

@@ -5,13 +5,14 @@ model, the usual Fabric pattern (``model, optimizer = fabric.setup(model, optimi
 parameters: its steps would update tensors the model no longer uses, and nothing would fail. The strategy records
 which parameter replaced which when it shards a module, and moves each optimizer it sets up onto the replacements:
 the param groups keep their order and options, and state already held (moments of earlier steps, a loaded
-``optimizer.state_dict()``) is sharded the way its parameter is.
+``optimizer.state_dict()``) is sharded the way its parameter is. A parameter sharding removed from the model (another
+pipeline stage's) leaves the optimizer with its state.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +24,8 @@ class ReplacedParameters:
     """Which parameter replaced which, for the modules a strategy sharded."""
 
     def __init__(self) -> None:
-        self._replacement: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
+        # By the replaced parameter's id: its weak reference (ids are reused) and its replacement, None if removed.
+        self._replacement: dict[int, tuple[weakref.ref, Optional[nn.Parameter]]] = {}
 
     @staticmethod
     def before(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -31,27 +33,32 @@ class ReplacedParameters:
         return list(module.named_parameters(remove_duplicate=False))
 
     def record(self, module: nn.Module, before: list[tuple[str, nn.Parameter]]) -> None:
-        """Remember, after sharding ``module``, the parameter that now stands at each of ``before``'s names."""
+        """Remember, after sharding ``module``, the parameter that now stands at each of ``before``'s names (None
+        where the name is gone)."""
         after = dict(module.named_parameters(remove_duplicate=False))
         for name, old in before:
-            if after[name] is not old:
-                self._replacement[id(old)] = (weakref.ref(old), after[name])
+            if after.get(name) is not old:
+                self._replacement[id(old)] = (weakref.ref(old), after.get(name))
 
-    def replacement(self, param: Tensor) -> Tensor:
-        """The sharded parameter that replaced ``param``, or ``param`` itself if it was not replaced."""
+    def replacement(self, param: Tensor) -> Optional[Tensor]:
+        """The sharded parameter that replaced ``param``, None if it was removed, or ``param`` itself if it was not
+        replaced."""
         found = self._replacement.get(id(param))
         if found is None or found[0]() is not param:  # an id reused by another object
             return param
         return found[1]
 
     def rebind(self, optimizer: Optimizer) -> None:
-        """Move ``optimizer``'s param groups and state from replaced parameters onto their replacements."""
+        """Move ``optimizer``'s param groups and state from replaced parameters onto their replacements (dropping
+        removed ones)."""
         moved = {}
         for group in optimizer.param_groups:
-            group["params"] = [self.replacement(param) for param in group["params"]]
+            group["params"] = [new for new in map(self.replacement, group["params"]) if new is not None]
         for old in list(optimizer.state):
             new = self.replacement(old)
-            if new is not old:
+            if new is None:
+                del optimizer.state[old]
+            elif new is not old:
                 moved[new] = {key: _shard_like(value, key, old, new) for key, value in optimizer.state.pop(old).items()}
         optimizer.state.update(moved)
 

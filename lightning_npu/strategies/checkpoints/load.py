@@ -74,8 +74,11 @@ def _load_sharded(path: Path, module_key: str, module: nn.Module, optimizers: di
     dcp.load(model_state, checkpoint_id=path)
     module.load_state_dict(model_state[module_key], strict=strict)
     for key, optimizer in optimizers.items():
-        optimizer_state = {key: _only_saved(get_optimizer_state_dict(module, optimizer), key, saved)}
+        template = get_optimizer_state_dict(module, optimizer)
+        optimizer_state = {key: _only_saved(template, key, saved)}
         dcp.load(optimizer_state, checkpoint_id=path)
+        for group, live in zip(optimizer_state[key]["param_groups"], template["param_groups"]):
+            group["params"] = live["params"]  # this rank's (a pipeline stage holds its own), not the saved list
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key],
                                  options=StateDictOptions(cpu_offload=True))
     return torch.load(path / META_FILENAME, weights_only=weights_only)
@@ -103,7 +106,7 @@ def _only_saved(template: dict[str, Any], key: str, saved: set[str]) -> dict[str
         for name, values in template.get("state", {}).items()
     }
     groups = [
-        {k: v for k, v in group.items() if k == "params" or f"{key}.param_groups.{i}.{k}" in saved}
+        {k: v for k, v in group.items() if k != "params" and f"{key}.param_groups.{i}.{k}" in saved}
         for i, group in enumerate(template.get("param_groups", []))
     ]
     return {**template, "state": {name: values for name, values in state.items() if values}, "param_groups": groups}

@@ -53,6 +53,27 @@ def keyed_by_name(optimizer_state: dict[str, Any], module: nn.Module, optimizer:
     }
 
 
+def whole_param_groups(optimizer_state: dict[str, Any], order: list[str], group: Any) -> dict[str, Any]:
+    """``optimizer_state`` (keyed by name) with each param group listing the parameters it holds on every rank of
+    ``group`` (a pipeline's, each rank holding other parameters; a collective), in the whole model's ``order``: what
+    the group lists without pipeline parallelism. A sharded checkpoint keeps one copy of each group's list, and
+    offline consolidation numbers the state by it."""
+    import torch.distributed as dist
+
+    local = [group_["params"] for group_ in optimizer_state.get("param_groups", [])]
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
+    if len({len(lists) for lists in gathered}) != 1:
+        raise ValueError(f"the pipeline's ranks hold {sorted({len(lists) for lists in gathered})} param groups:"
+                         " every rank's optimizer must have the same groups (an empty one where a stage has none)")
+    position = {name: i for i, name in enumerate(order)}
+    groups = []
+    for index, group_ in enumerate(optimizer_state["param_groups"]):
+        names = {name for lists in gathered for name in lists[index]}
+        groups.append({**group_, "params": sorted(names, key=lambda name: position.get(name, len(order)))})
+    return {**optimizer_state, "param_groups": groups}
+
+
 def keyed_by_index(optimizer_state: dict[str, Any]) -> dict[str, Any]:
     """The inverse for one file readable by a plain ``optimizer.load_state_dict``: parameters numbered in
     param-group order, as ``torch.optim.Optimizer.state_dict`` numbers them."""

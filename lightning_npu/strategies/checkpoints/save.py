@@ -24,7 +24,12 @@ from torch.optim import Optimizer
 # Lightning's private helpers for the parts of its checkpoint format we keep (fenced in compat).
 from lightning_npu.compat import Stateful, apply_filter, has_dtensor_modules
 from lightning_npu.strategies.checkpoints.layout import META_FILENAME, is_sharded_checkpoint
-from lightning_npu.strategies.checkpoints.optimizer_state import keyed_by_index, keyed_by_name, to_full_state
+from lightning_npu.strategies.checkpoints.optimizer_state import (
+    keyed_by_index,
+    keyed_by_name,
+    to_full_state,
+    whole_param_groups,
+)
 from lightning_npu.strategies.checkpoints.publish import (
     new_token,
     publish,
@@ -205,11 +210,14 @@ def trainer_tensors(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return tensors
 
 
-def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, options: Any) -> dict[str, Any]:
+def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, options: Any,
+                         pipeline: Optional[Any] = None) -> dict[str, Any]:
     """``optimizer``'s state for a checkpoint of the sharded ``module``: keyed by parameter name in a sharded
     checkpoint (DCP matches names), numbered as ``optimizer.state_dict()`` numbers them in a full one (so a plain
     optimizer loads it, as it loads the full checkpoints of Lightning's FSDP strategies). A full state exists on
-    global rank 0 only, the rank that writes the file: the others get ``{}``, as from Lightning's FSDPStrategy."""
+    global rank 0 only, the rank that writes the file: the others get ``{}``, as from Lightning's FSDPStrategy.
+    Under pipeline parallelism (``pipeline``: this rank's ``parallel.pipeline.Pipeline``) the param groups list
+    every stage's parameters (``whole_param_groups``)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -222,19 +230,24 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, options: Any) 
         if off_rank0:
             return {}
         state = optimizer.state_dict()
-        return state if options.full_state_dict else keyed_by_name(state, module, optimizer)
+        return state if options.full_state_dict else _whole(keyed_by_name(state, module, optimizer), pipeline)
     state = get_optimizer_state_dict(module, optimizer, options=options)  # a collective: every rank takes part
     if off_rank0:
         return {}
     # A full checkpoint holds the state as a plain torch optimizer loads it (AdamW8bit's moments dequantized).
-    return keyed_by_index(to_full_state(optimizer, state)) if options.full_state_dict else state
+    return keyed_by_index(to_full_state(optimizer, state)) if options.full_state_dict else _whole(state, pipeline)
+
+
+def _whole(state: dict[str, Any], pipeline: Optional[Any]) -> dict[str, Any]:
+    return state if pipeline is None else whole_param_groups(state, pipeline.parameter_order, pipeline.pp_group)
 
 
 def split_fabric_state(
     state: Mapping[str, Any], full_state_dict: bool, filter: Optional[dict[str, Callable[[str, Any], bool]]],
-    cpu_offload: bool = True,
+    cpu_offload: bool = True, pipeline: Optional[Any] = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Fabric's ``state``: (modules' and optimizers' state dicts, everything else), as Fabric's strategy splits it."""
+    """Fabric's ``state``: (modules' and optimizers' state dicts, everything else), as Fabric's strategy splits it
+    (``pipeline``: as ``optimizer_state_dict`` takes it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     modules = [obj for obj in state.values() if has_dtensor_modules(obj)]
@@ -251,7 +264,7 @@ def split_fabric_state(
         if isinstance(obj, nn.Module):
             apply_filter(key, filter or {}, get_model_state_dict(obj, options=options), tensors)
         elif isinstance(obj, Optimizer):
-            apply_filter(key, filter or {}, optimizer_state_dict(modules[0], obj, options), tensors)
+            apply_filter(key, filter or {}, optimizer_state_dict(modules[0], obj, options, pipeline), tensors)
         else:
             apply_filter(key, filter or {}, obj.state_dict() if isinstance(obj, Stateful) else obj, metadata)
     return tensors, metadata
