@@ -36,9 +36,11 @@ from torch import Tensor
 
 from lightning_npu import GracefulPreemption, NonFiniteLossGuard, TokenThroughputMonitor  # importing the plugin registers accelerator="npu" and npu_*
 from lightning_npu.facts.options import FSDPOptions, check_context_parallel_shapes
+from lightning_npu.facts.pipeline import blocks_per_stage
 from recipes.decoder.data import NotPreparedError, TextDataModule, check_vocab_fits
 from recipes import families
 from recipes.decoder.module import DecoderLM
+from recipes.decoder.sft_data import SFTDataModule
 from recipes.decoder.tensor_parallel import check_tensor_parallel
 
 RECIPE_DIR = Path(__file__).resolve().parent
@@ -160,6 +162,7 @@ def check_run(model: DecoderLM, data: TextDataModule, trainer: Optional[Trainer]
             check_tensor_parallel(model.config, tp, seq_len=data.seq_len, sequence_parallel=options.sequence_parallel,
                                   lora=model.lora is not None)
         check_context_parallel(model, data, trainer)
+        check_pipeline(model, data, trainer)
         prepare_before_launch(data, trainer)
 
 
@@ -175,6 +178,36 @@ def check_context_parallel(model: DecoderLM, data: TextDataModule, trainer: Trai
         check_context_parallel_shapes(options.context_parallel_size, options.context_parallel_algo,
                                       heads=model.config.n_heads, seq_len=data.seq_len,
                                       tp=options.tensor_parallel_size)
+
+
+def check_pipeline(model: DecoderLM, data: TextDataModule, trainer: Trainer) -> None:
+    """npu_fsdp's pipeline_parallel_size against the model and the data, before workers start: what the stages
+    cannot split, and batches that do not split into the microbatches."""
+    options = getattr(trainer.strategy, "options", None)
+    if not isinstance(options, FSDPOptions) or options.pipeline_parallel_size == 1:
+        return
+    config, stages = model.config, options.pipeline_parallel_size * options.stages_per_rank
+    problems = [problem for given, problem in (
+        (getattr(config, "tie_embeddings", False), "model.config.tie_embeddings=true: the embedding (first stage) and"
+         " the head (last stage) would be one matrix on two ranks; train it untied"),
+        (getattr(config, "mtp_layers", 0), f"model.config.mtp_layers={getattr(config, 'mtp_layers', 0)}: multi-token"
+         " prediction runs the embedding again after the last block, on the last stage; set mtp_layers=0"),
+        (getattr(config, "router_aux_loss_coef", 0), f"model.config.router_aux_loss_coef="
+         f"{getattr(config, 'router_aux_loss_coef', 0)}: the load-balancing loss sums the routing of MoE layers that"
+         " lie on different stages; set it to 0 (router_bias_update_rate balances without a loss)"),
+        (isinstance(data, SFTDataModule),
+         f"data ({type(data).__name__}) packs samples into rows, and their boundaries (cu_seqlens) span the batch,"
+         " which the pipeline splits into microbatches; pretrain on TextDataModule"),
+        (data.batch_size % options.microbatches, f"data.batch_size={data.batch_size} does not split into"
+         f" pipeline_microbatches={options.microbatches} equal microbatches; make it a multiple"),
+    ) if given]
+    try:
+        blocks_per_stage(config.n_layers, stages)
+    except ValueError as err:
+        problems.append(str(err))
+    if problems:
+        raise ValueError(f"trainer.strategy.pipeline_parallel_size={options.pipeline_parallel_size} cannot run this"
+                         " model: " + "; ".join(problems))
 
 
 def check_resume_checkpoint(ckpt_path: str, config: Any) -> None:

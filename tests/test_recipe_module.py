@@ -55,7 +55,6 @@ def test_loss_of_a_batch_is_next_token_cross_entropy():
     batch["labels"] = torch.roll(batch["input_ids"], -1, dims=1)
     expected = torch.nn.functional.cross_entropy(module(batch["input_ids"]).reshape(-1, 2048), batch["labels"].reshape(-1))
     assert module._loss(batch).item() == pytest.approx(expected.item())
-    assert module.count_tokens(batch) == 32
 
 
 @pytest.mark.slow

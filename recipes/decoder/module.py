@@ -25,7 +25,6 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.nn import functional as F
 
 from lightning_npu import compat
 from lightning_npu.optim import AdamW8bit
@@ -148,10 +147,6 @@ class DecoderLM(LightningModule):
             flops += 6 * adapters - 2 * active(include_embedding=False)
         return flops
 
-    def count_tokens(self, batch: dict[str, Tensor]) -> int:
-        """The tokens this rank trains on: its part of every sequence under context parallelism."""
-        return batch["input_ids"].numel() // (1 if self.context_parallel is None else self.context_parallel.size)
-
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids)
 
@@ -163,16 +158,15 @@ class DecoderLM(LightningModule):
         Under context parallelism each rank computes its share on its part of every sequence (the strategy averages
         the shares: the mean over all labelled tokens however many each part holds)."""
         cp = self.context_parallel
-        if cp is not None:
+        packing = {"cu_seqlens": batch.get("cu_seqlens"), "position_ids": batch.get("position_ids")}
+        if cp is None:  # the model's own loss: under pipeline parallelism only its last stage sees the logits
+            loss = _local(self.model(batch["input_ids"], labels=batch["labels"], **packing))
+        else:
             batch = self._sequence_shard(batch)
-        logits = self.model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"),
-                            position_ids=batch.get("position_ids"))
-        labels = batch["labels"].flatten()
-        loss = F.cross_entropy(logits.flatten(0, 1), labels, reduction="mean" if cp is None else "sum")
-        if isinstance(loss, DTensor):  # loss_parallel: computed on vocabulary-split logits, the same on every TP rank
-            loss = loss.to_local()
-        if cp is not None:
-            loss = cp.token_mean(loss, (labels != -100).sum())
+            logits = self.model(batch["input_ids"], cu_seqlens=packing["cu_seqlens"],
+                                position_ids=batch.get("position_ids"))
+            labels = batch["labels"]
+            loss = cp.token_mean(_local(self.model.loss(logits, labels, reduction="sum")), (labels != -100).sum())
         auxiliary = getattr(self.model, "auxiliary_loss", None)  # a family's extra training term (MoE: load balance)
         if auxiliary is not None:
             loss = loss + auxiliary(self._sum_over_data)
@@ -212,8 +206,8 @@ class DecoderLM(LightningModule):
         # that stalls the NPU; TokenThroughputMonitor prints the loss at logging steps.
         self.log("train_loss", self._logged_loss(loss))
         expert_load = getattr(self.model, "expert_load", None)  # an MoE family's routing balance (max / mean)
-        if expert_load is not None:
-            self.log("expert_load", expert_load())  # a device tensor, written at logging steps as train_loss is
+        if expert_load is not None and (load := expert_load()) is not None:
+            self.log("expert_load", load)  # a device tensor, written at logging steps as train_loss is
         return loss
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -306,6 +300,12 @@ class DecoderLM(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def _local(loss: Tensor) -> Tensor:
+    """A loss computed on vocabulary-split logits (``loss_parallel``) is a DTensor, the same on every tensor-parallel
+    rank: its local value."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
 def _shards_parameters(module: LightningModule) -> bool:
     """Whether the module is being set up by a strategy that shards parameters (FSDP2) and so initialises
     modules built on the meta device itself."""
@@ -360,10 +360,35 @@ def load_pretrained(
         dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
         raise problem[0]
-    # Strict unless the adapters are left as they are (a resumed LoRA run: they come from its checkpoint).
-    strict = lora is None or fresh_adapters
-    options = StateDictOptions(full_state_dict=True, strict=strict, broadcast_from_rank0=distributed)
+    # Strict unless the adapters are left as they are (a resumed LoRA run: they come from its checkpoint); checked
+    # over every rank's keys, since a pipeline stage holds only its own.
+    if lora is None or fresh_adapters:
+        _check_keys(model, state_dict, distributed)
+    options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=distributed)
     set_model_state_dict(model, state_dict, options=options)
+
+
+def _check_keys(model: torch.nn.Module, state_dict: dict[str, Tensor], distributed: bool) -> None:
+    """RuntimeError on every rank if rank 0's ``state_dict`` lacks a key some rank's ``model`` holds, or holds one no
+    rank's model does (a collective when ``distributed``)."""
+    import torch.distributed as dist
+
+    held = [sorted(model.state_dict())]
+    if distributed:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, held[0])
+        held = gathered
+    problem = [None]
+    if not distributed or dist.get_rank() == 0:
+        keys = {key for keys in held for key in keys}
+        missing, unexpected = sorted(keys - state_dict.keys()), sorted(state_dict.keys() - keys)
+        if missing or unexpected:
+            problem = [f"Error(s) in loading state_dict for {type(model).__name__}: missing key(s) {missing},"
+                       f" unexpected key(s) {unexpected}"]
+    if distributed:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise RuntimeError(problem[0])
 
 
 def read_pretrained(path: str, config: Any) -> dict[str, Tensor]:

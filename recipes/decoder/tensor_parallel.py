@@ -26,8 +26,10 @@ from typing import Any, Callable
 from torch import nn
 
 from lightning_npu.facts.options import indivisible_by_tensor_parallel
-from lightning_npu.parallel import ParallelPlan
+from lightning_npu.parallel import ParallelPlan, PipelineLayout
 
+#: How a ``CausalDecoder`` splits into pipeline stages: the embedding first, the blocks, the final norm and head last.
+PIPELINE = PipelineLayout(module="", inputs=("tok_embeddings",), blocks="layers", outputs=("norm", "output"))
 #: The plan of one block's attention: ``(prefix, attention, sequence_parallel=...) -> {module name: ParallelStyle}``,
 #: its modules named under ``prefix`` (``"layers.3.attention."``), ``wo`` (or what ends it) giving the residual
 #: stream's layout. ``attention_plan`` below is the grouped-query attention's; DeepSeek's MLA has its own.
@@ -76,14 +78,14 @@ def check_tensor_parallel(config: Any, tp: int, *, seq_len: int, sequence_parall
 def decoder_parallel_plan(model: nn.Module, attention: AttentionPlan | None = None) -> ParallelPlan:
     """The ``ParallelPlan`` of a ``CausalDecoder`` of the recipe: :func:`decoder_plan` for tensor parallelism (each
     block's attention by ``attention``, the grouped-query one's by default), the modules that take part in context
-    parallelism and the experts."""
+    parallelism, the experts, and its pipeline stages (``PIPELINE``)."""
 
     def tensor_parallel(tp_mesh: Any, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
         return decoder_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                             attention=attention or attention_plan)
 
     return ParallelPlan(tensor_parallel=tensor_parallel, context_parallel=tuple(model.context_parallel_modules()),
-                        experts=tuple(model.expert_modules()))
+                        experts=tuple(model.expert_modules()), pipeline=PIPELINE)
 
 
 def decoder_plan(model: nn.Module, *, prefix: str = "", sequence_parallel: bool, loss_parallel: bool,
@@ -100,17 +102,19 @@ def decoder_plan(model: nn.Module, *, prefix: str = "", sequence_parallel: bool,
 
     attention = attention or attention_plan
     between_blocks = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
-    plan: dict[str, Any] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks),
-        "output": ColwiseParallel(
+    plan: dict[str, Any] = {}
+    # A pipeline stage holds the embedding (first), the final norm and head (last) or neither, and some blocks.
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks)
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(
             input_layouts=between_blocks,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
-        ),
-    }
-    if sequence_parallel:
+        )
+    if sequence_parallel and model.norm is not None:
         plan["norm"] = SequenceParallel()
-    for index, block in enumerate(model.layers):
+    for index, block in model.layers.named_children():
         layer = f"layers.{index}."
         feed_forward = getattr(block, "feed_forward", None)
         moe = feed_forward is not None and _is_moe(feed_forward)

@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from lightning_npu.kernels import apply_rotary, causal_attention, packed_causal_attention, rms_norm, swiglu
 from lightning_npu.parallel import ParallelPlan
@@ -377,24 +378,38 @@ class CausalDecoder(nn.Module):
         self,
         tokens: Tensor,
         *,
+        labels: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
         start_pos: int = 0,
         cu_seqlens: Optional[Sequence[int] | Tensor] = None,
         position_ids: Optional[Tensor] = None,
     ) -> Tensor:
         """Logits [batch, seq, vocab] in fp32 for ``tokens`` [batch, seq] (int64) at positions
-        ``start_pos ..``. With ``cache``, earlier positions come from it and the new ones are added.
+        ``start_pos ..``; with ``labels`` [batch, seq], the loss (``loss``: the mean over the labels that are not
+        -100). With ``cache``, earlier positions come from it and the new ones are added.
 
         Packed rows (several samples per row, as ``sft_data.collate_packed`` gives them): ``cu_seqlens`` are the
         sample boundaries over the batch flattened to batch x seq tokens (``[0, ..., batch * seq]``; a list of ints,
         or an integer tensor, read on the host once), and each sample is attended to alone, with rotary positions
         ``position_ids`` [batch, seq] (by default each sample's positions from 0). Every sample then gets the logits
         it would get run on its own.
+
+        As a pipeline stage (``parallel_plan().pipeline``) the parts it does not hold are None: without the embedding
+        ``tokens`` are the previous stage's hidden states [batch, seq, dim], and without the head it returns its
+        last block's.
         """
         h, cos, sin, bounds = self.embed(tokens, cache, start_pos, cu_seqlens, position_ids)
         for block in self.layers:
             h = block(h, cos, sin, cache, start_pos, bounds)
-        return self.logits(h)
+        if self.output is None:
+            return h
+        logits = self.logits(h)
+        return logits if labels is None else self.loss(logits, labels)
+
+    def loss(self, logits: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
+        """The next-token cross-entropy of ``logits`` [batch, seq, vocab] against ``labels`` [batch, seq] (-100 marks a
+        token without loss): their mean, or with ``reduction="sum"`` their sum."""
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction=reduction)
 
     def embed(
         self,
@@ -404,14 +419,15 @@ class CausalDecoder(nn.Module):
         cu_seqlens: Optional[Sequence[int] | Tensor],
         position_ids: Optional[Tensor],
     ) -> tuple[Tensor, Tensor, Tensor, Optional[list[int]]]:
-        """What the blocks take, after checking :meth:`forward`'s arguments: the embedded tokens, the rotary
-        cos/sin of their positions and the sample boundaries (a list, or None without packing)."""
-        if tokens.dim() != 2:
+        """What the blocks take, after checking :meth:`forward`'s arguments: the embedded tokens (on a later pipeline
+        stage, ``tokens`` are already hidden states), the rotary cos/sin of their positions and the sample boundaries
+        (a list, or None without packing)."""
+        if self.tok_embeddings is not None and tokens.dim() != 2:
             raise ValueError(
                 f"{type(self).__name__} expects token ids of shape [batch, seq]; got shape {tuple(tokens.shape)}. "
                 "Add a batch dimension with tokens.unsqueeze(0)."
             )
-        batch, seq = tokens.shape
+        batch, seq = tokens.shape[:2]
         cp = self.context_parallel
         full = seq if cp is None else seq * cp.size  # the whole sequence's length, of which tokens are a part
         if cp is not None and cache is not None:
@@ -435,7 +451,7 @@ class CausalDecoder(nn.Module):
                 "position_ids are read only with cu_seqlens (packed rows); without them positions are start_pos .., "
                 "so pass cu_seqlens with the sample boundaries, or drop position_ids."
             )
-        h = self.tok_embeddings(tokens)
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)  # a later pipeline stage's input
         if cu_seqlens is None:
             bounds = None
             if cp is None:
@@ -466,7 +482,7 @@ class CausalDecoder(nn.Module):
         """A 0-d fp32 zero on the model's device: what an extra loss term is when it is off. A plain tensor, not one
         made from a parameter, which tensor or data parallelism may have made a DTensor (a sum with it would turn
         the loss into one)."""
-        return torch.zeros((), device=self.norm.weight.device)
+        return torch.zeros((), device=next(self.parameters()).device)
 
     def logits(self, h: Tensor) -> Tensor:
         """fp32 next-token logits of the last block's output ``h``."""

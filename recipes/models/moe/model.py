@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from lightning_npu import compat
 from lightning_npu.kernels import grouped_matmul, permute_tokens, rotary_tables, swiglu, unpermute_tokens
 from lightning_npu.parallel.expert import local_experts
+from lightning_npu.parallel.pipeline import inferring_shapes
 from recipes.decoder.layers import INIT_STD, Linear
 from recipes.decoder.transformer import Attention, CausalDecoder, DecoderBlock, FeedForward
 from recipes.models.moe.config import MoEConfig
@@ -122,7 +123,8 @@ class MoEFeedForward(nn.Module):
         probs, expert_ids = self.routing(logits, bias)
         # The probs go in the tokens' dtype: the fused unpermute's backward gives NaN for mixed dtypes (moe-facts.md).
         permuted, counts, permutation = permute_tokens(tokens, expert_ids, probs.to(tokens.dtype), self.n_experts)
-        if bias is not None and self.training and not recompute:  # what the balancing bias moves by
+        # What the balancing bias moves by: tokens of training forwards (not a pipeline stage's shape inference).
+        if bias is not None and self.training and not recompute and not inferring_shapes():
             self.routed = counts.detach() if self.routed is None else self.routed + counts.detach()
         out = unpermute_tokens(self.experts(permuted, counts), permutation)
         if hasattr(self, "shared_expert_gate"):
@@ -157,7 +159,9 @@ class RoutedDecoder(CausalDecoder):
     update and the routing balance ``DecoderLM`` logs."""
 
     def _moe_layers(self) -> list[MoEFeedForward]:
-        return [self.layers[i].feed_forward for i in self.config.moe_layers]
+        """This model's MoE layers, in order (under pipeline parallelism, those of this rank's stages)."""
+        moe = set(self.config.moe_layers)
+        return [block.feed_forward for index, block in self.layers.named_children() if int(index) in moe]
 
     def expert_modules(self) -> list[str]:
         """The names of every experts module (its MoE layers', multi-token prediction's too): what the recipe's
@@ -192,14 +196,18 @@ class RoutedDecoder(CausalDecoder):
         if not rate:
             return
         layers = self._moe_layers()
+        if not layers:  # a pipeline stage of dense layers (its data-parallel peers hold the same)
+            return
         routed = reduce(torch.stack([layer.take_routed().float() for layer in layers]))
         for layer, counts in zip(layers, routed):
             layer.router.balance(counts, rate)
 
-    def expert_load(self) -> Tensor:
+    def expert_load(self) -> Optional[Tensor]:
         """The last forward's routing balance (``router.expert_load``: max / mean tokens per expert, worst layer),
-        which ``DecoderLM`` logs as ``expert_load``."""
+        which ``DecoderLM`` logs as ``expert_load``; None without MoE layers (a pipeline stage of dense ones)."""
         layers = self._moe_layers()
+        if not layers:
+            return None
         return expert_load([layer.router_logits for layer in layers], self.config.top_k,
                            [getattr(layer.router, "expert_bias", None) for layer in layers],
                            routing=self.config.routing)
