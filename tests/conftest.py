@@ -88,3 +88,16 @@ def layout_parity_runs(tmp_path_factory):
                    timeout=2400)
     result = {name: run for stage in ("plain", "mesh", "resume") for name, run in read_json(out / f"{stage}.json").items()}
     return {name: torch.tensor(run["losses"]) for name, run in result.items()}, result
+
+
+@PREFETCHED.fixture(seconds=60)
+def pipeline_runs(tmp_path_factory):
+    """``tests/scripts/pipeline_run.py``'s three launches (1, 2, 4 simulated NPUs): pipeline parallelism under the
+    Trainer and Fabric against plain npu_fsdp with as many data-parallel replicas. Returns each run's record."""
+    from tests.helpers import SCRIPTS, read_json, run_python
+
+    out = tmp_path_factory.mktemp("pipeline")
+    for stage, devices in (("one", 1), ("two", 2), ("four", 4)):
+        run_python([str(SCRIPTS / "pipeline_run.py"), "--out", str(out), "--stage", stage], simulate=devices,
+                   timeout=1800)
+    return {name: run for stage in ("one", "two", "four") for name, run in read_json(out / f"{stage}.json").items()}

@@ -32,9 +32,9 @@ CONFIG = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=8, top_k=2,
               max_seq_len=SEQ)
 #: The runs' model per family: its config fields over the tiny preset, and the block FSDP wraps and recomputes.
 #: DeepSeek's: MLA (q/k heads 48 wide, v 32), the first layer dense, then DeepSeekMoE (8 routed + 1 shared experts);
-#: Qwen's: Qwen3 (per-head q/k norms, head_dim 48, the embedding tied to the head).
+#: Qwen's: Qwen3 (per-head q/k norms, head_dim 48, the embedding tied to the head); LLaMA's: the tiny preset.
 FAMILIES = {"moe": (CONFIG, "MoEBlock"), "deepseek": (dict(n_layers=2, max_seq_len=SEQ), "DeepSeekBlock"),
-            "qwen": (dict(n_layers=2, max_seq_len=SEQ), "QwenBlock")}
+            "qwen": (dict(n_layers=2, max_seq_len=SEQ), "QwenBlock"), "llama": (dict(max_seq_len=SEQ), "TransformerBlock")}
 
 
 class Tokens(Dataset):

@@ -1,0 +1,181 @@
+"""Pipeline parallelism under npu_fsdp against plain npu_fsdp with as many data-parallel replicas, from one checkpoint
+of first weights, the same rows a step (8; 30 % of the labels -100, so microbatches hold unequal label counts),
+gradient clipping at 1.0 and half the blocks recomputed (not under the V schedule, which refuses it), in three
+launches:
+
+- ``--stage one`` (1 simulated NPU, 1 replica): the first weights (``init_<model>.ckpt``: a 4-block tiny LLaMA, and
+  a 4-block MoE balanced by its routing bias); ``plain``:
+  2 epochs of 5 steps with validation (3 batches, the last of 3 rows), a sharded checkpoint after epoch 0;
+  ``plain_epoch``: one epoch (the learning-rate schedule spans the run); ``plain_accumulate``: 5 steps of 2 accumulated batches; ``fabric_plain``: a Fabric loop of 4 steps of 2 accumulated
+  batches; ``moe_plain``: the MoE for one epoch;
+- ``--stage two`` (2 simulated NPUs): ``pp2`` (1F1B, 4 microbatches) as ``plain``, a sharded checkpoint after epoch
+  0; ``pp2_gpipe``, ``pp2_interleaved`` (2 stages a rank), ``pp2_zbv`` (V schedule) for epoch 0;
+  ``pp2_accumulate``; ``plain_to_pp2``: ``plain``'s checkpoint resumed under pp 2; ``plain2``: plain with 2 replicas
+  (the reference of ``pp2_dp2``); ``fabric_pp2``; ``moe_pp2``;
+- ``--stage four`` (4 simulated NPUs): ``pp2_dp2``: pp 2 x 2 replicas as ``plain2``; ``pp2_to_pp2_tp2``: ``pp2``'s
+  checkpoint resumed under pp 2 x tensor_parallel_size 2.
+
+Each stage's results go to ``<out>/<stage>.json`` (rank 0): per run the per-step losses and the validation losses
+(one per epoch), and the P2P batches torch sent through ``batch_isend_irecv`` that HCCL would refuse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_npu
+from lightning_npu.parallel.pipeline import P2PRecorder
+from recipes.decoder.module import load_pretrained
+from tests.scripts.expert_parallel_run import module, save_first_weights
+from tests.scripts.trainer_run import SaveAfterFirstEpoch
+
+SEQ, ROWS, STEPS = 32, 8, 5  # 8 rows of 32 tokens a step (all replicas together), 5 steps an epoch
+#: Each model: (family, config fields over the tiny preset, its block). The MoE one balances its experts by the
+#: routing bias (moved after each step by the tokens every replica routed), without the load-balancing loss.
+MODELS = {"llama": ("llama", dict(n_layers=4, max_seq_len=SEQ), "TransformerBlock"),
+          "moe": ("moe", dict(n_layers=4, max_seq_len=SEQ, dim=64, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2,
+                              expert_hidden_dim=32, router_aux_loss_coef=0.0,
+                              router_bias_update_rate=0.01), "MoEBlock")}
+
+
+def recompute(block: str) -> dict:
+    """Half the blocks recompute their activations in backward."""
+    return dict(auto_wrap_policy=[block], activation_checkpointing_policy=[block], activation_checkpointing_ratio=0.5)
+
+
+class Rows(Dataset):
+    """``count`` rows drawn from 16 random ones (so the loss falls), 30 % of their labels -100."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        rows = torch.randint(0, 2048, (16, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        self.ids = rows[torch.randint(0, 16, (count,), generator=torch.Generator().manual_seed(seed))]
+        self.masked = torch.rand(count, SEQ, generator=torch.Generator().manual_seed(seed + 1)) < 0.3
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:].masked_fill(self.masked[i], -100)}
+
+
+class Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.val: list[float] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"].detach() * trainer.accumulate_grad_batches  # Lightning hands over loss / accumulate
+        self.losses.append(trainer.strategy.reduce(loss, reduce_op="mean").item())
+
+    def on_validation_epoch_end(self, trainer, module) -> None:
+        if not trainer.sanity_checking:
+            self.val.append(trainer.callback_metrics["val_loss"].item())
+
+
+def fit(out: Path, name: str, *, devices: int, model: str = "llama", epochs: int = 2, accumulate: int = 1,
+        resume: Optional[str] = None, save: bool = False, **options) -> dict:
+    """``epochs`` epochs of ``STEPS`` optimizer steps (a resumed run: the second) of ``model`` on ``devices`` under
+    npu_fsdp with ``options``; the global batch is the same rows on any layout (each data-parallel replica takes its
+    share)."""
+    seed_everything(1234)
+    family, config, block = MODELS[model]
+    strategy = lightning_npu.NPUFSDPStrategy(**{**recompute(block), "timeout": 300, **options})
+    losses = Losses()
+    callbacks: list = [losses]
+    if save:
+        callbacks.append(SaveAfterFirstEpoch(str(out / f"{name}_epoch0")))
+    trainer = Trainer(
+        accelerator="npu", devices=devices, strategy=strategy, precision="32-true", max_epochs=epochs,
+        limit_train_batches=STEPS * accumulate, accumulate_grad_batches=accumulate, num_sanity_val_steps=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        deterministic=True, gradient_clip_val=1.0, callbacks=callbacks,
+    )
+    lm = module(family, str(out / f"init_{model}.ckpt"), **config)
+    replicas = devices // (options.get("pipeline_parallel_size", 1) * options.get("tensor_parallel_size", 1))
+    train = DataLoader(Rows(STEPS * ROWS * accumulate, seed=1), batch_size=ROWS // replicas)
+    val = DataLoader(Rows(11 * replicas, seed=5), batch_size=4)  # each replica: 4, 4 and 3 rows
+    with P2PRecorder() as p2p:
+        trainer.fit(lm, train_dataloaders=train, val_dataloaders=val, ckpt_path=resume)
+    return {"losses": losses.losses, "val": losses.val,
+            "refused_by_hccl": [batch.ops for batch in p2p.refused_by_hccl()]}
+
+
+def fabric_fit(out: Path, devices: int, steps: int = 4, **options) -> dict:
+    """A Fabric loop written for one device: 2 accumulated batches a step (``fabric.backward(loss / 2)``), clipped
+    by ``fabric.clip_gradients``; the model's call with labels gives the loss."""
+    from lightning.fabric import Fabric
+
+    seed_everything(1234)
+    fabric = Fabric(accelerator="npu", devices=devices, precision="32-true",
+                    strategy=lightning_npu.NPUFabricFSDPStrategy(timeout=300, **options))
+    fabric.launch()
+    family, config, _ = MODELS["llama"]
+    lm = module(family, None, **config)
+    lm.configure_model()
+    load_pretrained(lm.model, str(out / "init_llama.ckpt"), lm.config)
+    model = fabric.setup(lm.model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    loader = DataLoader(Rows(steps * 2 * ROWS, seed=1), batch_size=ROWS)
+    losses = []
+    for index, batch in enumerate(loader):
+        loss = model(batch["input_ids"].to(fabric.device), labels=batch["labels"].to(fabric.device))
+        fabric.backward(loss / 2)
+        if index % 2:
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--stage", choices=("one", "two", "four"), required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    pp2 = dict(pipeline_parallel_size=2, pipeline_microbatches=4)
+    if args.stage == "one":
+        for model, (family, config, _) in MODELS.items():
+            save_first_weights(out / f"init_{model}.ckpt", family, **config)
+        results = {
+            "plain": fit(out, "plain", devices=1, save=True),
+            "plain_epoch": fit(out, "plain_epoch", devices=1, epochs=1),
+            "plain_accumulate": fit(out, "plain_accumulate", devices=1, epochs=1, accumulate=2),
+            "fabric_plain": fabric_fit(out, 1),
+            "moe_plain": fit(out, "moe_plain", devices=1, model="moe", epochs=1),
+        }
+    elif args.stage == "two":
+        results = {
+            "pp2": fit(out, "pp2", devices=2, save=True, **pp2),
+            "pp2_gpipe": fit(out, "pp2_gpipe", devices=2, epochs=1, pipeline_schedule="GPipe", **pp2),
+            "pp2_interleaved": fit(out, "pp2_interleaved", devices=2, epochs=1, pipeline_schedule="Interleaved1F1B",
+                                   **pp2),
+            "pp2_zbv": fit(out, "pp2_zbv", devices=2, epochs=1, pipeline_schedule="ZBVZeroBubble",
+                           activation_checkpointing_policy=None, **pp2),
+            "pp2_accumulate": fit(out, "pp2_accumulate", devices=2, epochs=1, accumulate=2, **pp2),
+            "plain_to_pp2": fit(out, "plain_to_pp2", devices=2, resume=str(out / "plain_epoch0"), **pp2),
+            "plain2": fit(out, "plain2", devices=2),
+            "fabric_pp2": fabric_fit(out, 2, **pp2),
+            "moe_pp2": fit(out, "moe_pp2", devices=2, model="moe", epochs=1, **pp2),
+        }
+    else:
+        results = {
+            "pp2_dp2": fit(out, "pp2_dp2", devices=4, **pp2),
+            "pp2_to_pp2_tp2": fit(out, "pp2_to_pp2_tp2", devices=4, resume=str(out / "pp2_epoch0"),
+                                  tensor_parallel_size=2, sequence_parallel=False, **pp2),
+        }
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        (out / f"{args.stage}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""Pipeline parallelism (``pipeline_parallel_size``): the schedules' facts, the options' refusals, the split of a
+model into stages, the gradients a step hands to the loss's backward, the recipe's checks before workers start,
+and (slow) Trainer and Fabric runs against plain npu_fsdp with as many data-parallel replicas
+(tests/scripts/pipeline_run.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_npu.facts import pipeline as facts
+from lightning_npu.facts.options import FSDPOptions
+from lightning_npu.parallel import PipelineLayout
+from lightning_npu.parallel.pipeline import P2PBatch, _PipelineLoss, _StepGradients, split
+from recipes.decoder.tensor_parallel import PIPELINE
+
+# ---------------------------------------------------------------------------------------------- schedules (facts)
+
+
+@pytest.mark.parametrize("blocks, stages, expected", [
+    (8, 4, [[0], [1, 2, 3], [4, 5, 6], [7]]),  # the embedding and the head count as a block each
+    (4, 2, [[0, 1], [2, 3]]),
+    (4, 4, [[], [0, 1], [2, 3], []]),  # end stages of the embedding or the head alone
+    (6, 1, [[0, 1, 2, 3, 4, 5]]),
+])
+def test_blocks_spread_over_stages_every_block_once_in_order(blocks, stages, expected):
+    assert facts.blocks_per_stage(blocks, stages) == expected
+
+
+def test_too_few_blocks_for_the_stages_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="2 blocks do not spread over 8 pipeline stages.*use fewer stages"):
+        facts.blocks_per_stage(2, 8)
+
+
+@pytest.mark.parametrize("schedule, rank, expected", [
+    ("1F1B", 1, (1,)), ("Interleaved1F1B", 1, (1, 3)), ("ZBVZeroBubble", 0, (0, 3)), ("ZBVZeroBubble", 1, (1, 2)),
+])
+def test_each_schedule_places_its_stages(schedule, rank, expected):
+    per_rank = facts.stages_per_rank(schedule, None)
+    assert facts.stage_ids(schedule, rank, 2, per_rank) == expected
+    # the loss is computed where the last stage (3 of 4, or 1 of 2) sits
+    assert facts.last_stage_rank(schedule, 2, per_rank) == (0 if schedule == "ZBVZeroBubble" else 1)
+
+
+def test_microbatch_rules_of_torchs_constructors_are_checked():
+    with pytest.raises(ValueError, match="needs at least as many microbatches as stages"):
+        facts.check_microbatches("1F1B", 1, 2, 1)
+    facts.check_microbatches("GPipe", 1, 2, 1)
+    assert facts.bubble_fraction("1F1B", 4, 12) == pytest.approx(3 / 15)
+    assert facts.bubble_fraction("ZBVZeroBubble", 4, 8) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize("options, refused", [
+    (dict(context_parallel_size=2), "context_parallel_size"),
+    (dict(expert_parallel_size=2), "expert_parallel_size"),
+    (dict(state_dict_type="full"), "state_dict_type='full'"),
+    (dict(tensor_parallel_size=2), "sequence_parallel=True"),
+    (dict(pipeline_schedule="ZBVZeroBubble", activation_checkpointing_policy=["Block"]),
+     "activation_checkpointing_policy"),
+])
+def test_what_pipeline_parallelism_cannot_run_with_is_refused_at_construction(options, refused):
+    with pytest.raises(ValueError, match=rf"pipeline_parallel_size=2 does not run with .*{refused}"):
+        FSDPOptions(pipeline_parallel_size=2, **options)
+
+
+def test_pipeline_options_that_run():
+    options = FSDPOptions(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=False,
+                          pipeline_schedule="Interleaved1F1B", activation_checkpointing_policy=["Block"])
+    assert options.stages_per_rank == 2 and options.microbatches == 4  # default: one microbatch per stage
+    assert options.layout(1, 8).sizes == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    with pytest.raises(ValueError, match="pipeline_schedule='Pipedream' is not one of"):
+        FSDPOptions(pipeline_parallel_size=2, pipeline_schedule="Pipedream")
+
+
+# ---------------------------------------------------------------------------------------------- the split
+
+
+def _tiny_llama(n_layers: int = 4):
+    from recipes.decoder.module import DecoderLM
+
+    torch.manual_seed(0)
+    lm = DecoderLM(preset="tiny", config={"n_layers": n_layers, "max_seq_len": 16})
+    lm.configure_model()
+    return lm.model
+
+
+def test_stages_chained_in_one_process_give_the_models_loss_and_keep_parameter_names():
+    model = _tiny_llama()
+    tokens, labels = torch.randint(0, 2048, (2, 16)), torch.randint(0, 2048, (2, 16))
+    labels[0, :5] = -100
+    expected = model(tokens, labels=labels)
+    first, last = split(copy.deepcopy(model), PIPELINE, [0], 2), split(copy.deepcopy(model), PIPELINE, [1], 2)
+    assert first.blocks == [[0, 1], [2, 3]]
+    assert first.module.output is None and first.module.norm is None and last.module.tok_embeddings is None
+    names = {name for part in (first, last) for name, _ in part.module.named_parameters()}
+    assert names == {name for name, _ in model.named_parameters()}
+    hidden = first.stages[0](tokens)
+    assert hidden.shape == (2, 16, model.config.dim)
+    torch.testing.assert_close(last.stages[1](hidden, labels=labels), expected, rtol=0, atol=0)
+
+
+def test_a_model_that_does_not_fit_its_layout_is_refused_by_name():
+    model = _tiny_llama(2)
+    with pytest.raises(ValueError, match=r"names \['head'\], which LLaMA has no child called"):
+        split(model, PipelineLayout("", ("tok_embeddings",), "layers", ("head",)), [0], 2)
+    model.extra = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"\['extra'\] hold parameters but are in no part of the pipeline layout"):
+        split(model, PIPELINE, [0], 2)
+
+
+# ---------------------------------------------------------------------------------------------- the step's gradients
+
+
+def test_the_losss_backward_adds_the_steps_gradients_times_what_it_brings():
+    """What a Lightning closure does: training_step (the schedule computed these gradients), zero_grad, then
+    backward of loss / accumulate_grad_batches: the parameter ends with exactly the step's gradient / 2."""
+    param = nn.Parameter(torch.zeros(3))
+    param.grad = torch.tensor([1.0, 2.0, 3.0])  # the step's, computed inside the schedule
+    gradients = _StepGradients([param])
+    param.grad = torch.full((3,), 5.0)  # an earlier step's, which zero_grad clears
+    loss = _PipelineLoss.apply(torch.ones((), requires_grad=True), torch.tensor(4.0), gradients)
+    assert loss.item() == 4.0 and loss.requires_grad
+    param.grad = None
+    (loss / 2).backward()
+    torch.testing.assert_close(param.grad, torch.tensor([0.5, 1.0, 1.5]))
+    earlier = nn.Parameter(torch.zeros(2))
+    earlier.grad = torch.ones(2)
+    held = _StepGradients([earlier])
+    earlier.grad = torch.full((2,), 3.0)  # accumulated from an earlier batch of the window: kept and added to
+    _PipelineLoss.apply(torch.ones((), requires_grad=True), torch.tensor(1.0), held).backward()
+    torch.testing.assert_close(earlier.grad, torch.full((2,), 4.0))
+
+
+def test_a_p2p_batch_with_two_sends_to_one_peer_is_what_hccl_refuses():
+    assert P2PBatch([("send", 1, (2, 4)), ("send", 1, (2, 4))]).repeats_a_task()
+    assert not P2PBatch([("send", 1, (2, 4)), ("recv", 1, (2, 4))]).repeats_a_task()
+
+
+# ---------------------------------------------------------------------------------------------- the recipe's checks
+
+
+def _check(config: dict | None = None, data: str = "text", batch_size: int = 8, family: str = "llama", **options):
+    from types import SimpleNamespace
+
+    from recipes.decoder.data import TextDataModule
+    from recipes.decoder.module import DecoderLM
+    from recipes.decoder.sft_data import SFTDataModule
+    from recipes.train import check_pipeline
+
+    model = DecoderLM(family=family, preset="tiny", config=config or {})
+    data_module = (TextDataModule if data == "text" else SFTDataModule)(batch_size=batch_size, seq_len=32)
+    strategy = SimpleNamespace(options=FSDPOptions(pipeline_parallel_size=2, pipeline_microbatches=4, **options))
+    check_pipeline(model, data_module, SimpleNamespace(strategy=strategy))
+
+
+@pytest.mark.parametrize("config, data, batch_size, family, problem", [
+    ({"tie_embeddings": True}, "text", 8, "llama", "tie_embeddings=true: the embedding"),
+    ({"mtp_layers": 1}, "text", 8, "deepseek", "mtp_layers=1: multi-token prediction"),
+    ({"router_aux_loss_coef": 0.01}, "text", 8, "moe", "router_aux_loss_coef=0.01: the load-balancing loss"),
+    ({}, "sft", 8, "llama", r"data \(SFTDataModule\) packs samples"),
+    ({}, "text", 6, "llama", "data.batch_size=6 does not split into pipeline_microbatches=4"),
+])
+def test_what_the_stages_cannot_split_is_refused_before_workers_start(config, data, batch_size, family, problem):
+    with pytest.raises(ValueError, match=rf"pipeline_parallel_size=2 cannot run this model: .*{problem}"):
+        _check(config, data, batch_size, family)
+
+
+def test_too_few_blocks_for_the_stages_are_refused_before_workers_start():
+    with pytest.raises(ValueError, match="1 blocks do not spread over 4 pipeline stages"):
+        _check({"n_layers": 1}, pipeline_schedule="Interleaved1F1B")
+
+
+def test_a_model_and_data_the_stages_split_pass():
+    _check({"n_layers": 4})
+    _check({"n_layers": 4, "router_aux_loss_coef": 0.0}, family="moe")  # no load-balancing loss term
+
+
+# ---------------------------------------------------------------------------------------------- runs (slow)
+
+
+def _close(runs: dict, name: str, reference: str, key: str = "losses", start: int = 0) -> None:
+    run, expected = torch.tensor(runs[name][key]), torch.tensor(runs[reference][key][start:])
+    assert len(run) == len(expected) > 0, (name, key)
+    torch.testing.assert_close(run, expected, rtol=0, atol=1e-5, msg=lambda m: f"{name} {key} vs {reference}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, reference", [
+    ("pp2", "plain"),  # 1F1B, 2 epochs, a checkpoint after the first
+    ("pp2_gpipe", "plain_epoch"), ("pp2_interleaved", "plain_epoch"), ("pp2_zbv", "plain_epoch"),
+    ("pp2_accumulate", "plain_accumulate"),  # 2 batches a step: the backward's 1 / 2 scales the step's gradients
+    ("pp2_dp2", "plain2"),  # pp 2 x 2 replicas against 2 replicas
+    ("moe_pp2", "moe_plain"),  # the routing bias moves by the tokens routed on each stage's MoE layers
+])
+def test_pipeline_trains_and_validates_with_the_losses_of_plain_sharding(pipeline_runs, name, reference):
+    """Every schedule, gradient accumulation, data parallelism and an MoE model under pipeline_parallel_size 2
+    against plain npu_fsdp with as many data-parallel replicas, from the same first weights and rows (30 % of labels
+    -100, so the microbatches hold unequal label counts), gradients clipped at 1.0 (the norm over every stage):
+    per-step training losses and every epoch's validation loss (its last batch of 3 rows padded to the 4
+    microbatches) within 1e-5; the loss falls. torch sent no point-to-point batch HCCL would refuse."""
+    _close(pipeline_runs, name, reference)
+    _close(pipeline_runs, name, reference, "val")
+    losses = pipeline_runs[name]["losses"]
+    assert sum(losses[-2:]) < sum(losses[:2]) - 0.1
+    assert pipeline_runs[name]["refused_by_hccl"] == []
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_across_pipeline_layouts(pipeline_runs):
+    """Plain npu_fsdp's sharded checkpoint after epoch 0 resumed under pp 2, and pp 2's under pp 2 x tensor
+    parallelism 2 (loss_parallel): the second epoch's losses and validation are plain's, within 1e-5. Parameter
+    names and the optimizer's param groups are the whole model's in every layout."""
+    for name in ("plain_to_pp2", "pp2_to_pp2_tp2"):
+        _close(pipeline_runs, name, "plain", start=5)
+        _close(pipeline_runs, name, "plain", "val", start=1)
+
+
+@pytest.mark.slow
+def test_a_fabric_loop_written_for_one_device_runs_pipelined(pipeline_runs):
+    """``loss = model(x, labels=y)``, ``fabric.backward(loss / 2)`` over 2 batches, ``fabric.clip_gradients``: the
+    same losses under pp 2 as on one device, within 1e-5."""
+    _close(pipeline_runs, "fabric_pp2", "fabric_plain")
+
+
+def test_an_optimizer_made_before_the_split_forgets_the_other_stages_parameters():
+    """``fabric.setup(model, optimizer)`` with an optimizer of the whole model: the parameters a split removed from
+    this rank leave its param groups and state (they would be stepped and saved here otherwise)."""
+    from lightning_npu.strategies.rebind import ReplacedParameters
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    for param in model.parameters():  # the state a step leaves
+        optimizer.state[param] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(param)}
+    before = ReplacedParameters.before(model)
+    kept = list(model[0].parameters())
+    model[1] = nn.Identity()  # another stage's
+    replaced = ReplacedParameters()
+    replaced.record(model, before)
+    replaced.rebind(optimizer)
+    assert optimizer.param_groups[0]["params"] == kept and list(optimizer.state) == kept
+
+
+def test_pretrained_weights_are_checked_against_the_models_keys(tmp_path):
+    from recipes.decoder.module import _check_keys
+
+    model = _tiny_llama(2)
+    state = dict(model.state_dict())
+    _check_keys(model, state, distributed=False)
+    state["layers.7.attention.wq.weight"] = state.pop("layers.1.attention.wq.weight")
+    with pytest.raises(RuntimeError, match=r"missing key\(s\) \['layers.1.attention.wq.weight'\], unexpected key\(s\)"
+                                           r" \['layers.7.attention.wq.weight'\]"):
+        _check_keys(model, state, distributed=False)
+
+
+def test_the_private_stage_methods_the_pipeline_wraps_exist_in_this_torch():
+    """parallel.pipeline marks the stages' shape inference (so an MoE layer does not count its tokens) and stops the
+    V schedules' input-gradient hand-off in evaluation through these torch 2.13 methods: a torch without them must
+    fail here, not count wrong or crash mid-run."""
+    from torch.distributed.pipelining import PipelineStage
+
+    for name in ("_forward_metadata_inference", "get_local_bwd_output", "set_local_bwd_input"):
+        assert callable(getattr(PipelineStage, name, None)), name
