@@ -436,6 +436,14 @@ def hook_times(stats: Mapping[Any, Any]) -> dict[str, tuple[float, int]]:
     return hooks
 
 
+def lightning_inclusive(stats: Mapping[Any, Any], below: float, count: int) -> list[tuple[str, float, int]]:
+    """Lightning's functions with the most inclusive seconds under ``below`` (which leaves out those that wrap the
+    forward and backward passes), as (``function_label``, seconds, calls)."""
+    rows = [(function_label(key), entry[3], entry[1]) for key, entry in stats.items()
+            if bucket_of(key[0], key[2]).startswith("Lightning") and entry[3] < below]
+    return sorted(rows, key=lambda row: -row[1])[:count]
+
+
 # ---------------------------------------------------------------------------------------------------- statistics
 
 
@@ -591,6 +599,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     groups: dict[str, dict[str, float]] = {}
     functions: dict[str, dict[str, list[tuple[str, float]]]] = {}
     hooks: dict[str, tuple[float, float]] = {}
+    inclusive: list[tuple[str, float, float]] = []
     per_step = 1000 / args.steps
     with _workdir(args.keep) as workdir:
         for side in ("lightning", "raw"):
@@ -607,11 +616,14 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             if side == "lightning":
                 hooks = {name: (seconds * per_step, calls / args.steps)
                          for name, (seconds, calls) in hook_times(stats).items()}
+                step_s = sum(parts.values()) / args.steps
+                inclusive = [(name, seconds * per_step, calls / args.steps)
+                             for name, seconds, calls in lightning_inclusive(stats, 0.1 * step_s * args.steps, 25)]
             result["loadavg"] = _loadavg()
             sides[side] = result
     report = {"steps": args.steps, "clock": "main thread CPU time (time.thread_time), rank 0, under cProfile",
               "groups_ms_per_step": groups, "top_functions_ms_per_step": functions, "hooks_ms_per_step": hooks,
-              "sides": sides}
+              "lightning_inclusive_ms_per_step": inclusive, "sides": sides}
     print_profile(report)
     return report
 
@@ -641,6 +653,10 @@ def print_profile(report: Mapping[str, Any]) -> None:
         if _owned_by_lightning_side(group) and groups["lightning"].get(group, 0.0) >= 0.02:
             tops = report["top_functions_ms_per_step"]["lightning"][group][:4]
             print(f"  {group}: " + "; ".join(f"{name} {ms:.3f}" for name, ms in tops))
+    print("\nLightning's functions by inclusive ms per step (calls per step), those under 10% of the step (not"
+          " wrapping the forward or backward):")
+    for name, ms, calls in report["lightning_inclusive_ms_per_step"][:15]:
+        print(f"  {name:<90}{ms:>7.3f}  ({calls:g})")
     print("\nthe plugin's and the recipe's functions that Lightning calls, inclusive ms per step (calls per step):")
     for name, (ms, calls) in sorted(report["hooks_ms_per_step"].items(), key=lambda item: -item[1][0]):
         print(f"  {name:<70}{ms:>9.3f}  ({calls:g})")

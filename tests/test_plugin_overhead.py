@@ -117,3 +117,15 @@ def test_spread_gives_the_median_range_and_a_reproducible_interval(bench):
     assert first["median"] == pytest.approx(1.00)
     assert (first["min"], first["max"]) == (0.98, 1.02)
     assert 0.98 <= first["ci95"][0] <= first["median"] <= first["ci95"][1] <= 1.02
+
+
+def test_lightnings_inclusive_list_leaves_out_what_wraps_the_step(bench):
+    backward = ("/v/site-packages/lightning/pytorch/core/module.py", 1120, "backward")
+    log = ("/v/site-packages/lightning/pytorch/core/module.py", 386, "log")
+    apply = ("/v/site-packages/lightning_utilities/core/apply_func.py", 29, "apply_to_collection")
+    ours = ("/r/lightning_npu/guards.py", 85, "observe")
+    stats = {backward: (1, 1, 0.1, 90.0, {}), log: (2, 2, 0.5, 2.0, {}), apply: (11, 11, 0.2, 1.5, {}),
+             ours: (1, 1, 0.1, 0.3, {})}
+    assert bench.lightning_inclusive(stats, below=10.0, count=5) == [
+        ("lightning/pytorch/core/module.py:386(log)", 2.0, 2),
+        ("lightning_utilities/core/apply_func.py:29(apply_to_collection)", 1.5, 11)]
