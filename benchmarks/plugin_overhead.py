@@ -23,19 +23,24 @@ shapes, data and steps:
 
 The headline is host CPU time per step: ``time.process_time()`` (user + system time of all the process's threads,
 the gloo transport's included), per rank, averaged over the 2 ranks. On a machine whose 2 cores are shared with
-other work wall time says little (earlier paired tokens/s ratios of this benchmark ranged 0.80-1.09); CPU time
-moves less, since a process waiting for a core, or for the other rank in a collective, spends none -- but other
-work on the machine still slows every instruction (caches, the host's other threads), by up to 10% between runs a
-minute apart. So the two sides run interleaved, step by step, in the same 2 processes: the Trainer's first
-callback (the clock) runs one raw step on a second model, sharded the same way over the same ranks, after each
-Trainer step. The Trainer's step k is the CPU time from the end of raw step k - 1 to the start of raw step k (its
-data loading, hooks, callbacks and loop included), raw step k the time it takes. The first ``--warmup`` steps are
-not measured. A run's ratio is raw CPU / Lightning CPU per step over its measured steps (>= 1: the Trainer and the
-plugin cost nothing measurable); the summary is the median over ``--repeats`` runs, their range, a bootstrap 95%
-interval of that median and the ratio of all runs' steps pooled. What the interleaving cannot see: anything the
-Trainer or the plugin changes for the whole process (torch flags, a global mode) slows both sides alike;
-``--separate`` (each side in its own processes, runs alternating, paired CPU time and tokens/s ratios) would show
-that, at the old noise.
+other work wall time says little (earlier paired tokens/s ratios of this benchmark ranged 0.80-1.09). CPU time
+moves less, since a process waiting for a core, or for the other rank in a collective, spends none; but other work
+still slows every instruction (caches, the host's other threads), and each process settles on its own pattern of
+page faults (3,700 to 7,100 per step here: glibc returning freed tensors' memory to the kernel and faulting it
+back, a few ms of system time that differ between two processes doing the same work), so the CPU time of separate
+runs still differs by 5-10%. So the two sides run interleaved, step by step, in the same 2 processes: the Trainer's
+first callback (the clock) runs one raw step on a second model, sharded the same way over the same ranks, after
+each Trainer step. The Trainer's step k is the CPU time from the end of raw step k - 1 to the start of raw step k
+(its data loading, hooks, callbacks and loop included), raw step k the time it takes. The first ``--warmup`` steps
+are not measured. A run's ratio is raw CPU / Lightning CPU per step over its measured steps (>= 1: the Trainer and
+the plugin cost nothing measurable); the summary is the median over ``--repeats`` runs, their range, a bootstrap
+95% interval of that median and the ratio of all runs' steps pooled. Each rank also reports its page faults per
+step (``ru_minflt``), the garbage collector's CPU time and collections, and each thread's CPU time
+(``/proc/self/task``: the main thread, gloo's two), so a busy thread, a collector or an allocation pattern that one
+side has and the other has not would show. What the interleaving cannot see: anything the Trainer or the plugin
+changes for the whole process (torch flags, a global mode) slows both sides alike; ``--separate`` (each side in its
+own processes, runs alternating, paired CPU time and tokens/s ratios, the same diagnostics) would show that, at
+the old noise.
 
 ``--profile`` runs each side once in its own processes, with ``cProfile`` on rank 0 over the measured steps (clock:
 the main thread's CPU time, ``time.thread_time``), and groups every function's own time by where its code lives:
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import random
@@ -96,10 +102,71 @@ def _dataset(length: int, seq: int, vocab: int) -> Any:
     return Tokens()
 
 
-def _clocks() -> tuple[float, float, float, float]:
-    """Wall clock, this process's CPU time (user + system, all threads), and its user and system times apart."""
+class GCClock:
+    """CPU time spent in Python's cyclic garbage collector (``gc.callbacks``; the clock of the thread collecting)
+    and collections per generation, once ``install``-ed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = [0, 0, 0]
+        self._start = 0.0
+
+    def install(self) -> None:
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: Mapping[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.thread_time()
+        else:
+            self.seconds += time.thread_time() - self._start
+            self.collections[info["generation"]] += 1
+
+
+GC = GCClock()
+
+
+def _clocks() -> tuple[float, ...]:
+    """Wall clock, this process's CPU time (user + system, all threads), its user and system times apart, the CPU
+    time its garbage collector has taken (``GC``), and its page faults (minor: a page the kernel had to provide,
+    mostly fresh memory from an allocation)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter(), time.process_time(), usage.ru_utime, usage.ru_stime
+    return (time.perf_counter(), time.process_time(), usage.ru_utime, usage.ru_stime, GC.seconds,
+            float(usage.ru_minflt))
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's threads so far, by name (``main`` for the main thread; the
+    others' names from ``/proc``, summed over threads of one name); empty where ``/proc`` has no task list."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return seconds
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+            name = "main" if tid == str(os.getpid()) else Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after the name: state, ppid, ...; utime and stime are 12th, 13th
+        seconds[name] = seconds.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return seconds
+
+
+def _snapshot() -> dict[str, Any]:
+    return {"threads": _thread_cpu(), "gc_collections": list(GC.collections)}
+
+
+def process_figures(start: Mapping[str, Any], end: Mapping[str, Any], steps: int) -> dict[str, Any]:
+    """Between two ``_snapshot``s ``steps`` steps apart: CPU ms per step of each thread name (threads that ended
+    meanwhile are missing), and the garbage collector's collections per generation."""
+    threads = {name: 1000 * (seconds - start["threads"].get(name, 0.0)) / steps
+               for name, seconds in end["threads"].items()}
+    return {"threads_cpu_ms_per_step": {name: ms for name, ms in sorted(threads.items(), key=lambda i: -i[1])
+                                        if ms > 0},
+            "gc_collections": [b - a for a, b in zip(start["gc_collections"], end["gc_collections"])]}
 
 
 class RawLoop:
@@ -156,12 +223,15 @@ class StepMeter:
     def __init__(self, warmup: int, total: int, profile_to: str | None = None) -> None:
         self.warmup, self.total, self.profile_to = warmup, total, profile_to
         self.ends: list[tuple[float, ...]] = []
+        self.snapshots: list[dict[str, Any]] = []
         self.profiler: Any = None
 
     def mark(self) -> None:
         if self.profiler is not None and len(self.ends) + 1 == self.total:
             self.profiler.disable()
         self.ends.append(_clocks())
+        if len(self.ends) in (self.warmup, self.total):
+            self.snapshots.append(_snapshot())
         if self.profile_to and len(self.ends) == self.warmup:
             import cProfile
 
@@ -175,15 +245,17 @@ class StepMeter:
     def summary(self, batch: int, seq: int) -> dict[str, Any]:
         if self.profiler is not None:
             self.profiler.dump_stats(self.profile_to)
-        return step_summary(self.ends, self.warmup, batch, seq)
+        figures = step_summary(self.ends, self.warmup, batch, seq)
+        return {**figures, **process_figures(*self.snapshots, figures["steps"])}
 
 
 def _per_step(intervals: Sequence[tuple[Sequence[float], Sequence[float]]]) -> dict[str, Any]:
     """Figures of steps given as (clocks at the start, clocks at the end) (``_clocks``)."""
     spans = [[b - a for a, b in zip(start, end)] for start, end in intervals]
     steps = len(spans)
-    wall, cpu, user, system = (sum(span[i] for span in spans) for i in range(4))
+    wall, cpu, user, system, collecting, faults = (sum(span[i] for span in spans) for i in range(6))
     return {"steps": steps, "seconds": wall, "cpu_ms_per_step": 1000 * cpu / steps,
+            "gc_ms_per_step": 1000 * collecting / steps, "page_faults_per_step": faults / steps,
             "median_step_cpu_ms": 1000 * statistics.median(span[1] for span in spans),
             "user_ms_per_step": 1000 * user / steps, "sys_ms_per_step": 1000 * system / steps,
             "wall_ms_per_step": 1000 * wall / steps,
@@ -233,6 +305,8 @@ def lightning_worker(args: argparse.Namespace) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # the launcher's ranks: 0 is this process, 1 the one it starts
     meter = StepMeter(args.warmup, total, f"{args.result}.prof" if args.profile and rank == 0 else None)
     raw_ends: list[tuple[float, ...]] = []
+    snapshots: list[dict[str, Any]] = []  # interleaved: after raw steps warmup - 1 and total - 1
+    GC.install()
 
     class Clock(Callback):
         """First of the callbacks: the Trainer's step ends here (its other callbacks and the module's batch-end
@@ -250,6 +324,8 @@ def lightning_worker(args: argparse.Namespace) -> None:
             if self.raw is not None:
                 self.raw.step()
                 raw_ends.append(_clocks())
+                if len(raw_ends) in (args.warmup, total):
+                    snapshots.append(_snapshot())
 
     callbacks: list[Any] = [Clock()]
     if args.callbacks == "recipe":  # recipes/train.py's, less its checkpointing and summary print
@@ -264,6 +340,7 @@ def lightning_worker(args: argparse.Namespace) -> None:
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=args.batch))
     if args.interleaved:
         summary = interleaved_summary(meter.ends, raw_ends, args.warmup)
+        summary["process"] = process_figures(*snapshots, args.steps)  # per step of each side: one of each
     else:
         summary = meter.summary(args.batch, args.seq)
     Path(f"{args.result}.rank{trainer.global_rank}").write_text(json.dumps(summary))
@@ -280,6 +357,7 @@ def raw_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    GC.install()
     loop = RawLoop(rank, args)
     profile_to = f"{args.result}.prof" if args.profile and rank == 0 else None
     meter = StepMeter(args.warmup, args.warmup + args.steps, profile_to)
@@ -462,6 +540,7 @@ def side_figures(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     mean = lambda key: statistics.fmean(r[key] for r in ranks)  # noqa: E731
     return {"cpu_ms_per_step": mean("cpu_ms_per_step"), "user_ms_per_step": mean("user_ms_per_step"),
             "sys_ms_per_step": mean("sys_ms_per_step"), "median_step_cpu_ms": mean("median_step_cpu_ms"),
+            "gc_ms_per_step": mean("gc_ms_per_step"), "page_faults_per_step": mean("page_faults_per_step"),
             "tokens_per_s": min(r["tokens_per_s"] for r in ranks),
             "median_step_ms": max(r["median_step_ms"] for r in ranks), "cpu_share": mean("cpu_share"),
             "ranks": list(ranks)}
@@ -519,7 +598,7 @@ def interleaved_run_figures(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any
     ratio raw / Lightning of those means."""
     sides = {side: {key: statistics.fmean(r[side][key] for r in ranks)
                     for key in ("cpu_ms_per_step", "user_ms_per_step", "sys_ms_per_step", "wall_ms_per_step",
-                                "median_step_cpu_ms", "cpu_share")}
+                                "median_step_cpu_ms", "cpu_share", "gc_ms_per_step", "page_faults_per_step")}
              for side in ("lightning", "raw")}
     return {**sides, "cpu_ratio": sides["raw"]["cpu_ms_per_step"] / sides["lightning"]["cpu_ms_per_step"],
             "median_step_cpu_ratio": statistics.fmean(r["median_step_cpu_ratio"] for r in ranks),
@@ -529,8 +608,8 @@ def interleaved_run_figures(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any
 
 def measure_interleaved(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
-    print(f"{'run':<5}{'Lightning CPU ms/step':>22}{'(user':>7}{'sys)':>6}{'raw CPU ms/step':>17}{'(user':>7}"
-          f"{'sys)':>6}{'raw/Lightning':>15}{'per-step median':>17}  loadavg", flush=True)
+    print(f"{'run':<5}{'Lightning CPU ms/step':>22}{'(user':>7}{'sys)':>6}{'faults':>7}{'raw CPU ms/step':>17}"
+          f"{'(user':>7}{'sys)':>6}{'faults':>7}{'raw/Lightning':>15}{'per-step median':>17}  loadavg", flush=True)
     with _workdir(args.keep) as workdir:
         for index in range(args.repeats):
             run = interleaved_run_figures(run_worker("lightning", args, workdir, index, interleaved=True))
@@ -538,8 +617,8 @@ def measure_interleaved(args: argparse.Namespace) -> dict[str, Any]:
             runs.append(run)
             ours, raw = run["lightning"], run["raw"]
             print(f"{index:<5}{ours['cpu_ms_per_step']:>22.2f}{ours['user_ms_per_step']:>7.1f}"
-                  f"{ours['sys_ms_per_step']:>6.1f}{raw['cpu_ms_per_step']:>17.2f}{raw['user_ms_per_step']:>7.1f}"
-                  f"{raw['sys_ms_per_step']:>6.1f}"
+                  f"{ours['sys_ms_per_step']:>6.1f}{ours['page_faults_per_step']:>7.0f}{raw['cpu_ms_per_step']:>17.2f}"
+                  f"{raw['user_ms_per_step']:>7.1f}{raw['sys_ms_per_step']:>6.1f}{raw['page_faults_per_step']:>7.0f}"
                   f"{run['cpu_ratio']:>15.4f}{run['median_step_cpu_ratio']:>17.4f}  {run['loadavg']}", flush=True)
     cpu = spread([run["cpu_ratio"] for run in runs])
     wall = spread([run["wall_ratio"] for run in runs])
@@ -564,8 +643,8 @@ def measure_interleaved(args: argparse.Namespace) -> dict[str, Any]:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"lightning": [], "raw": []}
-    print(f"{'pair':<5}{'side':<11}{'CPU ms/step':>12}{'user':>8}{'sys':>7}{'tokens/s':>10}{'step ms':>9}"
-          f"{'CPU share':>10}  loadavg", flush=True)
+    print(f"{'pair':<5}{'side':<11}{'CPU ms/step':>12}{'user':>8}{'sys':>7}{'faults':>7}{'tokens/s':>10}"
+          f"{'step ms':>9}{'CPU share':>10}  loadavg", flush=True)
     with _workdir(args.keep) as workdir:
         for index in range(args.repeats):
             order = ("lightning", "raw") if index % 2 == 0 else ("raw", "lightning")
@@ -574,7 +653,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 result["loadavg"] = _loadavg()
                 runs[side].append(result)
                 print(f"{index:<5}{side:<11}{result['cpu_ms_per_step']:>12.1f}{result['user_ms_per_step']:>8.1f}"
-                      f"{result['sys_ms_per_step']:>7.1f}{result['tokens_per_s']:>10.0f}"
+                      f"{result['sys_ms_per_step']:>7.1f}{result['page_faults_per_step']:>7.0f}"
+                      f"{result['tokens_per_s']:>10.0f}"
                       f"{result['median_step_ms']:>9.1f}{result['cpu_share']:>10.2f}  {result['loadavg']}", flush=True)
     pairs = list(zip(runs["lightning"], runs["raw"]))
     cpu = spread([raw["cpu_ms_per_step"] / ours["cpu_ms_per_step"] for ours, raw in pairs])

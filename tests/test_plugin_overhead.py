@@ -18,13 +18,14 @@ def bench():
 
 
 def test_an_interleaved_step_of_each_side_runs_between_the_other_sides_ends(bench):
-    # clocks: (wall, cpu, user, sys). Trainer steps cost 10 (cpu), raw steps 8; the first (warmup) pair differs.
-    lightning, raw, now = [], [], [0.0, 0.0, 0.0, 0.0]
+    # clocks: (wall, cpu, user, sys, gc, page faults). Trainer steps cost 10 (cpu), raw steps 8; the first (warmup)
+    # pair differs.
+    lightning, raw, now = [], [], [0.0] * 6
     for step in range(5):
         cost_l, cost_r = (50.0, 40.0) if step == 0 else (10.0, 8.0)
-        now = [now[0] + 2 * cost_l, now[1] + cost_l, now[2] + cost_l - 1, now[3] + 1]
+        now = [now[0] + 2 * cost_l, now[1] + cost_l, now[2] + cost_l - 1, now[3] + 1, now[4] + 0.5, now[5] + 7]
         lightning.append(tuple(now))
-        now = [now[0] + 2 * cost_r, now[1] + cost_r, now[2] + cost_r - 2, now[3] + 2]
+        now = [now[0] + 2 * cost_r, now[1] + cost_r, now[2] + cost_r - 2, now[3] + 2, now[4] + 0.25, now[5] + 3]
         raw.append(tuple(now))
     summary = bench.interleaved_summary(lightning, raw, warmup=1)
     assert summary["lightning"]["steps"] == summary["raw"]["steps"] == 4
@@ -33,13 +34,16 @@ def test_an_interleaved_step_of_each_side_runs_between_the_other_sides_ends(benc
     assert summary["lightning"]["sys_ms_per_step"] == pytest.approx(1_000)
     assert summary["raw"]["user_ms_per_step"] == pytest.approx(6_000)
     assert summary["lightning"]["cpu_share"] == pytest.approx(0.5)
+    assert summary["lightning"]["gc_ms_per_step"] == pytest.approx(500)
+    assert summary["raw"]["gc_ms_per_step"] == pytest.approx(250)
+    assert summary["raw"]["page_faults_per_step"] == pytest.approx(3)
     assert summary["cpu_ratio"] == pytest.approx(0.8)
     assert summary["median_step_cpu_ratio"] == pytest.approx(0.8)
 
 
 def test_a_separate_run_measures_from_the_end_of_the_last_warmup_step(bench):
-    ends = [(0.0, 0.0, 0.0, 0.0), (5.0, 3.0, 2.0, 1.0)] + [(5.0 + k, 3.0 + 0.5 * k, 2.0 + 0.4 * k, 1.0 + 0.1 * k)
-                                                         for k in range(1, 4)]
+    ends = [(0.0,) * 6, (5.0, 3.0, 2.0, 1.0, 0.0, 0.0)] + [
+        (5.0 + k, 3.0 + 0.5 * k, 2.0 + 0.4 * k, 1.0 + 0.1 * k, 0.0, 0.0) for k in range(1, 4)]
     summary = bench.step_summary(ends, warmup=2, batch=8, seq=128)
     assert summary["steps"] == 3
     assert summary["cpu_ms_per_step"] == pytest.approx(500)
@@ -129,3 +133,19 @@ def test_lightnings_inclusive_list_leaves_out_what_wraps_the_step(bench):
     assert bench.lightning_inclusive(stats, below=10.0, count=5) == [
         ("lightning/pytorch/core/module.py:386(log)", 2.0, 2),
         ("lightning_utilities/core/apply_func.py:29(apply_to_collection)", 1.5, 11)]
+
+
+def test_process_figures_give_each_threads_cpu_per_step_and_the_collections(bench):
+    start = {"threads": {"main": 1.0, "gloo": 0.5}, "gc_collections": [10, 2, 0]}
+    end = {"threads": {"main": 3.0, "gloo": 0.9, "pt_new": 0.2}, "gc_collections": [30, 4, 1]}
+    figures = bench.process_figures(start, end, steps=4)
+    assert figures["threads_cpu_ms_per_step"] == pytest.approx({"main": 500.0, "gloo": 100.0, "pt_new": 50.0})
+    assert list(figures["threads_cpu_ms_per_step"]) == ["main", "gloo", "pt_new"]
+    assert figures["gc_collections"] == [20, 2, 1]
+
+
+def test_this_processs_threads_are_read_from_proc(bench):
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("no /proc task list here")
+    sum(range(3_000_000))  # some CPU time on the main thread
+    assert bench._thread_cpu()["main"] > 0
