@@ -25,22 +25,29 @@ The headline is host CPU time per step: ``time.process_time()`` (user + system t
 the gloo transport's included), per rank, averaged over the 2 ranks. On a machine whose 2 cores are shared with
 other work wall time says little (earlier paired tokens/s ratios of this benchmark ranged 0.80-1.09). CPU time
 moves less, since a process waiting for a core, or for the other rank in a collective, spends none; but other work
-still slows every instruction (caches, the host's other threads), and each process settles on its own pattern of
-page faults (3,700 to 7,100 per step here: glibc returning freed tensors' memory to the kernel and faulting it
-back, a few ms of system time that differ between two processes doing the same work), so the CPU time of separate
-runs still differs by 5-10%. So the two sides run interleaved, step by step, in the same 2 processes: the Trainer's
-first callback (the clock) runs one raw step on a second model, sharded the same way over the same ranks, after
-each Trainer step. The Trainer's step k is the CPU time from the end of raw step k - 1 to the start of raw step k
-(its data loading, hooks, callbacks and loop included), raw step k the time it takes. The first ``--warmup`` steps
-are not measured. A run's ratio is raw CPU / Lightning CPU per step over its measured steps (>= 1: the Trainer and
-the plugin cost nothing measurable); the summary is the median over ``--repeats`` runs, their range, a bootstrap
-95% interval of that median and the ratio of all runs' steps pooled. Each rank also reports its page faults per
-step (``ru_minflt``), the garbage collector's CPU time and collections, and each thread's CPU time
-(``/proc/self/task``: the main thread, gloo's two), so a busy thread, a collector or an allocation pattern that one
-side has and the other has not would show. What the interleaving cannot see: anything the Trainer or the plugin
-changes for the whole process (torch flags, a global mode) slows both sides alike; ``--separate`` (each side in its
-own processes, runs alternating, paired CPU time and tokens/s ratios, the same diagnostics) would show that, at
-the old noise.
+still slows every instruction (caches, the host's other threads) by several percent from one minute to the next.
+So the two sides run interleaved, step by step, in the same 2 processes: the Trainer's first callback (the clock)
+runs one raw step on a second model, sharded the same way over the same ranks, after each Trainer step. The
+Trainer's step k is the CPU time from the end of raw step k - 1 to the start of raw step k (its data loading,
+hooks, callbacks and loop included), raw step k the time it takes. The first ``--warmup`` steps are not measured.
+A run's ratio is raw CPU / Lightning CPU per step over its measured steps (>= 1: the Trainer and the plugin cost
+nothing measurable); the summary is the median over ``--repeats`` runs, their range, a bootstrap 95% interval of
+that median and the ratio of all runs' steps pooled.
+
+glibc's malloc is pinned for both sides (``PINNED_MALLOC``; ``--glibc-defaults`` leaves it alone). With its
+defaults, freed tensors' memory goes back to the kernel (unmapped, or trimmed off the heap's top) and the next step
+faults it in again: 3,000-7,000 page faults and ~20 ms of system time per step here, 12% of the step, and how much
+depends on each process's allocation history. Two processes doing the same work differ by up to 3,000 faults per
+step, the Trainer's processes had ~1,400 more than the raw loop's, and in the shared processes of the interleaved
+mode one side's frees become the other side's faults. Pinned, a step takes ~60 faults on both sides. On an NPU
+the tensors live in the device's caching allocator, so none of this is host cost there.
+
+Each rank also reports its page faults per step (``ru_minflt``), the garbage collector's CPU time and collections,
+and each thread's CPU time (``/proc/self/task``: the main thread, gloo's two), so a busy thread, a collector or an
+allocation pattern that one side has and the other has not would show. What the interleaving cannot see: anything
+the Trainer or the plugin changes for the whole process (torch flags, a global mode) slows both sides alike;
+``--separate`` (each side in its own processes, runs alternating, paired CPU time and tokens/s ratios, the same
+diagnostics) shows that, at a higher noise.
 
 ``--profile`` runs each side once in its own processes, with ``cProfile`` on rank 0 over the measured steps (clock:
 the main thread's CPU time, ``time.thread_time``), and groups every function's own time by where its code lives:
@@ -81,6 +88,10 @@ if str(REPO) not in sys.path:
 WORLD = 2
 SEED = 1234
 TARGET = 0.98
+#: glibc's malloc for both sides unless ``--glibc-defaults``: blocks up to 32 MiB (every tensor of this model) from
+#: the heap, and the heap never handed back to the kernel, so freed memory is reused instead of being unmapped and
+#: faulted in again by the next step (see the module docstring).
+PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 
 # ------------------------------------------------------------------------------------------- measurement in a rank
 
@@ -558,6 +569,10 @@ def run_worker(side: str, args: argparse.Namespace, workdir: Path, index: int, p
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     if side == "lightning":
         env["LIGHTNING_NPU_SIMULATE"] = str(WORLD)
+    for key in PINNED_MALLOC:
+        env.pop(key, None)
+    if not args.glibc_defaults:
+        env.update(PINNED_MALLOC)
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--result", str(result),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
                "--seq", str(args.seq), "--callbacks", args.callbacks]
@@ -590,6 +605,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": "tiny", "precision": "32-true", "world": WORLD, "batch": args.batch, "seq": args.seq,
             "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "callbacks": args.callbacks,
             "mode": "profile" if args.profile else "separate" if args.separate else "interleaved",
+            "malloc": "glibc defaults" if args.glibc_defaults else PINNED_MALLOC,
             "cpus": os.cpu_count(), "python": platform.python_version(), "command": " ".join(sys.argv)}
 
 
@@ -764,6 +780,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="unmeasured steps first")
     parser.add_argument("--batch", type=int, default=8, help="micro-batch per process")
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--glibc-defaults", action="store_true",
+                        help="leave glibc's malloc as it comes (default: PINNED_MALLOC for both sides)")
     parser.add_argument("--callbacks", choices=("bare", "recipe"), default="bare",
                         help="the Lightning side's callbacks: the plugin's own only, or also the recipe's")
     parser.add_argument("--against", metavar="JSON", help="a previous result of the same mode: print how far this"
