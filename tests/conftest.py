@@ -92,12 +92,13 @@ def layout_parity_runs(tmp_path_factory):
 
 @PREFETCHED.fixture(seconds=60)
 def pipeline_runs(tmp_path_factory):
-    """``tests/scripts/pipeline_run.py``'s three launches (1, 2, 4 simulated NPUs): pipeline parallelism under the
+    """``tests/scripts/pipeline_run.py``'s four launches (1, 2, 4, 1 simulated NPUs): pipeline parallelism under the
     Trainer and Fabric against plain npu_fsdp with as many data-parallel replicas. Returns each run's record."""
     from tests.helpers import SCRIPTS, read_json, run_python
 
     out = tmp_path_factory.mktemp("pipeline")
-    for stage, devices in (("one", 1), ("two", 2), ("four", 4)):
+    stages = (("one", 1), ("two", 2), ("four", 4), ("back", 1))
+    for stage, devices in stages:
         run_python([str(SCRIPTS / "pipeline_run.py"), "--out", str(out), "--stage", stage], simulate=devices,
                    timeout=1800)
-    return {name: run for stage in ("one", "two", "four") for name, run in read_json(out / f"{stage}.json").items()}
+    return {name: run for stage, _ in stages for name, run in read_json(out / f"{stage}.json").items()}

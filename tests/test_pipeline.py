@@ -197,9 +197,10 @@ def _close(runs: dict, name: str, reference: str, key: str = "losses", start: in
     ("pp2_accumulate", "plain_accumulate"),  # 2 batches a step: the backward's 1 / 2 scales the step's gradients
     ("pp2_dp2", "plain2"),  # pp 2 x 2 replicas against 2 replicas
     ("moe_pp2", "moe_plain"),  # the routing bias moves by the tokens routed on each stage's MoE layers
+    ("qwen3_pp2", "qwen3_plain"), ("deepseek_pp2", "deepseek_plain"),  # q/k norms; MLA and DeepSeekMoE
 ])
 def test_pipeline_trains_and_validates_with_the_losses_of_plain_sharding(pipeline_runs, name, reference):
-    """Every schedule, gradient accumulation, data parallelism and an MoE model under pipeline_parallel_size 2
+    """Every schedule, gradient accumulation, data parallelism, an MoE, Qwen3 and DeepSeek under pipeline_parallel_size 2
     against plain npu_fsdp with as many data-parallel replicas, from the same first weights and rows (30 % of labels
     -100, so the microbatches hold unequal label counts), gradients clipped at 1.0 (the norm over every stage):
     per-step training losses and every epoch's validation loss (its last batch of 3 rows padded to the 4
@@ -213,10 +214,10 @@ def test_pipeline_trains_and_validates_with_the_losses_of_plain_sharding(pipelin
 
 @pytest.mark.slow
 def test_a_checkpoint_resumes_across_pipeline_layouts(pipeline_runs):
-    """Plain npu_fsdp's sharded checkpoint after epoch 0 resumed under pp 2, and pp 2's under pp 2 x tensor
-    parallelism 2 (loss_parallel): the second epoch's losses and validation are plain's, within 1e-5. Parameter
-    names and the optimizer's param groups are the whole model's in every layout."""
-    for name in ("plain_to_pp2", "pp2_to_pp2_tp2"):
+    """Plain npu_fsdp's sharded checkpoint after epoch 0 resumed under pp 2, and pp 2's under plain and under pp 2 x
+    tensor parallelism 2 (loss_parallel): the second epoch's losses and validation are plain's, within 1e-5.
+    Parameter names and the optimizer's param groups are the whole model's in every layout."""
+    for name in ("plain_to_pp2", "pp2_to_plain", "pp2_to_pp2_tp2"):
         _close(pipeline_runs, name, "plain", start=5)
         _close(pipeline_runs, name, "plain", "val", start=1)
 

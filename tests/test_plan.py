@@ -486,3 +486,13 @@ def test_fused_adamw_steps_in_place_while_foreach_holds_a_moment_sized_scratch()
     assert fused.total <= per_tensor.total < foreach.total  # the per-tensor scratch stays below the backward peak
     with pytest.raises(PlanError, match=r"optimizer='adam' is not one of fused, foreach, per-tensor"):
         dataclasses.replace(spec, optimizer="adam")
+
+
+def test_a_pipelined_config_is_refused_not_planned_as_if_every_rank_held_the_model(tmp_path):
+    config = tmp_path / "pp.yaml"
+    config.write_text(CONFIG_7B.read_text().replace(
+        "class_path: lightning_npu.NPUFSDPStrategy\n    init_args:\n",
+        "class_path: lightning_npu.NPUFSDPStrategy\n    init_args:\n      pipeline_parallel_size: 2\n"))
+    assert "pipeline_parallel_size: 2" in config.read_text()
+    with pytest.raises(PlanError, match="pipeline_parallel_size=2: the planner does not model pipeline stages yet"):
+        load_spec(config)

@@ -79,6 +79,13 @@ def load_spec(
                  "context_parallel_algo": context_parallel_algo}
     options = _options(_strategy(trainer) if path is not None else {},
                        {key: value for key, value in overrides.items() if value is not None}, path)
+    if options.pipeline_parallel_size > 1:
+        raise PlanError(
+            f"pipeline_parallel_size={options.pipeline_parallel_size}: the planner does not model pipeline stages yet"
+            " (each rank's share of the blocks, the activations a schedule keeps in flight); it would plan every rank"
+            " holding the whole model. Plan without it for an upper bound: the same config with"
+            " pipeline_parallel_size: 1"
+        )
     ac_policy = _class_names(options.activation_checkpointing_policy, "activation_checkpointing_policy", decoder)
     wrap = _class_names(options.auto_wrap_policy, "auto_wrap_policy", decoder)
     ratio = float(options.activation_checkpointing_ratio) if ac_policy else 0.0

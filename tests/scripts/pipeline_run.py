@@ -1,19 +1,21 @@
 """Pipeline parallelism under npu_fsdp against plain npu_fsdp with as many data-parallel replicas, from one checkpoint
 of first weights, the same rows a step (8; 30 % of the labels -100, so microbatches hold unequal label counts),
-gradient clipping at 1.0 and half the blocks recomputed (not under the V schedule, which refuses it), in three
+gradient clipping at 1.0 and half the blocks recomputed (not under the V schedule, which refuses it), in four
 launches:
 
 - ``--stage one`` (1 simulated NPU, 1 replica): the first weights (``init_<model>.ckpt``: a 4-block tiny LLaMA, and
   a 4-block MoE balanced by its routing bias); ``plain``:
   2 epochs of 5 steps with validation (3 batches, the last of 3 rows), a sharded checkpoint after epoch 0;
   ``plain_epoch``: one epoch (the learning-rate schedule spans the run); ``plain_accumulate``: 5 steps of 2 accumulated batches; ``fabric_plain``: a Fabric loop of 4 steps of 2 accumulated
-  batches; ``moe_plain``: the MoE for one epoch;
+  batches; ``moe_plain``, ``qwen3_plain``, ``deepseek_plain``: the MoE, an untied Qwen3 and a DeepSeek (MLA,
+  DeepSeekMoE) for one epoch;
 - ``--stage two`` (2 simulated NPUs): ``pp2`` (1F1B, 4 microbatches) as ``plain``, a sharded checkpoint after epoch
   0; ``pp2_gpipe``, ``pp2_interleaved`` (2 stages a rank), ``pp2_zbv`` (V schedule) for epoch 0;
   ``pp2_accumulate``; ``plain_to_pp2``: ``plain``'s checkpoint resumed under pp 2; ``plain2``: plain with 2 replicas
-  (the reference of ``pp2_dp2``); ``fabric_pp2``; ``moe_pp2``;
+  (the reference of ``pp2_dp2``); ``fabric_pp2``; ``moe_pp2``, ``qwen3_pp2``, ``deepseek_pp2``;
 - ``--stage four`` (4 simulated NPUs): ``pp2_dp2``: pp 2 x 2 replicas as ``plain2``; ``pp2_to_pp2_tp2``: ``pp2``'s
-  checkpoint resumed under pp 2 x tensor_parallel_size 2.
+  checkpoint resumed under pp 2 x tensor_parallel_size 2;
+- ``--stage back`` (1 simulated NPU): ``pp2_to_plain``: ``pp2``'s checkpoint resumed under plain npu_fsdp.
 
 Each stage's results go to ``<out>/<stage>.json`` (rank 0): per run the per-step losses and the validation losses
 (one per epoch), and the P2P batches torch sent through ``batch_isend_irecv`` that HCCL would refuse.
@@ -43,7 +45,10 @@ SEQ, ROWS, STEPS = 32, 8, 5  # 8 rows of 32 tokens a step (all replicas together
 MODELS = {"llama": ("llama", dict(n_layers=4, max_seq_len=SEQ), "TransformerBlock"),
           "moe": ("moe", dict(n_layers=4, max_seq_len=SEQ, dim=64, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2,
                               expert_hidden_dim=32, router_aux_loss_coef=0.0,
-                              router_bias_update_rate=0.01), "MoEBlock")}
+                              router_bias_update_rate=0.01), "MoEBlock"),
+          # Qwen3 untied (per-head q/k norms); DeepSeek: MLA, a dense first layer, then DeepSeekMoE, no MTP.
+          "qwen3": ("qwen", dict(n_layers=4, max_seq_len=SEQ, tie_embeddings=False), "QwenBlock"),
+          "deepseek": ("deepseek", dict(n_layers=4, max_seq_len=SEQ, mtp_layers=0), "DeepSeekBlock")}
 
 
 def recompute(block: str) -> dict:
@@ -139,7 +144,7 @@ def fabric_fit(out: Path, devices: int, steps: int = 4, **options) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--stage", choices=("one", "two", "four"), required=True)
+    parser.add_argument("--stage", choices=("one", "two", "four", "back"), required=True)
     args = parser.parse_args()
     out = Path(args.out)
     pp2 = dict(pipeline_parallel_size=2, pipeline_microbatches=4)
@@ -151,7 +156,8 @@ def main() -> None:
             "plain_epoch": fit(out, "plain_epoch", devices=1, epochs=1),
             "plain_accumulate": fit(out, "plain_accumulate", devices=1, epochs=1, accumulate=2),
             "fabric_plain": fabric_fit(out, 1),
-            "moe_plain": fit(out, "moe_plain", devices=1, model="moe", epochs=1),
+            **{f"{model}_plain": fit(out, f"{model}_plain", devices=1, model=model, epochs=1)
+               for model in ("moe", "qwen3", "deepseek")},
         }
     elif args.stage == "two":
         results = {
@@ -165,8 +171,11 @@ def main() -> None:
             "plain_to_pp2": fit(out, "plain_to_pp2", devices=2, resume=str(out / "plain_epoch0"), **pp2),
             "plain2": fit(out, "plain2", devices=2),
             "fabric_pp2": fabric_fit(out, 2, **pp2),
-            "moe_pp2": fit(out, "moe_pp2", devices=2, model="moe", epochs=1, **pp2),
+            **{f"{model}_pp2": fit(out, f"{model}_pp2", devices=2, model=model, epochs=1, **pp2)
+               for model in ("moe", "qwen3", "deepseek")},
         }
+    elif args.stage == "back":
+        results = {"pp2_to_plain": fit(out, "pp2_to_plain", devices=1, resume=str(out / "pp2_epoch0"))}
     else:
         results = {
             "pp2_dp2": fit(out, "pp2_dp2", devices=4, **pp2),
