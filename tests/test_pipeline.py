@@ -267,3 +267,17 @@ def test_the_private_stage_methods_the_pipeline_wraps_exist_in_this_torch():
 
     for name in ("_forward_metadata_inference", "get_local_bwd_output", "set_local_bwd_input"):
         assert callable(getattr(PipelineStage, name, None)), name
+
+
+def test_an_explicit_count_of_blocks_per_stage_replaces_the_rule():
+    model = _tiny_llama()
+    part = split(model, PIPELINE, [1], 2, layers_per_stage=[1, 3])
+    assert part.blocks == [[0], [1, 2, 3]] and [name for name, _ in part.module.layers.named_children()] == ["1", "2", "3"]
+    with pytest.raises(ValueError, match=r"pipeline_layers_per_stage=\[1, 2\] holds 3 blocks, but the model has 4"):
+        facts.blocks_per_stage(4, 2, layers_per_stage=[1, 2])
+    with pytest.raises(ValueError, match=r"pipeline_layers_per_stage=\[1, 3\] gives 2 stages, but the pipeline has 4"):
+        FSDPOptions(pipeline_parallel_size=2, pipeline_schedule="Interleaved1F1B", pipeline_layers_per_stage=[1, 3])
+    with pytest.raises(ValueError, match="must be a list of block counts"):
+        FSDPOptions(pipeline_parallel_size=2, pipeline_layers_per_stage="1,3")
+    with pytest.raises(ValueError, match=r"holds 3 blocks, but the model has 4"):
+        _check({"n_layers": 4}, pipeline_layers_per_stage=[1, 2])

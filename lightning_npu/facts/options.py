@@ -105,6 +105,18 @@ def check_optional_count(option: str, value: Any) -> Optional[int]:
     return value
 
 
+def check_layer_counts(option: str, value: Any) -> Optional[list[int]]:
+    """``value`` if it is None (the default rule applies) or a list of block counts (ints >= 0); ValueError
+    otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                  for n in value):
+        raise ValueError(f"{option}={value!r} must be a list of block counts, one per stage (e.g. [1, 3, 3, 1]),"
+                         " or unset for the balancing rule")
+    return list(value)
+
+
 def check_context_parallel_algo(value: Any) -> str:
     """``value`` if it is one of ``CONTEXT_PARALLEL_ALGOS``; ValueError with the choices otherwise."""
     if value not in CONTEXT_PARALLEL_ALGOS:
@@ -399,6 +411,9 @@ class FSDPOptions:
     pipeline_stages_per_rank: Optional[int] = option(
         None, check_optional_count, "stages each rank runs: 1 (GPipe, 1F1B), 2 (ZBVZeroBubble, DualPipeV), 2 or more"
         " (Interleaved1F1B); unset: the schedule's")
+    pipeline_layers_per_stage: Optional[list[int]] = option(
+        None, check_layer_counts, "blocks each stage holds, in stage order (`[1, 3, 3, 1]`); unset: the balancing rule"
+        " (the embedding and the head count as a block each, so the end stages take fewer)")
 
     def __post_init__(self) -> None:
         for spec in fields(FSDPOptions):
@@ -418,6 +433,11 @@ class FSDPOptions:
         pp = self.pipeline_parallel_size
         per_rank = pipeline.stages_per_rank(self.pipeline_schedule, self.pipeline_stages_per_rank)
         pipeline.check_microbatches(self.pipeline_schedule, self.microbatches, pp, per_rank)
+        counts = self.pipeline_layers_per_stage
+        if counts is not None and len(counts) != pp * per_rank:
+            raise ValueError(f"pipeline_layers_per_stage={counts} gives {len(counts)} stages, but the pipeline has"
+                             f" {pp * per_rank} (pipeline_parallel_size={pp} x {per_rank} per rank): give one count"
+                             " per stage")
         refused = [(name, reason) for name, given, reason in (
             ("context_parallel_size", self.context_parallel_size > 1,
              "its sequence exchanges run inside the stages, out of step with the pipeline's"),

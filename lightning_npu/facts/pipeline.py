@@ -12,7 +12,7 @@ stages by counting the embedding and the head as blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -98,14 +98,14 @@ def last_stage_rank(schedule: str, pp: int, per_rank: int) -> int:
 
 
 def blocks_per_stage(num_blocks: int, num_stages: int, *, input_weight: int = 1, output_weight: int = 1,
-                     layers_per_stage: Optional[Sequence[Union[int, Sequence[int]]]] = None) -> list[list[int]]:
+                     layers_per_stage: Optional[Sequence[int]] = None) -> list[list[int]]:
     """The block indices each stage holds, in stage order: contiguous, every block once.
 
     The rule: the first stage's inputs (the embedding) count as ``input_weight`` blocks and the last stage's outputs
     (the final norm and head) as ``output_weight``, and the ``num_blocks + input_weight + output_weight`` units are
     spread as evenly as they go, the remainder to the middle stages first, then the first, then the last; so the end
     stages take fewer blocks (8 blocks on 4 stages: 1, 3, 3, 1). ``layers_per_stage`` overrides it: a count per stage
-    (``[1, 3, 3, 1]``) or the indices of each (``[[0], [1, 2, 3], ...]``)."""
+    (``[1, 3, 3, 1]``)."""
     if layers_per_stage is not None:
         return _explicit(num_blocks, num_stages, layers_per_stage)
     if num_stages == 1:
@@ -134,14 +134,13 @@ def _ranges(counts: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def _explicit(num_blocks: int, num_stages: int, given: Sequence[Union[int, Sequence[int]]]) -> list[list[int]]:
-    if len(given) != num_stages:
-        raise ValueError(f"the layers of {len(given)} stages were given for {num_stages} pipeline stages")
-    stages = _ranges(given) if all(isinstance(entry, int) for entry in given) else [list(e) for e in given]  # type: ignore[arg-type]
-    if [index for stage in stages for index in stage] != list(range(num_blocks)):
-        raise ValueError(f"the layers of each stage must give blocks 0..{num_blocks - 1} once each, in order; got"
-                         f" {stages}")
-    return stages
+def _explicit(num_blocks: int, num_stages: int, counts: Sequence[int]) -> list[list[int]]:
+    if len(counts) != num_stages:
+        raise ValueError(f"pipeline_layers_per_stage={list(counts)} gives {len(counts)} stages for {num_stages}")
+    if sum(counts) != num_blocks:
+        raise ValueError(f"pipeline_layers_per_stage={list(counts)} holds {sum(counts)} blocks, but the model has"
+                         f" {num_blocks}: the counts must add up to them")
+    return _ranges(counts)
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, per_rank: int = 1) -> float:

@@ -101,12 +101,14 @@ class PipelineSplit:
     blocks: list[list[int]]
 
 
-def split(module: nn.Module, layout: PipelineLayout, stage_ids: Sequence[int], num_stages: int) -> PipelineSplit:
-    """Prune ``module`` in place to the stages ``stage_ids`` of ``num_stages`` (see the module docstring); ValueError
-    naming what does not fit the layout."""
+def split(module: nn.Module, layout: PipelineLayout, stage_ids: Sequence[int], num_stages: int,
+          layers_per_stage: Optional[Sequence[int]] = None) -> PipelineSplit:
+    """Prune ``module`` in place to the stages ``stage_ids`` of ``num_stages`` (see the module docstring), each holding
+    the blocks ``facts.blocks_per_stage`` gives (``layers_per_stage``: their counts); ValueError naming what does not
+    fit the layout."""
     _check_layout(module, layout)
     container = getattr(module, layout.blocks)
-    blocks = facts.blocks_per_stage(len(container), num_stages)
+    blocks = facts.blocks_per_stage(len(container), num_stages, layers_per_stage=layers_per_stage)
 
     def parts(stage: int) -> set[str]:
         return (set(layout.inputs) if stage == 0 else set()) | (set(layout.outputs) if stage == num_stages - 1 else set())

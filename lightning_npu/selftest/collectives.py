@@ -1,13 +1,15 @@
 """Collective checks: all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single (context
 parallelism's Ulysses exchange; with uneven split sizes, expert parallelism's token exchange), all_gather of a list
-(the experts' row shares under tensor parallelism) and broadcast over the process group the strategy built (hccl on
-NPUs, gloo when simulated), checked for exact results and timed per size.
+(the experts' row shares under tensor parallelism), broadcast, and a send to the next rank with a receive from the
+previous in one ``batch_isend_irecv`` (pipeline parallelism's exchange) over the process group the strategy built
+(hccl on NPUs, gloo when simulated), checked for exact results and timed per size.
 
 Every rank fills its tensors with small integers times (rank + 1), so every correct result is an exact
 float32 integer (sums stay below 2**24 up to 64 ranks) and is compared bit for bit. Bus bandwidth follows
 nccl-tests (doc/PERFORMANCE.md): algbw = S / t, with S the size of the full buffer (the gathered output, the
 scattered input, the all-to-all's input), and busbw = algbw x 2(n-1)/n for all_reduce, (n-1)/n for all_gather,
-reduce_scatter and all_to_all (each rank keeps 1/n of its buffer), and 1 for broadcast: what each link carries, comparable with the hardware's bandwidth whatever the number of ranks.
+reduce_scatter and all_to_all (each rank keeps 1/n of its buffer), and 1 for broadcast and the send/receive (S: one
+rank's buffer): what each link carries, comparable with the hardware's bandwidth whatever the number of ranks.
 
 ``ops`` is the module whose collectives run (``torch.distributed``); tests pass a wrong one to see the check fail.
 """
@@ -22,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_npu.selftest.report import FAIL, PASS, CheckResult
+from lightning_npu.selftest.report import FAIL, NOT_AVAILABLE, PASS, CheckResult
 
 FAMILY = "collectives"
 MIB = 1024**2
@@ -114,11 +116,32 @@ def _broadcast(ops: Any, group: Any, n: int, rank: int, numel: int, device: torc
     return _Prepared(lambda: ops.broadcast(tensor, src=src, group=group), tensor, base)
 
 
+def _send_recv(ops: Any, group: Any, n: int, rank: int, numel: int, device: torch.device) -> _Prepared:
+    """Pipeline parallelism's exchange: a send to the next rank and a receive from the previous in one
+    ``batch_isend_irecv`` (one ``HcclBatchSendRecv`` under torch_npu). On 2 ranks both have one peer, as in 1F1B's
+    batches, which pair a stage's send with its receive from the same neighbour."""
+    base = _base(numel, device)
+    source = base * (rank + 1)
+    output = torch.empty_like(base)
+
+    def peer(offset: int) -> int:
+        local = (rank + offset) % n
+        return local if group is None else ops.get_global_rank(group, local)
+
+    def run() -> None:
+        batch = [ops.P2POp(ops.isend, source, peer(1), group), ops.P2POp(ops.irecv, output, peer(-1), group)]
+        for work in ops.batch_isend_irecv(batch):
+            work.wait()
+
+    return _Prepared(run, output, base * ((rank - 1) % n + 1))
+
+
 @dataclass(frozen=True)
 class Collective:
     name: str
     prepare: Callable[..., _Prepared]
     busbw_factor: Callable[[int], float]
+    min_ranks: int = 1
 
 
 COLLECTIVES = (
@@ -129,6 +152,7 @@ COLLECTIVES = (
     Collective("all_to_all_single uneven", _all_to_all_uneven, lambda n: (n - 1) / n),
     Collective("all_gather", _all_gather_list, lambda n: (n - 1) / n),
     Collective("broadcast", _broadcast, lambda n: 1.0),
+    Collective("send/recv (batch_isend_irecv)", _send_recv, lambda n: 1.0, min_ranks=2),
 )
 
 
@@ -151,6 +175,9 @@ def check_collectives(runtime: Any, device: torch.device, *, sizes: Sequence[int
 def _check(collective: Collective, runtime: Any, device: torch.device, sizes: Sequence[int], iterations: int,
            ops: Any, group: Any, n: int, rank: int) -> CheckResult:
     figures: dict[str, Any] = {"ranks": n}
+    if n < collective.min_ranks:
+        return CheckResult(FAMILY, collective.name, NOT_AVAILABLE, f"needs {collective.min_ranks} ranks; {n} here",
+                           figures)
     wrong: Optional[str] = None
     for size in sizes:
         numel = max(n, size // 4 // n * n)  # a whole number of fp32 elements per rank
