@@ -35,14 +35,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_npu.parallel.all_to_all import all_to_all
+from lightning_npu.parallel.tensor import local_tensor
 
 
 def local_experts(param: Tensor) -> Tensor:
     """The experts of this rank in a stacked parameter: its local block under expert parallelism, itself otherwise.
     An experts module computes with this of each parameter."""
-    from torch.distributed.tensor import DTensor
-
-    return param.to_local() if isinstance(param, DTensor) else param
+    return local_tensor(param)
 
 
 def check_experts(modules: Sequence[tuple[str, nn.Module]], ep: int) -> None:

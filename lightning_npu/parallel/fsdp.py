@@ -185,12 +185,24 @@ def _modules_inside_fsdp(model: nn.Module, fsdp_type: type) -> set[int]:
     return inside
 
 
+def reshard(module: nn.Module) -> None:
+    """Register every FSDP unit's sharded parameters in ``module`` again: a unit keeps its parameters gathered after
+    a forward no backward follows (evaluation; ``reshard_after_forward=False``), and a checkpoint must load into the
+    shards, an optimizer's step reach them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 __all__ = [
     "STEP_METHODS",
     "apply_fsdp",
     "average_gradients_over_ranks",
     "fully_shard_options",
     "repeated_block_class",
+    "reshard",
     "resolve_module_classes",
     "wrap_classes",
 ]

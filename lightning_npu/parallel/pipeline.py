@@ -43,11 +43,12 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from lightning_npu import compat
 from lightning_npu.facts import pipeline as facts
+from lightning_npu.parallel.fsdp import reshard
 from lightning_npu.parallel.protocol import PipelineLayout
+from lightning_npu.parallel.tensor import local_tensor
 
 #: The label that marks a token without loss (prompts, padding), as in ``torch.nn.functional.cross_entropy``.
 IGNORE_INDEX = -100
@@ -172,10 +173,7 @@ class _TokenMeanLoss:
         self.tokens: Tensor = torch.ones(())
 
     def __call__(self, output: Tensor, labels: Tensor) -> Tensor:
-        loss = self.loss(output, labels, reduction="sum")
-        if isinstance(loss, DTensor):
-            loss = loss.to_local()
-        return loss / self.tokens
+        return local_tensor(self.loss(output, labels, reduction="sum")) / self.tokens
 
 
 class _StepGradients:
@@ -189,16 +187,12 @@ class _StepGradients:
 
     def release(self, factor: Tensor) -> None:
         for param, grad in self.grads:
-            _local(grad).mul_(factor.to(grad.dtype))
+            local_tensor(grad).mul_(factor.to(grad.dtype))
             if param.grad is None:
                 param.grad = grad
             else:
-                _local(param.grad).add_(_local(grad))
+                local_tensor(param.grad).add_(local_tensor(grad))
         self.grads = []
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class _PipelineLoss(torch.autograd.Function):
@@ -241,7 +235,6 @@ class Pipeline:
         self.last_stage_rank = facts.last_stage_rank(schedule, pp, per_rank)
         self.schedule = self._build()
         self._shapes: Optional[tuple] = None
-        self.rebuilt = 0
 
     def _build(self) -> Any:
         from torch.distributed.pipelining import schedules
@@ -278,7 +271,8 @@ class Pipeline:
                 with _no_local_backward_handoff(self.stages):
                     self.schedule.eval(x, target=labels, losses=losses, **kwargs)
             finally:
-                _reshard(self.split.stages.values())  # parameters kept gathered for a backward that never comes
+                for view in self.split.stages.values():  # parameters kept gathered for a backward that never comes
+                    reshard(view)
             return self._broadcast(torch.stack(losses).sum() if self.has_last else None)
         params = [param for param in self.split.module.parameters() if param.requires_grad]
         earlier = [param.grad for param in params]
@@ -321,7 +315,6 @@ class Pipeline:
             # torch infers the P2P buffers at a schedule's first step: a new schedule over the same stages infers
             # the new shapes (a shorter batch, another sequence length), where the old would fail in a receive.
             self.schedule = self._build()
-            self.rebuilt += 1
         self._shapes = shapes
         return x, labels, kwargs
 
@@ -330,15 +323,6 @@ class Pipeline:
         loss = loss.to(torch.float32)
         dist.broadcast(loss, src=dist.get_global_rank(self.pp_group, self.last_stage_rank), group=self.pp_group)
         return loss
-
-
-def _reshard(units: Any) -> None:
-    from torch.distributed.fsdp import FSDPModule
-
-    for root in units:
-        for unit in root.modules():
-            if isinstance(unit, FSDPModule):
-                unit.reshard()
 
 
 @contextmanager

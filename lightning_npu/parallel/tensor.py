@@ -170,4 +170,11 @@ class _SumGradChannels(torch.autograd.Function):
         return torch.cat((grad[..., :start], summed, grad[..., stop:]), dim=-1), None, None
 
 
-__all__ = ["ReplicatedParallel", "apply_tensor_parallel", "loss_parallel_if", "tensor_parallel_parameters"]
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's part of ``tensor`` if it is a DTensor (a shard; a loss computed on vocabulary-split logits, alike
+    on every tensor-parallel rank), else ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+__all__ = ["ReplicatedParallel", "apply_tensor_parallel", "local_tensor", "loss_parallel_if",
+           "tensor_parallel_parameters"]

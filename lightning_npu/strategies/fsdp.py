@@ -31,7 +31,7 @@ from lightning_npu.facts.options import (
     constructor_signature,
     options_docstring,
 )
-from lightning_npu.parallel.fsdp import STEP_METHODS
+from lightning_npu.parallel.fsdp import STEP_METHODS, reshard
 from lightning_npu.parallel.mesh import ParallelMesh
 from lightning_npu.parallel.parallelize import parallelize
 from lightning_npu.parallel.pipeline import Pipeline
@@ -319,7 +319,7 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         # A sharded checkpoint keys the state by parameter name (DCP matches names); a full one numbers the
         # parameters as optimizer.state_dict() does, as Lightning's FSDP strategies write it (without FSDP1 APIs).
         optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        _reshard(self.model)  # after an evaluation forward the root holds gathered parameters, not the optimizer's
+        reshard(self.model)  # after an evaluation forward the root holds gathered parameters, not the optimizer's
         return optimizer_state_dict(self.model, optimizer, self._state_dict_options(), self._pipeline)
 
     @override
@@ -336,7 +336,7 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         self._checkpoints.recover_path(self, path)
-        _reshard(self.model)
+        reshard(self.model)
         # Lightning restores optimizer states only to fit; evaluation needs the weights alone (which is all a
         # weights-only checkpoint holds).
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
@@ -431,7 +431,7 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
         self._checkpoints.recover_path(self, path)
         for item in (state.values() if isinstance(state, Mapping) else [state]):
             if isinstance(item, nn.Module):
-                _reshard(item)
+                reshard(item)
         if isinstance(state, nn.Module) and is_sharded_checkpoint(path):
             raise directory_error(path, "loading into a bare module (fabric.load_raw)")
         if not state and is_sharded_checkpoint(path):
@@ -449,16 +449,6 @@ def _set_memory_fraction(fraction: Optional[float], accelerator: Any, device: to
     if runtime is None:
         raise ValueError("memory_fraction needs accelerator='npu'")
     runtime.set_memory_fraction(fraction, device)
-
-
-def _reshard(model: nn.Module) -> None:
-    """Register every FSDP unit's sharded parameters again: the root unit keeps its parameters gathered after an
-    evaluation forward (no backward reshards them), and a checkpoint must load into the shards."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
 
 
 def _offload_parameters(model: nn.Module) -> None:

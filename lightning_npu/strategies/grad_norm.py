@@ -20,6 +20,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
+from lightning_npu.parallel.tensor import local_tensor
+
 
 def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach: Any = None, stages_group: Any = None) -> Tensor:
@@ -40,7 +42,7 @@ def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, error_if_nonfinite, foreach)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = _local(parameters[0]).device if parameters else torch.device("cpu")
+    device = local_tensor(parameters[0]).device if parameters else torch.device("cpu")
     total = _combined(norms, float(norm_type), stages_group, device)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped")
@@ -69,12 +71,6 @@ def _combined(norms: list[Tensor], norm_type: float, stages_group: Any, device: 
     local = local.pow(norm_type)
     dist.all_reduce(local, group=stages_group)
     return local.pow(1.0 / norm_type)
-
-
-def _local(tensor: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def use_for_trainer_clipping(plugin: Any, stages_group: Any = None) -> None:

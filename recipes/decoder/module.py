@@ -24,11 +24,11 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from lightning_npu import compat
 from lightning_npu.optim import AdamW8bit
 from lightning_npu.parallel import ParallelPlan
+from lightning_npu.parallel.tensor import local_tensor
 from recipes import families
 from recipes.decoder.lora import (
     LoRAConfig,
@@ -160,13 +160,13 @@ class DecoderLM(LightningModule):
         cp = self.context_parallel
         packing = {"cu_seqlens": batch.get("cu_seqlens"), "position_ids": batch.get("position_ids")}
         if cp is None:  # the model's own loss: under pipeline parallelism only its last stage sees the logits
-            loss = _local(self.model(batch["input_ids"], labels=batch["labels"], **packing))
+            loss = local_tensor(self.model(batch["input_ids"], labels=batch["labels"], **packing))
         else:
             batch = self._sequence_shard(batch)
             logits = self.model(batch["input_ids"], cu_seqlens=packing["cu_seqlens"],
                                 position_ids=batch.get("position_ids"))
             labels = batch["labels"]
-            loss = cp.token_mean(_local(self.model.loss(logits, labels, reduction="sum")), (labels != -100).sum())
+            loss = cp.token_mean(local_tensor(self.model.loss(logits, labels, reduction="sum")), (labels != -100).sum())
         auxiliary = getattr(self.model, "auxiliary_loss", None)  # a family's extra training term (MoE: load balance)
         if auxiliary is not None:
             loss = loss + auxiliary(self._sum_over_data)
@@ -298,12 +298,6 @@ class DecoderLM(LightningModule):
         schedule = warmup_cosine(self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def _local(loss: Tensor) -> Tensor:
-    """A loss computed on vocabulary-split logits (``loss_parallel``) is a DTensor, the same on every tensor-parallel
-    rank: its local value."""
-    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def _shards_parameters(module: LightningModule) -> bool:
