@@ -80,7 +80,7 @@ def test_moe_block_activation_count_matches_the_tensors_autograd_saves(overrides
     act_bytes = 4 if precision == "32-true" else 2
     profile = lightning_npu_memory_profile({"family": "moe", "preset": "tiny", "lora": lora,
                                             "config": dict(n_layers=2, **overrides)})
-    assert measured == sum(profile.block_profile(layer).saved_by_block("reference", act_bytes, seq).all.values())
+    assert measured == sum(profile.block_profile(layer).saved_by_block("reference", act_bytes, BLOCK_SEQ).all.values())
 
 
 def _tiny_moe_config(tmp_path, devices=4, **strategy):
@@ -234,6 +234,20 @@ def test_expert_adapters_are_planned_as_the_recipe_stacks_them(family, overrides
     assert profile.num_params() == sum(p.numel() for p in model.parameters())
 
 
+BLOCK_SEQ = 32  # the rows' length in _model_block_saved_bytes
+
+
+def _model_block_saved_bytes(model, layer: int, precision: str, input_grad: bool = True) -> float:
+    """Bytes per token ``model.layers[layer]`` keeps for backward on the reference path (``BLOCK_SEQ``-token rows of
+    batches 2 and 4, the model's rotary tables)."""
+    block, dtype = model.layers[layer], torch.float32
+    if precision == "bf16-mixed":
+        block, dtype = block.to(torch.bfloat16), torch.bfloat16
+    cos_sin = tuple(table[:BLOCK_SEQ] for table in model.rotary_cos_sin())
+    return _saved_bytes_per_token(block, dtype, _kernels_context(precision, "reference"), (2, 4), BLOCK_SEQ,
+                                  input_grad=input_grad, cos_sin=cos_sin)
+
+
 @pytest.mark.parametrize(("family", "overrides", "layer", "targets"), [
     ("moe", {}, 1, ["expert_gate"]), ("moe", {}, 1, ["expert_up", "expert_down"]), ("moe", QWEN2, 1, EXPERTS),
     ("moe", QWEN2, 1, ["q", "expert_down"]), ("moe", QWEN2, 0, ["o", "expert_gate"]),
@@ -253,18 +267,12 @@ def test_expert_adapters_keep_what_the_profile_counts(family, overrides, layer, 
     Fails on the planner before, which refused expert targets."""
     lora = dict(rank=8, targets=targets, dropout=dropout)
     model, profile = _with_adapters(family, overrides, lora)
-    block, dtype = model.layers[layer], torch.float32
-    if precision == "bf16-mixed":
-        block, dtype = block.to(torch.bfloat16), torch.bfloat16
-    seq = 32
-    cos_sin = tuple(table[:seq] for table in model.rotary_cos_sin())
-    measured = _saved_bytes_per_token(block, dtype, _kernels_context(precision, "reference"), (2, 4), seq,
-                                      input_grad=input_grad, cos_sin=cos_sin)
+    measured = _model_block_saved_bytes(model, layer, precision, input_grad=input_grad)
     if layer in model.config.moe_layers:
         measured += 4 * model.config.n_experts  # router_logits, kept by the layer
     layer_profile = profile.block_profile(layer)
     count = layer_profile.saved_by_block if input_grad else layer_profile.saved_by_first_block
-    assert measured == sum(count("reference", 4 if precision == "32-true" else 2, seq).all.values())
+    assert measured == sum(count("reference", 4 if precision == "32-true" else 2, BLOCK_SEQ).all.values())
 
 
 def test_expert_targets_plan_in_families_with_experts_and_are_refused_elsewhere():
@@ -381,18 +389,12 @@ def test_deepseek_block_activation_count_matches_the_tensors_autograd_saves(over
     config = DeepSeekConfig.from_preset("tiny", **overrides)
     torch.manual_seed(0)
     model = DeepSeek(config)
-    block, dtype = model.layers[layer], torch.float32
-    if precision == "bf16-mixed":
-        block, dtype = block.to(torch.bfloat16), torch.bfloat16
-    seq = 32
-    cos_sin = tuple(table[:seq] for table in model.rotary_cos_sin())
-    measured = _saved_bytes_per_token(block, dtype, _kernels_context(precision, "reference"), (2, 4), seq,
-                                      cos_sin=cos_sin)
+    measured = _model_block_saved_bytes(model, layer, precision)
     if layer >= config.first_k_dense:
         measured += 4 * config.n_experts  # router_logits, kept by the layer (as for the MoE family)
     profile = deepseek_profile({"family": "deepseek", "preset": "tiny", "config": overrides})
     act_bytes = 4 if precision == "32-true" else 2
-    assert measured == sum(profile.block_profile(layer).saved_by_block("reference", act_bytes, seq).all.values())
+    assert measured == sum(profile.block_profile(layer).saved_by_block("reference", act_bytes, BLOCK_SEQ).all.values())
 
 
 @pytest.mark.slow  # starts a process
