@@ -1,5 +1,5 @@
 """npu_fsdp's options are declared once (``lightning_npu.facts.options.FSDPOptions``): both strategies' signatures,
-their checks, LightningCLI's parsing, the planner's reading of a config and the README's table all come from it."""
+their checks, LightningCLI's parsing, the planner's reading of a config and the docs' options table all come from it."""
 
 import dataclasses
 import typing
@@ -14,17 +14,20 @@ from lightning_npu.facts.options import FSDPOptions
 from lightning_npu.plan import load_spec
 from lightning_npu.plan.shape import PlanError
 from tests.helpers import REPO
-from tools.readme_options import README, with_table
+from tools.generate_docs import BLOCKS, with_block
 
 DECLARED = dataclasses.fields(FSDPOptions)
 
 
-def test_the_readme_options_table_is_generated_from_the_declaration():
-    """Fails when an option's name, default or help changed without `python tools/readme_options.py`."""
-    text = README.read_text()
-    assert with_table(text) == text, "the README's npu_fsdp options table is stale: run python tools/readme_options.py"
+def test_the_docs_options_table_is_generated_from_the_declaration():
+    """Fails when an option's name, default or help changed without `python tools/generate_docs.py`, and checks that
+    the generator repairs a stale row (docs/strategies.md holds the table; nothing else copies it)."""
+    page = REPO / BLOCKS["options"][0]
+    text = page.read_text()
+    assert with_block(text, "options") == text, f"{page}: the options table is stale; run python tools/generate_docs.py"
     stale = text.replace("| `expert_parallel_size` | `1` |", "| `expert_parallel_size` | `2` |")
-    assert stale != text and with_table(stale) == text
+    assert stale != text and with_block(stale, "options") == text
+    assert "| `expert_parallel_size` |" not in (REPO / "README.md").read_text()
 
 
 @pytest.mark.parametrize("strategy", [NPUFSDPStrategy, NPUFabricFSDPStrategy])

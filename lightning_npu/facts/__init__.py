@@ -8,7 +8,7 @@ torch-free tools (``lightning-npu plan`` and ``doctor``) and the training code c
 - ``precisions``: the precision settings NPU runs accept, Lightning's aliases, their dtypes, and why the rest
   cannot run (``canonical_precision``).
 - ``options``: every ``npu_fsdp`` option declared once (``FSDPOptions``): default, type, validation with the fix in
-  the message, one-line help; the strategies' signature, docstring and the README table are generated from it.
+  the message, one-line help; the strategies' signature, docstring and the docs' options table are generated from it.
   Also which blocks a ratio checkpoints, and the mesh layout the sizes give a run (``MeshLayout``).
 - ``env``: the name of every environment variable the package reads or writes.
 - ``optim8bit``: which tensors AdamW8bit keeps 8-bit (from shape and shard count) and the bytes its state takes.

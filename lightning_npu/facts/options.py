@@ -1,6 +1,6 @@
 """The ``npu_fsdp`` options, declared once (``FSDPOptions``): their defaults, types, the values each accepts (with the
 error that names the value, why and the fix) and their help, from which the strategies' signature, their
-docstring and the README's table are generated; which blocks a checkpointing ratio selects; the mesh layout.
+docstring and the docs' options table are generated; which blocks a checkpointing ratio selects; the mesh layout.
 
 Nothing here imports torch: ``lightning-npu plan`` reads a config's ``trainer.strategy.init_args`` with
 ``FSDPOptions`` too. The one check that needs the user's code (that ``parallel_plan`` imports) runs when a strategy
@@ -328,7 +328,7 @@ def check_timeout(value: Any) -> Timeout:
 
 def option(default: Any, check: Optional[Callable[[str, Any], Any]], help: str) -> Any:
     """One ``npu_fsdp`` option of ``FSDPOptions``: its default, its check (called with the option's name and value;
-    None: any value of its type) and its one-line help (the docstring and the README table)."""
+    None: any value of its type) and its one-line help (the docstring and the docs' options table)."""
     return field(default=default, metadata={"check": check, "help": help})
 
 
@@ -535,7 +535,7 @@ def options_docstring() -> str:
 
 
 def options_table() -> str:
-    """The Markdown table of every option, its default and its help (the README's, ``tools/readme_options.py``)."""
+    """The Markdown table of every option, its default and its help (docs/strategies.md's, ``tools/generate_docs.py``)."""
     rows = [f"| `{spec.name}` | `{_shown(spec.default)}` | {spec.metadata['help']} |" for spec in fields(FSDPOptions)]
     return "\n".join(["| option | default | meaning |", "|---|---|---|", *rows]) + "\n"
 
