@@ -55,7 +55,7 @@ def _size(path):
 
 
 def test_pretrain_then_lora_sft_then_peft_adapter_and_merged_model_agree(trained_tiny_run, tmp_path, monkeypatch):
-    """The README's fine-tuning path: tiny_sft_lora.yaml on the embedded instruction set with --model.init_from the
+    """The fine-tuning path of docs/recipes/index.md: tiny_sft_lora.yaml on the embedded instruction set with --model.init_from the
     pretraining run's last.ckpt (the session's trained run), then `to-peft` and `to-hf --merge-lora`. The PEFT
     adapter on the HF export of the base and the merged model give the same logits (fp32, 1e-5), which differ from
     the base's, and which the generate script's model (the LoRA checkpoint merged onto its init_from) also gives.

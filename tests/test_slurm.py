@@ -1,7 +1,7 @@
 """SLURM without SLURM: two local processes given the variables srun sets (one task per simulated NPU) train under
 npu_fsdp as a Lightning-launched run does; the requeue signal (SIGUSR1, ``sbatch --signal``) saves Lightning's
 ``hpc_ckpt_N.ckpt``, calls ``scontrol requeue`` (a recording fake on PATH) and exits; the requeued job
-(``SLURM_RESTART_COUNT=1``) resumes from it by itself. The README's sbatch script matches the 2-node config."""
+(``SLURM_RESTART_COUNT=1``) resumes from it by itself. The sbatch script matches the 2-node config, and the docs show the file itself."""
 
 import os
 import signal
@@ -118,11 +118,11 @@ def _sbatch_options(text):
     return options
 
 
-def test_readme_sbatch_script_matches_the_two_node_config():
+def test_the_sbatch_script_matches_the_two_node_config_and_the_docs_show_it():
     """Catches a script that Lightning refuses at start-up (tasks per node or nodes other than trainer.devices /
     trainer.num_nodes), a requeue signal the plugin does not treat as SLURM's (not SIGUSR1) or that comes later
     than the watchdog needs (exit_timeout_s), HCCL timeouts the config's process-group timeout is not above, a
-    job that is not requeueable, and a README copy that drifted from the file."""
+    job that is not requeueable, and docs that stopped showing the file (they include it, so no copy can drift)."""
     import yaml
 
     from lightning_npu import GracefulPreemption
@@ -147,4 +147,4 @@ def test_readme_sbatch_script_matches_the_two_node_config():
     exports = dict(line[len("export "):].split("#")[0].strip().split("=", 1)
                    for line in text.splitlines() if line.startswith("export "))
     assert timeout_problem(float(trainer["strategy"]["init_args"]["timeout"]), exports) is None
-    assert text in (REPO / "README.md").read_text()
+    assert '--8<-- "recipes/slurm/train_2nodes.sbatch"' in (REPO / "docs" / "fault-tolerance.md").read_text()

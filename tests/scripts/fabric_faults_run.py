@@ -1,5 +1,5 @@
 """A Fabric loop on 2 simulated NPUs (npu_fsdp, sharded checkpoints) with FabricPreemption and
-FabricNonFiniteLossGuard, the loop the README shows (driven by tests/test_preemption.py and
+FabricNonFiniteLossGuard, the loop docs/fault-tolerance.md shows (driven by tests/test_preemption.py and
 tests/test_nonfinite_guard.py).
 
 ``preempt``: AdamW steps of the test network from ``--resume`` (if given) to ``--steps``, rank 0 printing
