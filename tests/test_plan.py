@@ -488,11 +488,20 @@ def test_fused_adamw_steps_in_place_while_foreach_holds_a_moment_sized_scratch()
         dataclasses.replace(spec, optimizer="adam")
 
 
-def test_a_pipelined_config_is_refused_not_planned_as_if_every_rank_held_the_model(tmp_path):
+def test_a_pipelined_config_plans_each_rank_holding_only_its_stages(tmp_path):
+    """The 7B config with pipeline_parallel_size: 2 on its 8 devices: each rank's shards are its stage's blocks over
+    the 4 ranks of its stage, so the two ranks' parameter bytes add up to the whole model over 4 (not 8, and not
+    the whole model on every rank, which the planner before pipelines would have planned)."""
     config = tmp_path / "pp.yaml"
     config.write_text(CONFIG_7B.read_text().replace(
         "class_path: lightning_npu.NPUFSDPStrategy\n    init_args:\n",
         "class_path: lightning_npu.NPUFSDPStrategy\n    init_args:\n      pipeline_parallel_size: 2\n"))
-    assert "pipeline_parallel_size: 2" in config.read_text()
-    with pytest.raises(PlanError, match="pipeline_parallel_size=2: the planner does not model pipeline stages yet"):
-        load_spec(config)
+    spec = load_spec(config, micro_batch=2)
+    plain = load_spec(CONFIG_7B, micro_batch=2)
+    assert spec.pipeline.size == 2 and spec.shard_group == plain.shard_group // 2
+    from lightning_npu.plan.stages import estimate_ranks
+
+    ranks = estimate_ranks(spec)
+    shards = sum(rank.items["parameters"] for rank in ranks)
+    assert shards == pytest.approx(state_bytes(plain)["parameters"] * 2, rel=1e-3)
+    assert estimate(spec).total == max(rank.total for rank in ranks)

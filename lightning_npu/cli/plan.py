@@ -37,6 +37,7 @@ from lightning_npu.plan import ModelShape, PlanError, load_spec, render, report
 from lightning_npu.facts import weight_quant
 from lightning_npu.facts.chips import DEFAULT_PLAN_CHIP
 from lightning_npu.facts.options import CONTEXT_PARALLEL_ALGOS
+from lightning_npu.facts.pipeline import SCHEDULES
 from lightning_npu.plan.spec import KERNELS, OPTIMIZERS
 
 PROG = "lightning-npu plan"
@@ -80,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp-algo", choices=tuple(CONTEXT_PARALLEL_ALGOS),
                         help="context_parallel_algo: ulysses (all-to-all over heads; default) or ring (keys and values"
                         " around the ranks; any head count, long contexts)")
+    parser.add_argument("--pp", type=int, help="pipeline_parallel_size: ranks that each hold a stage of the blocks"
+                        " (overrides the strategy's; default 1)")
+    parser.add_argument("--pp-schedule", choices=tuple(SCHEDULES),
+                        help="pipeline_schedule (overrides the strategy's; default 1F1B)")
+    parser.add_argument("--microbatches", type=int, help="pipeline_microbatches: parts each step's micro-batch splits"
+                        " into (overrides the strategy's; default one per stage)")
     parser.add_argument("--hccl-buffsize", type=float, help="HCCL_BUFFSIZE in MB (default: the environment's, or 200)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -92,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
             seq_len=args.seq_len, precision=args.precision, zero_stage=args.zero_stage, ac_ratio=args.ac_ratio,
             device_memory_gib=args.device_memory, chip=args.chip, kernels=args.kernels, optimizer=args.optimizer,
             hccl_buffsize_mb=args.hccl_buffsize, lora_base=args.lora_base, tensor_parallel_size=args.tp,
-            context_parallel_size=args.cp, context_parallel_algo=args.cp_algo,
+            context_parallel_size=args.cp, context_parallel_algo=args.cp_algo, pipeline_parallel_size=args.pp,
+            pipeline_schedule=args.pp_schedule, pipeline_microbatches=args.microbatches,
         )
         plan = report(spec)
     except PlanError as error:

@@ -44,6 +44,8 @@ HCCL_EXEC_TIMEOUT = "HCCL_EXEC_TIMEOUT"
 HCCL_TIMEOUTS = (HCCL_CONNECT_TIMEOUT, HCCL_EXEC_TIMEOUT)
 #: MB each communicator allocates (twice) on every NPU.
 HCCL_BUFFSIZE = "HCCL_BUFFSIZE"
+#: torch_npu: MB of each of the two buffers a point-to-point (pipeline) communicator holds; default 20 since 7.1.0.
+P2P_HCCL_BUFFSIZE = "P2P_HCCL_BUFFSIZE"
 #: Which host NIC HCCL binds: by address, by interface name, and its first port.
 HCCL_IF_IP = "HCCL_IF_IP"
 HCCL_SOCKET_IFNAME = "HCCL_SOCKET_IFNAME"

@@ -12,7 +12,7 @@ stages by counting the embedding and the head as blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,97 @@ def _explicit(num_blocks: int, num_stages: int, counts: Sequence[int]) -> list[l
     return _ranges(counts)
 
 
+class Action(NamedTuple):
+    """One step of a rank's schedule: ``kind`` ``"F"`` (forward), ``"B"`` (full backward), ``"I"`` / ``"W"`` (the
+    zero-bubble schedules' backward for the input, then for the weights) of ``microbatch`` on ``stage``."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+
+def actions(schedule: str, pp_rank: int, pp: int, microbatches: int, per_rank: int = 1) -> list[Action]:
+    """The computations pipeline rank ``pp_rank`` runs in one step, in the order torch 2.13's ``schedule`` runs them
+    (its waits left out): what the planner replays to find the activations each rank keeps in flight. GPipe: every
+    forward, then every backward. 1F1B: ``min(m, p - s)`` forwards, then a backward and a forward in turn. Interleaved
+    1F1B: ``(v - 1) x mpr + 2 (p - 1 - r)`` warmup forwards (``mpr`` microbatches per round), round by round over the
+    rank's stages, then 1F1B with the backward walking the stages in reverse. ZBV: the V's warmup (its first stage
+    ``2 (p - r) - 1`` forwards, then both stages), steady F-I-W on each stage, the backwards' weight parts last."""
+    stages = stage_ids(schedule, pp_rank, pp, per_rank)
+    if schedule == "GPipe":
+        return ([Action(stages[0], "F", mb) for mb in range(microbatches)]
+                + [Action(stages[0], "B", mb) for mb in range(microbatches)])
+    if schedule == "1F1B":
+        warmup = min(microbatches, pp - pp_rank)
+        order = [Action(stages[0], "F", mb) for mb in range(warmup)]
+        for mb in range(microbatches):
+            order.append(Action(stages[0], "B", mb))
+            if warmup + mb < microbatches:
+                order.append(Action(stages[0], "F", warmup + mb))
+        return order
+    if schedule == "Interleaved1F1B":
+        return _interleaved(stages, pp_rank, pp, microbatches)
+    if schedule == "ZBVZeroBubble":
+        return _zbv(stages, pp_rank, pp, microbatches)
+    raise ValueError(f"pipeline_schedule={schedule!r}: its order is not modelled; plan it as 'ZBVZeroBubble' (the same"
+                     " V-shaped stages)")
+
+
+def _interleaved(stages: Sequence[int], rank: int, pp: int, microbatches: int) -> list[Action]:
+    v = len(stages)
+    per_round = microbatches // max(1, microbatches // pp)
+    total = v * microbatches
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), total)
+    done = {"F": [0] * v, "B": [0] * v}
+
+    def next_action(kind: str, local: int) -> Action:
+        mb = done[kind][local]
+        done[kind][local] += 1
+        return Action(stages[local], kind, mb)
+
+    order = []
+    for op in range(total + warmup):
+        if op < total:  # forwards: round by round over the stages, in order
+            order.append(next_action("F", (op // per_round) % v))
+        if op >= warmup:  # backwards: round by round over the stages, in reverse
+            order.append(next_action("B", v - 1 - ((op - warmup) // per_round) % v))
+    return order
+
+
+def _zbv(stages: Sequence[int], rank: int, pp: int, microbatches: int) -> list[Action]:
+    first, second = stages
+    counts = {(stage, kind): 0 for stage in stages for kind in "FIW"}
+    order: list[Action] = []
+
+    def run(stage: int, *kinds: str) -> None:
+        for kind in kinds:
+            order.append(Action(stage, kind, counts[stage, kind]))
+            counts[stage, kind] += 1
+
+    target = max(2 * pp - 1, microbatches)  # torch plans at least a full V, then drops the extra microbatches
+    for _ in range(2 * (pp - rank) - 1):
+        run(first, "F")
+    for _ in range(rank):
+        run(second, "F")
+        run(first, "F")
+    for _ in range(pp - rank):
+        run(second, "F", "I", "W")
+    while counts[second, "F"] < counts[first, "F"] or counts[first, "F"] < target:
+        if counts[first, "F"] < target:
+            run(first, "F")
+        run(first, "I", "W")
+        run(second, "F", "I", "W")
+    for _ in range(rank):
+        run(first, "I")
+        run(second, "I")
+    for _ in range(pp - rank):
+        run(first, "I", "W")
+    for stage in (second, first):
+        while counts[stage, "W"] < counts[stage, "I"]:
+            run(stage, "W")
+    return [action for action in order if action.microbatch < microbatches]
+
+
 def bubble_fraction(schedule: str, pp: int, microbatches: int, per_rank: int = 1) -> float:
     """The share of a step each rank idles, from the schedule's formula (equal stages, backward = 2 x forward):
     GPipe and 1F1B (p - 1) / (m + p - 1); interleaved 1F1B (p - 1) / (v m + p - 1); ZBV and DualPipeV about 0
@@ -155,5 +246,5 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, per_rank: int = 1
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
-__all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "Schedule", "blocks_per_stage", "bubble_fraction", "check_microbatches",
+__all__ = ["Action", "DEFAULT_SCHEDULE", "actions", "SCHEDULES", "Schedule", "blocks_per_stage", "bubble_fraction", "check_microbatches",
            "check_schedule", "default_microbatches", "last_stage_rank", "stage_ids", "stages_per_rank"]

@@ -22,8 +22,9 @@ from lightning_npu.plan.decoder import (
 )
 from lightning_npu.plan.profile import PROFILE_FUNCTION, PROFILE_MODULE, find_profile
 from lightning_npu.plan.render import render, report
-from lightning_npu.plan.replay import estimate, max_micro_batch, state_bytes
-from lightning_npu.plan.shape import ModelShape, Parallelism, PlanError
+from lightning_npu.plan.estimate import estimate, max_micro_batch
+from lightning_npu.plan.replay import state_bytes
+from lightning_npu.plan.shape import ModelShape, Parallelism, Pipelining, PlanError
 from lightning_npu.plan.spec import GIB, MIB, Estimate, PlanSpec
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "Parallelism",
     "PlanError",
     "PlanSpec",
+    "Pipelining",
     "RankLocalShape",
     "RootParameters",
     "TrainableParameters",

@@ -15,8 +15,10 @@ from lightning_npu.plan.decoder import DecoderProfile
 from lightning_npu.plan.profile import class_arguments, class_paths, find_profile, load_profile
 from lightning_npu.plan.spec import (
     DEFAULT_HCCL_BUFFSIZE_MB,
+    DEFAULT_P2P_BUFFSIZE_MB,
     ModelShape,
     Parallelism,
+    Pipelining,
     PlanError,
     PlanSpec,
     canonical_precision,
@@ -52,6 +54,9 @@ def load_spec(
     tensor_parallel_size: Optional[int] = None,
     context_parallel_size: Optional[int] = None,
     context_parallel_algo: Optional[str] = None,
+    pipeline_parallel_size: Optional[int] = None,
+    pipeline_schedule: Optional[str] = None,
+    pipeline_microbatches: Optional[int] = None,
 ) -> PlanSpec:
     """A PlanSpec from a recipe YAML at ``path`` and/or the decoder shape ``model_shape``; keyword arguments win.
 
@@ -61,7 +66,10 @@ def load_spec(
     the shapes replace the config's model, and a LoRA config's adapters sit on them. ``lora_base`` (``none``,
     ``int8``, ``nf4``) replaces the adapters' ``base_quantization``; it needs a LoRA run. ``tensor_parallel_size``,
     ``context_parallel_size`` and ``context_parallel_algo`` replace the strategy's values of the same names (its
-    ``sequence_parallel`` and ``loss_parallel`` are read as they are)."""
+    ``sequence_parallel`` and ``loss_parallel`` are read as they are), and so do ``pipeline_parallel_size``,
+    ``pipeline_schedule`` and ``pipeline_microbatches`` (its ``pipeline_stages_per_rank`` and
+    ``pipeline_layers_per_stage`` are read as they are); the P2P buffers are the environment's
+    ``P2P_HCCL_BUFFSIZE`` or torch_npu's default."""
     if path is None and model_shape is None:
         raise PlanError("nothing to plan: give a recipe config (--config) or the model's shapes (--model-shape)")
     document = _read_yaml(Path(path)) if path is not None else {}
@@ -76,24 +84,28 @@ def load_spec(
     if lora_base is not None:
         decoder = _with_lora_base(decoder, lora_base)
     overrides = {"tensor_parallel_size": tensor_parallel_size, "context_parallel_size": context_parallel_size,
-                 "context_parallel_algo": context_parallel_algo}
-    options = _options(_strategy(trainer) if path is not None else {},
-                       {key: value for key, value in overrides.items() if value is not None}, path)
-    if options.pipeline_parallel_size > 1:
-        raise PlanError(
-            f"pipeline_parallel_size={options.pipeline_parallel_size}: the planner does not model pipeline stages yet"
-            " (each rank's share of the blocks, the activations a schedule keeps in flight); it would plan every rank"
-            " holding the whole model. Plan without it for an upper bound: the same config with"
-            " pipeline_parallel_size: 1"
-        )
+                 "context_parallel_algo": context_parallel_algo, "pipeline_parallel_size": pipeline_parallel_size,
+                 "pipeline_schedule": pipeline_schedule, "pipeline_microbatches": pipeline_microbatches}
+    init_args = _strategy(trainer) if path is not None else {}
+    flags = {key: value for key, value in overrides.items() if value is not None}
+    notes = []
+    pipelined = int(flags.get("pipeline_parallel_size", init_args.get("pipeline_parallel_size", 1)) or 1) > 1
+    if pipelined and "sequence_parallel" not in init_args:
+        # npu_fsdp runs a pipeline without sequence parallelism (its option check says why); a plan asked for one
+        # with --pp plans that, rather than refuse its own default.
+        flags["sequence_parallel"] = False
+        notes.append("sequence_parallel: false, as npu_fsdp needs under a pipeline")
+    options = _options(init_args, flags, path)
     ac_policy = _class_names(options.activation_checkpointing_policy, "activation_checkpointing_policy", decoder)
     wrap = _class_names(options.auto_wrap_policy, "auto_wrap_policy", decoder)
     ratio = float(options.activation_checkpointing_ratio) if ac_policy else 0.0
     parallel = Parallelism(tensor=options.tensor_parallel_size, context=options.context_parallel_size,
                            context_algo=options.context_parallel_algo, sequence_parallel=options.sequence_parallel,
                            loss_parallel=options.loss_parallel)
+    pipeline = Pipelining(size=options.pipeline_parallel_size, schedule=options.pipeline_schedule,
+                          microbatches=options.pipeline_microbatches, stages_per_rank=options.pipeline_stages_per_rank,
+                          layers_per_stage=options.pipeline_layers_per_stage)
     decoder = decoder.with_expert_parallelism(options.expert_parallel_size)
-    notes = []
     if ac_ratio is not None:
         ratio = float(ac_ratio)
         if ratio > 0 and not ac_policy and path is not None:
@@ -126,6 +138,8 @@ def load_spec(
             device_memory_gib=float(memory),
             chip=chip or DEFAULT_PLAN_CHIP,
             parallel=parallel,
+            pipeline=pipeline,
+            p2p_buffsize_mb=float(os.environ.get(env.P2P_HCCL_BUFFSIZE, DEFAULT_P2P_BUFFSIZE_MB)),
             notes=tuple(notes),
         )
     except (TypeError, ValueError) as error:

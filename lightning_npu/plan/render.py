@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 from lightning_npu.facts.precisions import PRECISION_DTYPES
-from lightning_npu.plan.replay import estimate, max_micro_batch
+from lightning_npu.plan.estimate import estimate, max_micro_batch
 from lightning_npu.plan.shape import PlanError
 from lightning_npu.plan.spec import GIB, ITEMS, OPTIMIZER_8BIT_LABEL, PlanSpec, chip_memory_gib
 
@@ -31,6 +31,7 @@ def report(spec: PlanSpec) -> dict[str, Any]:
             "peak_phase": result.peak_phase,
             "max_micro_batch": max_micro_batch(spec, int(stage)),
             "host_gib": result.host_bytes / GIB,
+            "pipeline_ranks_gib": [total / GIB for total in result.pipeline_ranks],
         }
     per_layer = spec.profile.block_activations(spec.kernels, spec.bytes.activation, spec.seq_len)
     return {
@@ -45,6 +46,10 @@ def report(spec: PlanSpec) -> dict[str, Any]:
         "shard_group": spec.shard_group,
         "parallel": dataclasses.asdict(spec.parallel),
         "expert_parallel_size": spec.profile.expert_parallel_size,
+        "pipeline": {**dataclasses.asdict(spec.pipeline), "stages": spec.pipeline.num_stages,
+                     "microbatches": spec.pipeline.parts, "bubble_fraction": spec.pipeline.bubble(),
+                     "blocks_per_stage": ([len(blocks) for blocks in spec.pipeline.stage_blocks(spec.model.n_layers)]
+                                          if spec.pipeline.size > 1 else [])},
         "precision": spec.precision,
         "configured_zero_stage": spec.zero_stage,
         "checkpointed_layers": len(spec.checkpointed_layers),
@@ -85,8 +90,15 @@ def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
         lines.append(f"{'LoRA run' if spec.profile.adapters is not None else 'partly frozen'}: trainable parameters"
                      f" {trainable:,} of {params:,} ({100 * trainable / params:.2f}%), {what}; gradients and"
                      " optimizer states only for those")
+    if spec.pipeline.size > 1:
+        pipe = plan["pipeline"]
+        lines.append(f"{spec.pipeline.describe()}: blocks per stage {pipe['blocks_per_stage']}, micro-batch"
+                     f" {spec.micro_batch} in {pipe['microbatches']} parts of {spec.micro_batch // pipe['microbatches']};"
+                     " the table is the fullest pipeline rank's")
     lines.append("")
     labels = {key: label.format(**names) for key, label in ITEMS.items()}
+    if spec.pipeline.size == 1:
+        del labels["pipeline"]
     if spec.optimizer == "adamw8bit":
         labels["optimizer"] = OPTIMIZER_8BIT_LABEL
     scheme = spec.profile.adapters.base_quantization if spec.profile.adapters is not None else None
@@ -113,11 +125,17 @@ def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
         ("verdict", lambda r: "fits" if r["fits"] else "NO FIT"),
         ("largest micro-batch that fits", lambda r: str(r["max_micro_batch"])),
     ]
+
     for label, cell in rows:
         lines.append(f"{label:<{label_width}}" + "".join(f"{cell(stages[s]):>{COLUMN_WIDTH}}" for s in STAGES))
     lines.append("")
     lines.append(f"* configured zero_stage. The peak falls in: ZeRO-2 {stages['2']['peak_phase']};"
                  f" ZeRO-3 {stages['3']['peak_phase']}.")
+    if spec.pipeline.size > 1:
+        totals = ", ".join(f"{total:.2f}" for total in stages[str(spec.zero_stage)]["pipeline_ranks_gib"])
+        lines.append(f"Each pipeline rank's total (GiB), rank 0 first: {totals}. Both columns are the same under a"
+                     " pipeline: npu_fsdp keeps each stage's units gathered for the whole step (one all-gather per"
+                     " step, not one per microbatch).")
     if spec.cpu_offload:
         lines.append(f"cpu_offload: parameters, gradients and optimizer states ({stages['3']['host_gib']:.2f} GiB per"
                      " device) live in host memory.")

@@ -45,7 +45,7 @@ from typing import Iterable, Optional
 from lightning_npu.facts import optim8bit, weight_quant
 from lightning_npu.plan.decoder import FP32_BYTES, DecoderProfile, RankLocalShape
 from lightning_npu.plan.shape import Parallelism
-from lightning_npu.plan.spec import GIB, ITEMS, MIB, Estimate, PlanSpec, check_zero_stage
+from lightning_npu.plan.spec import GIB, ITEMS, MIB, Estimate, PlanSpec
 
 #: HCCL holds two buffers of HCCL_BUFFSIZE per communicator.
 HCCL_BUFFERS_PER_COMMUNICATOR = 2
@@ -179,13 +179,18 @@ def _units(spec: PlanSpec, trainable: bool = False) -> _Units:
 def state_bytes(spec: PlanSpec) -> dict[str, float]:
     """Per-device bytes of the sharded parameters, and of the gradients and AdamW's two moments of the trainable
     ones (in host memory instead under ``cpu_offload``)."""
-    shards, trainable = (sum(unit.shard * spec.bytes.master + unit.code_shard_bytes for unit in units.all)
-                         for units in (_units(spec), _units(spec, trainable=True)))
+    return state_bytes_of(spec, _units(spec), _units(spec, trainable=True))
+
+
+def state_bytes_of(spec: PlanSpec, units: _Units, train: _Units) -> dict[str, float]:
+    """``state_bytes`` of the device's ``units`` (``train``: their trainable parameters)."""
+    shards = sum(unit.shard * spec.bytes.master + unit.code_shard_bytes for unit in units.all)
+    trainable = sum(unit.shard * spec.bytes.master + unit.code_shard_bytes for unit in train.all)
     optimizer = 2 * trainable
     if spec.optimizer == "adamw8bit":
         optimizer = sum(optim8bit.state_bytes(unit.quantized_shard, True)
                         + optim8bit.state_bytes(unit.shard - unit.quantized_shard, False, spec.bytes.master)
-                        for unit in _units(spec, trainable=True).all)
+                        for unit in train.all)
     return {"parameters": shards, "gradients": trainable, "optimizer": optimizer}
 
 
@@ -245,6 +250,10 @@ class _StepReplay:
         self.forward()
         self.backward()
         self.optimizer_step()
+        return self.result()
+
+    def result(self) -> Estimate:
+        """The peak of the replayed timeline, itemised, with the allowance on top."""
         items = {key: max(self.timeline.at_peak.get(key, 0.0), 0.0) for key in ITEMS if key != "allowance"}
         tensors = sum(items.values())
         items["allowance"] = self.spec.workspace_gib * GIB + self.spec.fragmentation * tensors
@@ -256,7 +265,7 @@ class _StepReplay:
         zeroes them, set to None, between forward and backward, and only on the first micro-batch of an
         accumulation window), communication buffers, the batch and the rotary tables."""
         spec, t = self.spec, self.timeline
-        state = state_bytes(spec)
+        state = self.state()
         if spec.cpu_offload:
             self.host = sum(state.values())
         else:
@@ -271,8 +280,15 @@ class _StepReplay:
             communicators += any(unit is not None and unit.gathers for unit in self.experts)
             communicators += _parallel_communicators(self.parallel)
             t.alloc("comm", communicators * HCCL_BUFFERS_PER_COMMUNICATOR * spec.hccl_buffsize_mb * MIB, "start")
-        batches = BATCHES_HELD * TENSORS_PER_BATCH * self.tokens * INT64_BYTES
-        t.alloc("inputs", batches + self.profile.rotary_table_bytes(self.act), "start")
+        t.alloc("inputs", self.inputs_bytes(self.tokens), "start")
+
+    def state(self) -> dict[str, float]:
+        """The device's shards, gradients and optimizer states (``state_bytes``)."""
+        return state_bytes(self.spec)
+
+    def inputs_bytes(self, tokens: int) -> float:
+        """The batches Lightning holds (``tokens`` each) and the rotary tables."""
+        return BATCHES_HELD * TENSORS_PER_BATCH * tokens * INT64_BYTES + self.profile.rotary_table_bytes(self.act)
 
     def gathered_bytes(self, unit: _Unit) -> float:
         """The unit's unsharded parameters: the working dtype's, plus a quantized base's codes as they are."""
@@ -309,38 +325,49 @@ class _StepReplay:
         self.gather(self.root, "forward: root")
         t.alloc("temporaries", self.residual, "forward: embedding")  # the residual stream
         for i in range(spec.model.n_layers):
-            phase = f"forward: layer {i}"
-            if self.blocks:
-                self.gather(self.blocks[i], phase)
-            if self.experts[i] is not None:  # the experts' own unit, gathered when the MLP reaches them
-                self.gather(self.experts[i], phase + " experts")
-            checkpointed = i in self.checkpointed
-            saved = self.saved_by(i)[0]
-            scratch = (self.layers[i].forward_scratch(spec.kernels, self.act, spec.seq_len, checkpointed)
-                       + self.layers[i].parallel_scratch(spec.kernels, self.act, spec.seq_len)[0]) * self.tokens
-            t.moment("temporaries", scratch + (0 if checkpointed else saved) + self.decoded_bytes(i), phase)
-            t.alloc("activations", self.residual if checkpointed else saved, phase)
-            if self.stage == 3:
-                for unit in (self.experts[i], self.blocks[i] if self.blocks else None):
-                    if unit is not None:
-                        t.free("gathered", self.gathered_bytes(unit))
+            self.block_forward(i, f"forward: layer {i}", gather=True)
         t.free("gathered", self.retained_gather)  # the root's post-forward frees the last flat buffer
         self.retained_gather = 0.0
         # The root unit stays gathered until its backward ends (reshard_after_forward=False).
-        t.alloc("activations", self.final_saved, "forward: final norm")
-        t.free("temporaries", self.residual)  # the last residual is now saved by the final norm, or dead
-        t.alloc("logits", self.logits, "forward: output projection")
-        if self.act != FP32_BYTES:  # the model returns fp32 logits
-            t.alloc("logits", self.logits_fp32, "forward: logits to fp32")
-            t.free("logits", self.logits)
-        # loss_parallel's log-softmax keeps the shifted logits while it makes the result.
-        shifted = self.logits_fp32 if self.parallel.split_vocabulary else 0.0
-        t.alloc("logits", shifted, "forward: shifted logits (loss_parallel)")
-        t.alloc("logits", self.logits_fp32, "forward: log-softmax")
-        t.free("logits", self.logits_fp32 + shifted)  # the fp32 logits die with the loss function's frame
+        self.loss_forward("forward")
         if spec.accumulate_grad_batches == 1 and not spec.cpu_offload:
             t.free("gradients", self.gradients)  # zero_grad(set_to_none) before the backward
             self.gradients = 0.0
+
+    def block_forward(self, i: int, phase: str, gather: bool) -> None:
+        """Block ``i``'s forward: all-gather its units (``gather``: not gathered yet), its scratch, what it saves
+        (its input only when checkpointed); ZeRO-3 frees the gathered copy after it."""
+        spec, t = self.spec, self.timeline
+        if gather and self.blocks:
+            self.gather(self.blocks[i], phase)
+        if gather and self.experts[i] is not None:  # the experts' own unit, gathered when the MLP reaches them
+            self.gather(self.experts[i], phase + " experts")
+        checkpointed = i in self.checkpointed
+        saved = self.saved_by(i)[0]
+        scratch = (self.layers[i].forward_scratch(spec.kernels, self.act, spec.seq_len, checkpointed)
+                   + self.layers[i].parallel_scratch(spec.kernels, self.act, spec.seq_len)[0]) * self.tokens
+        t.moment("temporaries", scratch + (0 if checkpointed else saved) + self.decoded_bytes(i), phase)
+        t.alloc("activations", self.residual if checkpointed else saved, phase)
+        if self.stage == 3:
+            for unit in (self.experts[i], self.blocks[i] if self.blocks else None):
+                if unit is not None:
+                    t.free("gathered", self.gathered_bytes(unit))
+
+    def loss_forward(self, phase: str) -> None:
+        """The final norm, the output projection and the loss: the norm's saved tensors and cross-entropy's
+        log-softmax stay for the backward; the residual stream ends here."""
+        t = self.timeline
+        t.alloc("activations", self.final_saved, f"{phase}: final norm")
+        t.free("temporaries", self.residual)  # the last residual is now saved by the final norm, or dead
+        t.alloc("logits", self.logits, f"{phase}: output projection")
+        if self.act != FP32_BYTES:  # the model returns fp32 logits
+            t.alloc("logits", self.logits_fp32, f"{phase}: logits to fp32")
+            t.free("logits", self.logits)
+        # loss_parallel's log-softmax keeps the shifted logits while it makes the result.
+        shifted = self.logits_fp32 if self.parallel.split_vocabulary else 0.0
+        t.alloc("logits", shifted, f"{phase}: shifted logits (loss_parallel)")
+        t.alloc("logits", self.logits_fp32, f"{phase}: log-softmax")
+        t.free("logits", self.logits_fp32 + shifted)  # the fp32 logits die with the loss function's frame
 
     def saved_by(self, i: int) -> tuple[float, float]:
         """(all, MLP half) of the bytes block ``i`` saves for backward."""
@@ -374,8 +401,9 @@ class _StepReplay:
         t.free("unsharded_grads", self.retained_reduce)
         t.free("gathered", self.gathered_bytes(self.root))
 
-    def loss_backward(self) -> None:
-        """Cross-entropy's and the output projection's backward; the root's gradients are reduced last."""
+    def loss_backward(self, head_grads: bool = True) -> None:
+        """Cross-entropy's and the output projection's backward; the root's gradients are reduced last
+        (``head_grads``: the head's unsharded gradients are allocated here, not accumulated into)."""
         t = self.timeline
         t.alloc("logits", self.logits_fp32, "backward: nll_loss")
         t.alloc("logits", self.logits_fp32, "backward: log-softmax")
@@ -389,15 +417,20 @@ class _StepReplay:
         if self.stage == 3 and order and order[0].gathers:  # the root's pre-backward prefetches the last block
             t.alloc("gathered", self.gathered_bytes(order[0]), "backward: root prefetch")
         t.alloc("temporaries", self.residual, "backward: output projection")  # the residual stream's gradient
-        t.alloc("unsharded_grads", self.trainable.head * self.param, "backward: output projection")
+        self.gradient("unsharded_grads", self.trainable.head * self.param, "backward: output projection", head_grads)
         t.free("logits", self.logits)
         t.free("activations", self.final_saved)
 
-    def block_backward(self, i: int) -> None:
+    def gradient(self, item: str, nbytes: float, phase: str, new: bool) -> None:
+        """Unsharded gradients computed in a backward: ``new`` ones stay, others are added into them and die."""
+        (self.timeline.alloc if new else self.timeline.moment)(item, nbytes, phase)
+
+    def block_backward(self, i: int, phase: str = "", new_grads: bool = True, last: bool = True) -> None:
         """Block ``i``'s backward: regather (ZeRO-3) and prefetch the next, recompute if checkpointed, the MLP's
-        gradients (w_down's first), then attention's, then the reduce-scatter."""
+        gradients (w_down's first), then attention's, then (``last``: the last backward before the optimizer step)
+        the reduce-scatter. ``new_grads``: the unsharded gradients are made here, not accumulated into."""
         spec, t, layer = self.spec, self.timeline, self.layers[i]
-        phase = f"backward: layer {i}"
+        phase = phase or f"backward: layer {i}"
         if self.blocks and self.stage == 3:
             self.gather(self.blocks[i], phase, flat_ready=True)
             self.prefetch_after(self.blocks[i], phase)  # the next unit of the backward pass
@@ -412,19 +445,19 @@ class _StepReplay:
         if experts is not None and self.stage == 3:  # the experts' unit, prefetched at the block's pre-backward
             self.gather(experts, phase + " experts", flat_ready=True)
             self.prefetch_after(experts, phase + " experts")
-        t.alloc("unsharded_grads", _numel(params.mlp_output) * self.param, phase + " (MLP)")
+        self.gradient("unsharded_grads", _numel(params.mlp_output) * self.param, phase + " (MLP)", new_grads)
         t.moment("temporaries", mlp_scratch + self.decoded_bytes(i), phase + " (MLP)")
-        t.alloc("unsharded_grads", _numel(params.mlp_input) * self.param, phase + " (MLP)")
-        if experts is not None:  # their post-backward: reduce-scatter over the experts' mesh, reshard
+        self.gradient("unsharded_grads", _numel(params.mlp_input) * self.param, phase + " (MLP)", new_grads)
+        if experts is not None and last:  # their post-backward: reduce-scatter over the experts' mesh, reshard
             if self.train.experts[i] is not None:
                 self.reduce(self.train.experts[i], phase + " experts reduce-scatter")
             t.free("gathered", self.gathered_bytes(experts))
         t.free("activations", mlp_saved)
-        t.alloc("unsharded_grads", _numel(params.attention) * self.param, phase + " (attention)")
+        self.gradient("unsharded_grads", _numel(params.attention) * self.param, phase + " (attention)", new_grads)
         parallel_scratch = layer.parallel_scratch(spec.kernels, self.act, spec.seq_len)[1] * self.tokens
         t.moment("temporaries", attention_scratch + parallel_scratch, phase + " (attention)")
         t.free("activations", saved - mlp_saved + (self.residual if checkpointed else 0))
-        if self.blocks:
+        if self.blocks and last:
             self.reduce(self.train_blocks[i], phase + " reduce-scatter")
             t.free("gathered", self.gathered_bytes(self.blocks[i]))
 
@@ -457,29 +490,3 @@ def _parallel_communicators(parallel: Parallelism) -> int:
     """The communicators tensor and context parallelism add: the tensor-parallel group and FSDP's own
     ``dp_shard x cp`` group (no longer the world's), the context-parallel group."""
     return 2 * (parallel.tensor > 1) + (parallel.context > 1)
-
-
-def estimate(spec: PlanSpec, zero_stage: Optional[int] = None, micro_batch: Optional[int] = None) -> Estimate:
-    """Replay one steady-state training step of ``spec`` (at ``zero_stage`` / ``micro_batch`` if given) and
-    return the per-device peak, itemised."""
-    stage = spec.zero_stage if zero_stage is None else zero_stage
-    check_zero_stage(stage)
-    return _StepReplay(spec, stage, spec.micro_batch if micro_batch is None else micro_batch).run()
-
-
-def max_micro_batch(spec: PlanSpec, zero_stage: Optional[int] = None, limit: int = MAX_MICRO_BATCH) -> int:
-    """The largest micro-batch (samples per device) whose estimate fits the device memory; 0 if not even 1 fits."""
-    def fits(batch: int) -> bool:
-        return estimate(spec, zero_stage, batch).fits
-
-    if not fits(1):
-        return 0
-    low, high = 1, 2
-    while high <= limit and fits(high):  # memory grows with the batch, so double, then bisect
-        low, high = high, high * 2
-    if high > limit:
-        return low
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low

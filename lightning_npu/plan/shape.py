@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_npu.facts import options
+from lightning_npu.facts import pipeline as schedules
 
 
 class PlanError(ValueError):
@@ -54,6 +55,57 @@ class Parallelism:
         if self.context > 1:
             parts.append(f"context parallel {self.context} ({self.context_algo})")
         return ", ".join(parts) or "none"
+
+
+@dataclass(frozen=True)
+class Pipelining:
+    """npu_fsdp's pipeline (its options ``pipeline_parallel_size``, ``pipeline_schedule``, ``pipeline_microbatches``,
+    ``pipeline_stages_per_rank``, ``pipeline_layers_per_stage``): ``size`` ranks each hold ``per_rank`` stages of
+    contiguous blocks (the embedding on the first stage, the final norm and head on the last), and every step's
+    micro-batch runs through them as ``microbatches`` parts in the schedule's order. The default: no pipeline."""
+
+    size: int = 1
+    schedule: str = schedules.DEFAULT_SCHEDULE
+    microbatches: Optional[int] = None
+    stages_per_rank: Optional[int] = None
+    layers_per_stage: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self) -> None:
+        checked(options.check_parallel_size, "pipeline_parallel_size", self.size)
+        checked(schedules.check_schedule, self.schedule)
+        if self.layers_per_stage is not None:
+            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
+        if self.size > 1:
+            checked(schedules.check_microbatches, self.schedule, self.parts, self.size, self.per_rank)
+
+    @property
+    def per_rank(self) -> int:
+        return checked(schedules.stages_per_rank, self.schedule, self.stages_per_rank)
+
+    @property
+    def num_stages(self) -> int:
+        return self.size * self.per_rank
+
+    @property
+    def parts(self) -> int:
+        """The microbatches each step's batch splits into (one per stage unless given)."""
+        if self.microbatches is not None:
+            return self.microbatches
+        return schedules.default_microbatches(self.schedule, self.size, self.per_rank)
+
+    def stage_blocks(self, n_layers: int) -> list[list[int]]:
+        """The blocks of each stage (``facts.pipeline.blocks_per_stage``: the recipes' split rule)."""
+        return checked(schedules.blocks_per_stage, n_layers, self.num_stages, layers_per_stage=self.layers_per_stage)
+
+    def bubble(self) -> float:
+        """The share of a step each rank idles, by the schedule's formula."""
+        return schedules.bubble_fraction(self.schedule, self.size, self.parts, self.per_rank)
+
+    def describe(self) -> str:
+        if self.size == 1:
+            return "none"
+        return (f"pipeline {self.size} ({self.schedule}, {self.num_stages} stages, {self.parts} microbatches;"
+                f" bubble {100 * self.bubble():.1f}% of the step)")
 
 
 #: ``--model-shape`` keys -> ModelShape fields. ``kv_heads`` defaults to ``heads`` (multi-head attention).

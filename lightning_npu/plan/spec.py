@@ -20,13 +20,15 @@ from lightning_npu.facts.chips import (
 )
 from lightning_npu.facts.precisions import PRECISION_DTYPES, PrecisionDtypes
 from lightning_npu.plan.decoder import DecoderProfile
-from lightning_npu.plan.shape import ModelShape, Parallelism, PlanError, check_positive_ints, checked
+from lightning_npu.plan.shape import ModelShape, Parallelism, Pipelining, PlanError, check_positive_ints, checked
 
 GIB = 1024**3
 MIB = 1024**2
 
 #: HCCL's default per-communicator buffer (HCCL_BUFFSIZE, in MB, taken as MiB); each communicator holds two.
 DEFAULT_HCCL_BUFFSIZE_MB = 200.0
+#: torch_npu's P2P_HCCL_BUFFSIZE default (MB) since 7.1.0: each point-to-point communicator holds two.
+DEFAULT_P2P_BUFFSIZE_MB = 20.0
 #: What the NPU runtime, operator workspaces and the caching allocator's fragmentation take on top of tensors.
 DEFAULT_WORKSPACE_GIB = 1.0
 DEFAULT_FRAGMENTATION = 0.05
@@ -77,6 +79,7 @@ ITEMS = {
     "logits": "logits + cross-entropy (fp32)",
     "temporaries": "temporaries (residual stream, op and optimizer scratch)",
     "inputs": "batch + rotary tables",
+    "pipeline": "pipeline receive buffers (every microbatch)",
     "comm": "communication buffers (HCCL)",
     "allowance": "workspace + fragmentation allowance",
 }
@@ -113,6 +116,11 @@ class PlanSpec:
     profile: Optional[DecoderProfile] = None
     #: Tensor and context parallelism (npu_fsdp's mesh beside FSDP); the default is plain sharding.
     parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
+    #: Pipeline parallelism: each rank holds its stages' blocks; the estimate is the fullest rank's.
+    pipeline: Pipelining = dataclasses.field(default_factory=Pipelining)
+    #: P2P_HCCL_BUFFSIZE (MB, taken as MiB): the buffer each pipeline neighbour's point-to-point communicator holds
+    #: twice.
+    p2p_buffsize_mb: float = DEFAULT_P2P_BUFFSIZE_MB
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -156,16 +164,30 @@ class PlanSpec:
         the model's shapes against it (the recipe's: heads, kv heads, ffn and vocabulary by tp; heads by tp x cp
         for Ulysses; the sequence by 2 x cp for ring), and the profile split accordingly."""
         parallel = self.parallel
-        if parallel == Parallelism() and self.profile.parallel == parallel:
+        if self.pipeline.size > 1:
+            self._check_pipeline()
+        if parallel == Parallelism() and self.profile.parallel == parallel and self.pipeline.size == 1:
             return
         layout = checked(options.MeshLayout.for_run, num_nodes=self.nodes, devices_per_node=self.devices,
                           sharding=self.sharding, tensor_parallel_size=parallel.tensor,
-                          context_parallel_size=parallel.context)
+                          context_parallel_size=parallel.context, pipeline_parallel_size=self.pipeline.size)
         if self.profile.expert_parallel_size > 1:
             checked(options.check_expert_parallel_size, self.profile.expert_parallel_size, layout, self.sharding)
         checked(options.check_context_parallel_shapes, parallel.context, parallel.context_algo,
                  heads=self.model.n_heads, seq_len=self.seq_len, tp=parallel.tensor)
         object.__setattr__(self, "profile", self.profile.with_parallelism(parallel, seq_len=self.seq_len))
+
+    def _check_pipeline(self) -> None:
+        """What the recipes' pipeline split needs: blocks for every stage, an untied head, a micro-batch that splits
+        into the schedule's microbatches."""
+        self.pipeline.stage_blocks(self.model.n_layers)
+        if self.profile.tie_embeddings:
+            raise PlanError(f"pipeline_parallel_size={self.pipeline.size}: {self.profile.name} ties its embedding to"
+                            " its head, which sit on the first and the last stage; untie them (tie_embeddings: false)"
+                            " or plan without a pipeline")
+        if self.micro_batch % self.pipeline.parts:
+            raise PlanError(f"micro_batch={self.micro_batch} does not split into pipeline_microbatches="
+                            f"{self.pipeline.parts} equal parts; use a multiple of {self.pipeline.parts}")
 
     @property
     def world_size(self) -> int:
@@ -174,8 +196,11 @@ class PlanSpec:
     @property
     def shard_group(self) -> int:
         """Devices each parameter is sharded over: all of them, or one node's under hybrid sharding, less the
-        tensor-parallel ranks, which hold different parts (FSDP shards over ``dp_shard x cp``)."""
-        return (self.devices if self.sharding == "hybrid" else self.world_size) // self.parallel.tensor
+        tensor-parallel ranks, which hold different parts (FSDP shards over ``dp_shard x cp``), and the other
+        pipeline ranks, which hold other stages (hybrid sharding's node groups already hold every stage once)."""
+        if self.sharding == "hybrid":
+            return self.devices // self.parallel.tensor
+        return self.world_size // (self.parallel.tensor * self.pipeline.size)
 
     @property
     def expert_ranks(self) -> int:
@@ -229,6 +254,8 @@ class Estimate:
     peak_phase: str
     host_bytes: float
     device_bytes: float
+    #: Under pipeline parallelism, each pipeline rank's total (the estimate is the fullest rank's).
+    pipeline_ranks: tuple[float, ...] = ()
 
     @property
     def total(self) -> float:
