@@ -191,8 +191,9 @@ class PlanSpec:
 
     @property
     def checkpointed_layers(self) -> list[int]:
-        """Which blocks recompute their activations: the strategy's evenly spaced choice for the ratio."""
-        return options.evenly_spaced(self.model.n_layers, self.ac_ratio)
+        """Which blocks recompute their activations: the strategy's evenly spaced choice for the ratio, among the
+        blocks in module order (the trunk's, then the multi-token-prediction depths')."""
+        return options.evenly_spaced(self.profile.n_blocks, self.ac_ratio)
 
     @property
     def bytes(self) -> PrecisionBytes:
