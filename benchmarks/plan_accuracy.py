@@ -1,6 +1,6 @@
 """How close is ``lightning-npu plan`` to the real peak memory of training? Measured on the CPU.
 
-    python benchmarks/plan_accuracy.py                 # all 50 cases, ~15 min on 2 cores
+    python benchmarks/plan_accuracy.py                 # all 54 cases, ~15 min on 2 cores
     python benchmarks/plan_accuracy.py --cases base,ac1 --out /tmp/plan_accuracy.json
     python benchmarks/plan_accuracy.py --cases tp2,cp2_ring --update  # re-measure some, keep the other rows
 
@@ -123,6 +123,16 @@ CASES: dict[str, dict[str, Any]] = {
                                           ep=2, cp=2, cp_algo="ulysses", precision="bf16-mixed"),
     "deepseek_ep2_cp2_ring": dict(family="deepseek", model={}, seq=256, batch=4, devices=4, zero=3, ac=0.0, ep=2,
                                   cp=2, cp_algo="ring"),
+    # DeepSeek's multi-token prediction (mtp_layers: one more DeepSeekMoE block after the trunk, its own logits and
+    # loss through the shared head): alone, with the ratio 0.5 checkpointing the depth's block, and in bf16 under
+    # ZeRO-2; two depths under expert parallelism.
+    "deepseek_mtp": dict(family="deepseek", model=dict(mtp_layers=1), seq=256, batch=4, devices=2, zero=3, ac=0.0),
+    "deepseek_mtp_ac05": dict(family="deepseek", model=dict(mtp_layers=1), seq=256, batch=4, devices=2, zero=3,
+                              ac=0.5),
+    "deepseek_mtp_bf16_zero2": dict(family="deepseek", model=dict(mtp_layers=1), seq=256, batch=4, devices=2, zero=2,
+                                    ac=0.0, precision="bf16-mixed"),
+    "deepseek_mtp2_ep2": dict(family="deepseek", model=dict(mtp_layers=2), seq=256, batch=2, devices=2, zero=3,
+                              ac=0.0, ep=2),
     # LoRA on the experts (lora.targets expert_gate / expert_up / expert_down: per-expert adapters stacked like the
     # experts, everything else frozen): alone; with attention's and dropout on a Qwen2-MoE (shared expert, dense
     # first layer); with half the blocks checkpointed; under ep 2 x cp 2; on DeepSeek with MLA's output, bf16.

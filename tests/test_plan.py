@@ -62,18 +62,29 @@ def _saved_bytes_per_token(block, dtype, kernels_context, batch_sizes, seq, inpu
     if cos_sin is None:
         cos_sin = rotary_tables(seq, block.attention.head_dim)
     cos, sin = (t.to(dtype) for t in cos_sin)
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+
+    def forward(batch):
+        x = torch.randn(batch, seq, block.attention_norm.weight.numel(), dtype=dtype, requires_grad=input_grad)
+        with kernels_context():
+            return block(x, cos, sin)
+
+    return _kept_bytes_per_token(forward, block, batch_sizes, seq)
+
+
+def _kept_bytes_per_token(forward, module, batch_sizes, seq):
+    """Bytes per token of what autograd keeps from ``forward(batch)`` (which returns what holds its graph) beyond
+    ``module``'s parameters, from two batch sizes of ``seq``-token rows, so constants cancel; each storage once."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     totals = []
     for batch in batch_sizes:
-        x = torch.randn(batch, seq, block.attention_norm.weight.numel(), dtype=dtype, requires_grad=input_grad)
         saved: list[weakref.ref] = []
 
         def pack(tensor, saved=saved):
             saved.append(weakref.ref(tensor))
             return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kernels_context():
-            out = block(x, cos, sin)  # kept: the graph, and what it saved, live as long as the output
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = forward(batch)  # kept: the graph, and what it saved, live as long as the output
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in (ref() for ref in saved) if t is not None}
         totals.append(sum(n for ptr, n in storages.items() if ptr not in params))

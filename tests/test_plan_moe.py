@@ -19,7 +19,7 @@ from recipes.models.moe.config import MoEConfig
 from recipes.models.moe.memory_profile import lightning_npu_memory_profile, profile_of
 from recipes.models.moe.model import MoE
 from tests.helpers import SCRIPTS, run_python
-from tests.test_plan import _kernels_context, _saved_bytes_per_token
+from tests.test_plan import _kept_bytes_per_token, _kernels_context, _saved_bytes_per_token
 
 TINY_MOE = Path(__file__).resolve().parents[1] / "recipes" / "models" / "moe" / "configs" / "tiny_moe.yaml"
 #: Qwen2-MoE on the tiny preset: a shared expert with its gate, a dense first layer, qkv biases, no renormalisation.
@@ -313,12 +313,95 @@ def test_a_block_before_the_first_adapted_one_keeps_only_what_its_input_less_bac
     assert first[0] == 0 and first[1] < later[1]
 
 
-def test_multi_token_prediction_is_not_planned_yet_and_says_what_planning_without_it_leaves_out():
+@pytest.mark.parametrize("depths", [1, 2])
+def test_multi_token_prediction_is_planned_with_the_parameters_and_units_the_model_has(depths):
+    """Each depth is one more DeepSeekMoE block (an FSDP unit of its own, after the trunk's) and, in the root unit
+    beside the one embedding and head it shares, its two input norms, eh_proj and head norm: per unit, the multiset
+    of shapes is the model's, and the total is the model's and the config's. Activation checkpointing picks among
+    the trunk's and the depths' blocks, as npu_fsdp's policy does (ratio 0.5 of 4 blocks: layers.1 and mtp.0.block).
+    The planner before refused mtp_layers > 0."""
+    from lightning_npu.facts.options import evenly_spaced
+    from lightning_npu.plan import PlanSpec
+    from recipes.models.deepseek.config import DeepSeekConfig
+    from recipes.models.deepseek.memory_profile import lightning_npu_memory_profile as deepseek_profile
+    from recipes.models.deepseek.model import DeepSeek, DeepSeekBlock
+
+    config = DeepSeekConfig.from_preset("tiny", mtp_layers=depths)
+    with torch.device("meta"):
+        model = DeepSeek(config)
+    profile = deepseek_profile({"family": "deepseek", "config": {"mtp_layers": depths}})
+    blocks = [(name, module) for name, module in model.named_modules() if isinstance(module, DeepSeekBlock)]
+    assert profile.n_blocks == len(blocks) == config.n_layers + depths
+    for i, (_, block) in enumerate(blocks):
+        assert Counter(profile.block_profile(i).block_parameters().shapes) == Counter(
+            tuple(p.shape) for p in block.parameters())
+    in_blocks = {id(p) for _, block in blocks for p in block.parameters()}
+    assert Counter(profile.root_parameters().shapes) == Counter(
+        tuple(p.shape) for p in model.parameters() if id(p) not in in_blocks)
+    assert profile.num_params() == sum(p.numel() for p in model.parameters()) == config.num_params()
+    spec = PlanSpec(model=profile.shape, profile=profile, seq_len=64, micro_batch=1, ac_ratio=0.5)
+    assert [blocks[i][0] for i in spec.checkpointed_layers] == [
+        blocks[i][0] for i in evenly_spaced(len(blocks), 0.5)]
+    assert depths > 1 or [blocks[i][0] for i in spec.checkpointed_layers] == ["layers.1", "mtp.0.block"]
+
+
+@pytest.mark.parametrize("depths", [1, 2])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_multi_token_prediction_keeps_what_the_profile_counts(depths, precision):
+    """What a training forward of DeepSeek's head side (``logits``: each depth's embedding of the tokens ahead, its
+    norms, eh_proj, block, norm and head; then the final norm and head) and the depths' cross-entropies keep for
+    backward on the reference path is the profile's count exactly: ``saved_by_mtp_depth``'s two parts, each depth's
+    block (plus its router logits, which the layer keeps), the final norm's tensors and each depth's fp32
+    log-softmax (the replay's logits). Catches the hidden state counted again for the depth's norm in fp32 (the
+    final norm keeps that tensor already: +512 B per token) and the rolled ids or targets left out (-8 each)."""
+    from recipes.models.deepseek.config import DeepSeekConfig
+    from recipes.models.deepseek.memory_profile import lightning_npu_memory_profile as deepseek_profile
+    from recipes.models.deepseek.model import DeepSeek
+
+    config = DeepSeekConfig.from_preset("tiny", mtp_layers=depths)
+    torch.manual_seed(0)
+    model, dtype = DeepSeek(config).train(), torch.float32
+    if precision == "bf16-mixed":
+        model, dtype = model.to(torch.bfloat16), torch.bfloat16
+    kernels = _kernels_context(precision, "reference")
+
+    def forward(batch):
+        tokens = torch.randint(0, config.vocab_size, (batch, BLOCK_SEQ))
+        model.embed(tokens, None, 0, None, None)  # what the depths read: the tokens, the rotary tables
+        h = torch.randn(batch, BLOCK_SEQ, config.dim, dtype=dtype, requires_grad=True)  # the trunk's output
+        with kernels():
+            return model.logits(h), model.multi_token_loss(tokens)
+
+    measured = _kept_bytes_per_token(forward, model, (2, 4), BLOCK_SEQ)
+    measured += depths * 4 * config.n_experts  # each depth's router logits, kept by its layer
+    profile = deepseek_profile({"family": "deepseek", "config": {"mtp_layers": depths}})
+    act_bytes = 4 if precision == "32-true" else 2
+    depth = sum(sum(part.values()) for part in profile.saved_by_mtp_depth("reference", act_bytes))
+    block = sum(profile.block_profile(config.n_layers).saved_by_block("reference", act_bytes, BLOCK_SEQ).all.values())
+    log_softmax = 4 * config.vocab_size
+    assert measured == depths * (depth + block + log_softmax) + profile.saved_by_final_norm("reference", act_bytes)
+
+
+def test_multi_token_prediction_is_refused_where_the_recipe_or_the_planner_cannot_run_it():
+    """Context parallelism (the model refuses it: a depth reads tokens another rank holds), tensor parallelism (no
+    plan for the depths, nor for MLA), and a LoRA run (the depths stay frozen without adapters, not modelled): each
+    refusal names the value, why, and what to plan instead."""
+    from lightning_npu.plan import Parallelism, PlanSpec
     from recipes.models.deepseek.memory_profile import lightning_npu_memory_profile as deepseek_profile
 
-    with pytest.raises(ValueError, match=r"mtp_layers=1: multi-token prediction is not planned yet; plan with"
-                                         r" mtp_layers=0 \(an underestimate by one MoE layer"):
-        deepseek_profile({"family": "deepseek", "config": {"mtp_layers": 1}})
+    model = {"family": "deepseek", "config": {"mtp_layers": 1}}
+    with pytest.raises(ValueError, match=r"mtp_layers=1 with model.lora: the planner counts multi-token prediction in"
+                                         r" full training only .* plan the LoRA run with mtp_layers=0"):
+        deepseek_profile({**model, "lora": dict(rank=8, targets=["o"])})
+    profile = deepseek_profile(model)
+    with pytest.raises(PlanError, match=r"context_parallel_size=2 with 1 multi-token-prediction depth\(s\): .*"
+                                        r" plan with context_parallel_size=1"):
+        PlanSpec(model=profile.shape, profile=profile, seq_len=64, micro_batch=1, devices=2,
+                 parallel=Parallelism(context=2))
+    with pytest.raises(PlanError, match=r"tensor_parallel_size=2 cannot split .* its 1 multi-token-prediction"
+                                        r" depth\(s\) have no tensor-parallel plan"):
+        PlanSpec(model=profile.shape, profile=profile, seq_len=64, micro_batch=1, devices=2,
+                 parallel=Parallelism(tensor=2))
 
 
 def _heavy_experts_spec(ep: int, devices: int = 4, **changes):

@@ -29,6 +29,8 @@ from lightning_npu.plan.shape import ModelShape, Parallelism, PlanError
 Shape = tuple[int, ...]
 
 FP32_BYTES = 4
+#: An int64 index (token ids, cross-entropy targets).
+INT64_BYTES = 8
 #: npu_fusion_attention keeps its softmax max and sum for backward, 8 fp32 values per query row and head each.
 SOFTMAX_STATS = 2
 SOFTMAX_STAT_LANES = 8
@@ -93,28 +95,33 @@ class RootParameters:
     """Parameters outside the blocks: token embeddings, final norm, output projection. ``tied``: the output
     projection is the token embedding (``tie_embeddings``), so the unit (its shards, gathered copy and gradient)
     holds that matrix once; the planner allocates the shared gradient at the output projection's backward, and the
-    embedding's backward adds a second transient [vocab, dim] gradient that autograd sums into it."""
+    embedding's backward adds a second transient [vocab, dim] gradient that autograd sums into it. ``mtp``: the
+    multi-token-prediction depths' parameters outside their blocks (``DecoderProfile.mtp_parameters``)."""
 
     embedding: Shape
     final_norm: Shape
     output: Shape
     tied: bool = False
+    mtp: tuple[Shape, ...] = ()
 
     @property
     def shapes(self) -> list[Shape]:
-        return [self.embedding, self.final_norm] if self.tied else [self.embedding, self.final_norm, self.output]
+        own = [self.embedding, self.final_norm] if self.tied else [self.embedding, self.final_norm, self.output]
+        return [*own, *self.mtp]
 
 
 @dataclass(frozen=True)
 class TrainableParameters:
     """The parameters that get gradients (hence reduce-scatters and AdamW moments): ``block``, one block's, in
     backward's groups; ``root``, the root unit's shapes; ``head`` and ``embedding``, the numel of the root
-    gradients produced by the output projection's (output + final norm) and by the embedding's backward."""
+    gradients produced by the output projection's (output + final norm) and by the embedding's backward; ``mtp``,
+    those produced by the multi-token-prediction depths' own parameters (all depths together)."""
 
     block: BlockParameters
     root: tuple[Shape, ...]
     head: int
     embedding: int
+    mtp: int = 0
 
 
 @dataclass(frozen=True)
@@ -186,6 +193,14 @@ class DecoderProfile:
     tensors (and the residual stream the replay counts) are split by sequence with ``sequence_parallel``, and the
     projections' inputs are the all-gathered [tokens, dim]. Under context parallelism the counts are per token of
     the rank's part of each sequence, plus what Ulysses or ring attention keep.
+
+    ``mtp_depths``: multi-token prediction (DeepSeek-V3's MTP) in training. After the trunk, depth k embeds the
+    tokens k ahead, normalises them and the previous depth's hidden state (the trunk's last block output for the
+    first), projects their concatenation [2 dim -> dim] into one more block (an FSDP unit and a candidate for
+    activation checkpointing after the trunk's: ``block_profile(n_layers + k - 1)`` describes it), and normalises
+    its output into the shared output head: fp32 logits of their own, kept until the depth's cross-entropy after
+    the main loss. The norms and the projection are the root unit's (``mtp_parameters``). Full training only: a
+    LoRA run freezes the depths without adapting them, which is not modelled.
     """
 
     shape: ModelShape
@@ -196,6 +211,25 @@ class DecoderProfile:
     qk_norm: bool = False
     tie_embeddings: bool = False
     parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
+    mtp_depths: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mtp_depths, bool) or not isinstance(self.mtp_depths, int) or self.mtp_depths < 0:
+            raise PlanError(f"mtp_depths={self.mtp_depths!r} is invalid: it must be an integer >= 0 (0: no"
+                            " multi-token prediction)")
+        if self.mtp_depths and self.adapters is not None:
+            raise PlanError(
+                f"mtp_depths={self.mtp_depths} with LoRA adapters: the planner counts multi-token prediction in full"
+                " training only (a LoRA run keeps the depths frozen and unadapted, which it does not model); plan the"
+                " LoRA run with mtp_depths=0 (an underestimate by the depths' frozen blocks, their saved tensors and"
+                " logits) or plan full training"
+            )
+
+    @property
+    def n_blocks(self) -> int:
+        """The blocks FSDP wraps and activation checkpointing chooses from, in forward order: the trunk's layers,
+        then one per multi-token-prediction depth."""
+        return self.shape.n_layers + self.mtp_depths
 
     def block_profile(self, layer: int) -> "DecoderProfile":
         """The profile whose block methods describe layer ``layer``: this one, for a decoder of identical blocks."""
@@ -216,6 +250,13 @@ class DecoderProfile:
     def with_parallelism(self, parallel: Parallelism, *, seq_len: int) -> "DecoderProfile":
         """This profile counting one rank's share under ``parallel`` (for ``seq_len``-token sequences); PlanError
         naming every size tensor parallelism cannot split, and the sizes that would work."""
+        if self.mtp_depths and parallel.context > 1:
+            raise PlanError(
+                f"context_parallel_size={parallel.context} with {self.mtp_depths} multi-token-prediction depth(s):"
+                " a depth reads the tokens up to that many ahead of each, which at the end of a rank's part of a"
+                " sequence another context-parallel rank holds (the recipe refuses it too); plan with"
+                " context_parallel_size=1, or without multi-token prediction"
+            )
         problems = self.tensor_parallel_problems(parallel.tensor, seq_len=seq_len,
                                                  sequence_parallel=parallel.sequence_parallel)
         if problems:
@@ -246,6 +287,10 @@ class DecoderProfile:
         if self.adapters is not None:
             problems.append("LoRA adapters have no tensor-parallel plan (a LoRA run trains few parameters: plain"
                             " npu_fsdp sharding fits the frozen base)")
+        if self.mtp_depths:
+            problems.append(f"its {self.mtp_depths} multi-token-prediction depth(s) have no tensor-parallel plan"
+                            " (the recipe refuses them too); train with data, expert and context parallelism, or"
+                            " without multi-token prediction")
         return problems
 
     def tensor_parallel_sizes(self) -> list[tuple[str, int]]:
@@ -335,7 +380,14 @@ class DecoderProfile:
         head (column-parallel) hold vocab / tp rows each, the norm is replicated."""
         m, vocab = self.shape, self.shape.vocab_size // self.parallel.tensor
         return RootParameters(embedding=(vocab, m.dim), final_norm=(m.dim,), output=(vocab, m.dim),
-                              tied=self.tie_embeddings)
+                              tied=self.tie_embeddings, mtp=self.mtp_parameters())
+
+    def mtp_parameters(self) -> tuple[Shape, ...]:
+        """The multi-token-prediction depths' parameters outside their blocks, depth after depth: the norms of the
+        embedded tokens and of the hidden state [dim], the projection of their concatenation [dim, 2 dim] and the
+        norm before the shared head [dim]. No block holds them, so they are the root unit's."""
+        d = self.shape.dim
+        return ((d,), (d,), (d, 2 * d), (d,)) * self.mtp_depths
 
     def trainable_parameters(self) -> TrainableParameters:
         """What trains: everything, or (with adapters) the adapters only."""
@@ -344,19 +396,19 @@ class DecoderProfile:
         root = self.root_parameters()
         return TrainableParameters(block=self.block_parameters(), root=tuple(root.shapes),
                                    head=math.prod(root.output) + math.prod(root.final_norm),
-                                   embedding=math.prod(root.embedding))
+                                   embedding=math.prod(root.embedding), mtp=_numel(root.mtp))
 
     def num_params(self) -> int:
         if self.parallel.tensor > 1:
             return self.unsplit().num_params()
-        blocks = sum(_numel(self.block_profile(i).block_parameters().shapes) for i in range(self.shape.n_layers))
+        blocks = sum(_numel(self.block_profile(i).block_parameters().shapes) for i in range(self.n_blocks))
         return _numel(self.root_parameters().shapes) + blocks
 
     def num_trainable_params(self) -> int:
         if self.parallel.tensor > 1:
             return self.unsplit().num_trainable_params()
         blocks = sum(_numel(self.block_profile(i).trainable_parameters().block.shapes)
-                     for i in range(self.shape.n_layers))
+                     for i in range(self.n_blocks))
         return _numel(self.trainable_parameters().root) + blocks
 
     # ------------------------------------------------------------------------------------------ activations
@@ -534,10 +586,44 @@ class DecoderProfile:
 
     def saved_by_final_norm(self, kernels: str, act_bytes: int) -> float:
         """Bytes per token saved by the final RMSNorm and (when it trains) the output projection's input."""
-        d = self.shape.dim
+        return sum(self._head_saved("norm", kernels, act_bytes).values())
+
+    def _head_saved(self, norm: str, kernels: str, a: int) -> dict[str, float]:
+        """What a norm of the residual stream and the output head after it keep per token: the norm's tensors and,
+        when the head trains, its input (all-gathered under sequence parallelism)."""
         trains = self.adapters is None
-        norm = sum(self._between_blocks_norm("norm", kernels, act_bytes, trains).values())
-        return norm + (act_bytes * d if trains else 0)  # the head's input: all-gathered under sequence parallelism
+        saved = self._between_blocks_norm(norm, kernels, a, trains)
+        if trains:
+            saved[f"output head input ({norm}'s output)"] = a * self.shape.dim
+        return saved
+
+    def saved_by_mtp_depth(self, kernels: str, act_bytes: int) -> tuple[dict[str, float], dict[str, float]]:
+        """Bytes per token one multi-token-prediction depth keeps for backward outside its block (``mtp_depths``;
+        full training), as (what the way into the block keeps, what the way into the head keeps): the embedding's
+        backward reads the ids of the tokens ahead (a rolled copy, int64); the norms of the embedded tokens and of
+        the hidden state keep their tensors, except the hidden state itself where the norm keeps its input as it
+        is (fused kernels, or an fp32 run's reference path): that tensor is the one the norm before the previous
+        head (the final norm, or the previous depth's) keeps already; the projection keeps its input, the
+        concatenated norms [2 dim]; then the depth's norm and the head's input, as the final norm's; and the depth's
+        cross-entropy its own targets (the labels rolled ahead and masked, int64)."""
+        a, d = act_bytes, self.shape.dim
+        into_block = {"tokens ahead (int64 ids, the embedding's backward)": INT64_BYTES}
+        into_block.update(self._between_blocks_norm("enorm", kernels, a, True))
+        shared_input = kernels == "fused" or a == FP32_BYTES
+        for name, value in self._between_blocks_norm("hnorm", kernels, a, True).items():
+            into_block[name + (" less its input, the previous head's norm's" if shared_input else "")] = (
+                value - a * d if shared_input else value)
+        into_block["eh_proj input (the two norms' outputs concatenated)"] = 2 * a * d
+        into_head = self._head_saved("mtp norm", kernels, a)
+        into_head["cross-entropy targets ahead (int64)"] = INT64_BYTES
+        return into_block, into_head
+
+    def mtp_forward_scratch(self, kernels: str, act_bytes: int) -> float:
+        """Bytes per token alive together inside a multi-token-prediction depth's way into its block beyond what it
+        saves: the embedded tokens and the two norms' outputs before their concatenation, the reference norm's fp32
+        square."""
+        d = self.shape.dim
+        return 3 * act_bytes * d + (0 if kernels == "fused" else FP32_BYTES * d)
 
     def forward_scratch(self, kernels: str, act_bytes: int, seq_len: int, checkpointed: bool) -> float:
         """Bytes per token of short-lived tensors inside one block's forward beyond what it saves."""

@@ -36,7 +36,7 @@ def report(spec: PlanSpec) -> dict[str, Any]:
     per_layer = spec.profile.block_activations(spec.kernels, spec.bytes.activation, spec.seq_len)
     return {
         "model": {"name": spec.profile.name, "params": spec.profile.num_params(),
-                  "trainable_params": spec.profile.num_trainable_params(),
+                  "trainable_params": spec.profile.num_trainable_params(), "mtp_depths": spec.profile.mtp_depths,
                   "adapters": None if spec.profile.adapters is None else dataclasses.asdict(spec.profile.adapters),
                   **dataclasses.asdict(spec.model)},
         "seq_len": spec.seq_len,
@@ -73,13 +73,16 @@ def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
         parallel += f", expert parallel {spec.profile.expert_parallel_size}"
     own = "" if spec.parallel.context == 1 else f"; each device holds {spec.local_seq_len} tokens of each sequence"
     params, trainable = spec.profile.num_params(), spec.profile.num_trainable_params()
+    depths = spec.profile.mtp_depths
+    mtp = f" + {depths} multi-token-prediction depth{'s' if depths > 1 else ''}" if depths else ""
     lines = [
-        f"{spec.profile.name}: {_count(params)} parameters, {model.n_layers} layers, dim {model.dim},"
+        f"{spec.profile.name}: {_count(params)} parameters, {model.n_layers} layers{mtp}, dim {model.dim},"
         f" vocab {model.vocab_size}",
         f"{spec.world_size} devices ({layout}), shard group {spec.shard_group} ({spec.sharding}){parallel},"
         f" {spec.precision},"
         f" seq {spec.seq_len} x micro-batch {spec.micro_batch}, accumulate {spec.accumulate_grad_batches},"
-        f" activation checkpointing {len(spec.checkpointed_layers)}/{model.n_layers} blocks, {spec.kernels} kernels",
+        f" activation checkpointing {len(spec.checkpointed_layers)}/{spec.profile.n_blocks} blocks, {spec.kernels}"
+        " kernels",
         f"activations{' per device' if parallel else ''}: {per_token / KIB:.1f} KiB per token per layer"
         f" ({per_token * spec.local_seq_len * spec.micro_batch / GIB:.2f} GiB per layer at this micro-batch{own}),"
         f" {spec.bytes.activation * model.dim / spec.parallel.between_blocks / KIB:.1f} KiB per token per"
@@ -165,7 +168,7 @@ def _advice(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
                     " the global batch)")
     if spec.zero_stage == 2 and plan["stages"]["3"]["fits"]:
         tips.append("use zero_stage: 3")
-    if len(spec.checkpointed_layers) < spec.model.n_layers:
+    if len(spec.checkpointed_layers) < spec.profile.n_blocks:
         block = (spec.profile.block_class or "<block class>").rpartition(".")[2]
         tips.append(f"raise activation_checkpointing_ratio (with activation_checkpointing_policy: [{block}])")
     tips.append("add devices or nodes (parameters and optimizer states shard over them)")

@@ -23,6 +23,11 @@ autograd and AdamW make, in their order; the peak of the running total is the es
   blocks keep only their input until backward recomputes them;
 - logits are fp32 ``[batch, seq, vocab]``; cross-entropy saves its log-softmax, and its backward briefly holds
   three such tensors;
+- multi-token prediction (``DecoderProfile.mtp_depths``) runs after the trunk, before the final norm: each depth's
+  way into its block, its block (an FSDP unit after the trunk's), its head and fp32 logits, kept until its
+  cross-entropy after the main loss. Autograd runs the newest nodes first, so backward starts with the depths'
+  cross-entropies, whose logits' gradients wait while the main loss and head run backward; then each depth
+  backward (last first), whose embedding gradient lives from there to the root's reduce-scatter; then the trunk;
 - under tensor and context parallelism (``PlanSpec.parallel``) every count is one rank's: its tensor-parallel slice of
   each parameter (the profile's shapes), sharded by FSDP over the ``dp_shard x cp`` ranks (``shard_group``); its
   ``seq_len / cp`` tokens of each sequence; the residual stream split over the tensor-parallel ranks with sequence
@@ -43,7 +48,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from lightning_npu.facts import optim8bit, weight_quant
-from lightning_npu.plan.decoder import FP32_BYTES, DecoderProfile, RankLocalShape
+from lightning_npu.plan.decoder import FP32_BYTES, INT64_BYTES, DecoderProfile, RankLocalShape
 from lightning_npu.plan.shape import Parallelism
 from lightning_npu.plan.spec import GIB, ITEMS, MIB, Estimate, PlanSpec
 
@@ -53,7 +58,7 @@ HCCL_BUFFERS_PER_COMMUNICATOR = 2
 #: sharding across nodes.
 COMMUNICATORS_FULL, COMMUNICATORS_HYBRID = 1, 3
 #: The step's batch and the next one (Lightning prefetches a batch), each input_ids and labels, int64.
-BATCHES_HELD, TENSORS_PER_BATCH, INT64_BYTES = 2, 2, 8
+BATCHES_HELD, TENSORS_PER_BATCH = 2, 2
 #: Cross-entropy's backward holds the gradient of the loss w.r.t. the log-probabilities and that of the logits.
 CROSS_ENTROPY_BACKWARD_TENSORS = 2
 #: AdamW's per-tensor loop holds a scratch of its largest two tensors; foreach holds sqrt(v) for every tensor.
@@ -154,7 +159,7 @@ def _units(spec: PlanSpec, trainable: bool = False) -> _Units:
     """The model's units, of all their parameters or (``trainable``) of those that get gradients. Without an
     auto-wrap policy the whole model but the experts' units is the root unit."""
     group, profile = spec.shard_group, spec.profile
-    layers = range(spec.model.n_layers)
+    layers = range(profile.n_blocks)
     if trainable:
         root = list(profile.trainable_parameters().root)
         stored = [[(shape, None) for shape in _split(profile.block_profile(i), spec.parallel)
@@ -213,7 +218,7 @@ class _StepReplay:
         self.shard_total = sum(unit.shard for unit in self.train.all)
         #: The units in the order backward reaches them (FSDP2's reverse post-forward order: a block, then the
         #: experts nested in it, then the block before), each of which prefetches the next under ZeRO-3.
-        self.backward_order = [unit for i in reversed(range(spec.model.n_layers))
+        self.backward_order = [unit for i in reversed(range(self.profile.n_blocks))
                                for unit in (self.blocks[i] if self.blocks else None, self.experts[i])
                                if unit is not None]
         self.checkpointed = set(spec.checkpointed_layers)
@@ -226,7 +231,7 @@ class _StepReplay:
         self.logits = self.act * vocab * self.tokens
         self.logits_fp32 = FP32_BYTES * vocab * self.tokens
         #: Each layer's profile (``DecoderProfile.block_profile``), split as the run is.
-        self.layers = [_split(self.profile.block_profile(i), self.parallel) for i in range(shape.n_layers)]
+        self.layers = [_split(self.profile.block_profile(i), self.parallel) for i in range(self.profile.n_blocks)]
         #: (all, MLP half) of what each block saves, in bytes.
         self.saved = []
         # A block's input needs a gradient once something before it trains: the embedding, or an earlier block
@@ -238,6 +243,11 @@ class _StepReplay:
             self.saved.append((sum(kept.all.values()) * self.tokens, sum(kept.mlp.values()) * self.tokens))
             upstream_trains = upstream_trains or bool(layer.trainable_parameters().block.shapes)
         self.final_saved = self.profile.saved_by_final_norm(spec.kernels, self.act) * self.tokens
+        #: What each multi-token-prediction depth keeps outside its block: (on its way into it, into its head).
+        self.depth_saved = tuple(sum(kept.values()) * self.tokens
+                                 for kept in self.profile.saved_by_mtp_depth(spec.kernels, self.act))
+        #: Whether the embedding's unsharded gradient exists (a depth's backward makes it before the trunk's).
+        self.embedding_grad = False
         #: The flat all-gather buffer of the last unit gathered in forward (freed after the next copy-out).
         self.retained_gather = 0.0
         #: The last reduce-scatter's input buffer (freed when the next reduce-scatter starts).
@@ -325,7 +335,8 @@ class _StepReplay:
         self.gather(self.root, "forward: root")
         t.alloc("temporaries", self.residual, "forward: embedding")  # the residual stream
         for i in range(spec.model.n_layers):
-            self.block_forward(i, f"forward: layer {i}", gather=True)
+            self.block_forward(i, f"forward: layer {i}")
+        self.mtp_forward()
         t.free("gathered", self.retained_gather)  # the root's post-forward frees the last flat buffer
         self.retained_gather = 0.0
         # The root unit stays gathered until its backward ends (reshard_after_forward=False).
@@ -334,9 +345,9 @@ class _StepReplay:
             t.free("gradients", self.gradients)  # zero_grad(set_to_none) before the backward
             self.gradients = 0.0
 
-    def block_forward(self, i: int, phase: str, gather: bool) -> None:
-        """Block ``i``'s forward: all-gather its units (``gather``: not gathered yet), its scratch, what it saves
-        (its input only when checkpointed); ZeRO-3 frees the gathered copy after it."""
+    def block_forward(self, i: int, phase: str, gather: bool = True) -> None:
+        """Block ``i``'s forward: gather it and its experts' unit (``gather``: not gathered yet), run it, keep what
+        it saves (or, checkpointed, its input), reshard under ZeRO-3."""
         spec, t = self.spec, self.timeline
         if gather and self.blocks:
             self.gather(self.blocks[i], phase)
@@ -354,20 +365,46 @@ class _StepReplay:
                     t.free("gathered", self.gathered_bytes(unit))
 
     def loss_forward(self, phase: str) -> None:
-        """The final norm, the output projection and the loss: the norm's saved tensors and cross-entropy's
-        log-softmax stay for the backward; the residual stream ends here."""
+        """The final norm, the output projection and the loss (then the depths' losses): the norm's saved tensors
+        and cross-entropy's log-softmax stay for the backward; the residual stream ends here."""
         t = self.timeline
         t.alloc("activations", self.final_saved, f"{phase}: final norm")
         t.free("temporaries", self.residual)  # the last residual is now saved by the final norm, or dead
-        t.alloc("logits", self.logits, f"{phase}: output projection")
-        if self.act != FP32_BYTES:  # the model returns fp32 logits
-            t.alloc("logits", self.logits_fp32, f"{phase}: logits to fp32")
-            t.free("logits", self.logits)
+        self.head_forward(phase)
         # loss_parallel's log-softmax keeps the shifted logits while it makes the result.
         shifted = self.logits_fp32 if self.parallel.split_vocabulary else 0.0
         t.alloc("logits", shifted, f"{phase}: shifted logits (loss_parallel)")
         t.alloc("logits", self.logits_fp32, f"{phase}: log-softmax")
         t.free("logits", self.logits_fp32 + shifted)  # the fp32 logits die with the loss function's frame
+        depths = self.profile.mtp_depths
+        for depth in range(1, depths + 1):  # the depths' losses, after the main one
+            t.alloc("logits", self.logits_fp32, f"{phase}: multi-token prediction {depth} log-softmax")
+        t.free("logits", depths * self.logits_fp32)  # the model holds every depth's logits until the last loss
+    def head_forward(self, phase: str) -> None:
+        """The output head: the logits in the working dtype, then the fp32 copy the model returns (kept)."""
+        t = self.timeline
+        t.alloc("logits", self.logits, phase + ": output projection")
+        if self.act != FP32_BYTES:  # the model returns fp32 logits
+            t.alloc("logits", self.logits_fp32, phase + ": logits to fp32")
+            t.free("logits", self.logits)
+
+    def mtp_forward(self) -> None:
+        """The multi-token-prediction depths, after the trunk (whose last output stays for the final norm): each
+        one's way into its block, the block, its head; the stream of hidden states lives until the last depth."""
+        depths, t = self.profile.mtp_depths, self.timeline
+        if not depths:
+            return
+        into_block, into_head = self.depth_saved
+        scratch = self.profile.mtp_forward_scratch(self.spec.kernels, self.act) * self.tokens
+        t.alloc("temporaries", self.residual, "forward: multi-token prediction")  # the depths' hidden state
+        for depth in range(1, depths + 1):
+            phase = f"forward: multi-token prediction {depth}"
+            t.moment("temporaries", scratch + into_block, phase)
+            t.alloc("activations", into_block, phase)
+            self.block_forward(self.spec.model.n_layers + depth - 1, phase + " block")
+            t.alloc("activations", into_head, phase + " norm")
+            self.head_forward(phase)
+        t.free("temporaries", self.residual)
 
     def saved_by(self, i: int) -> tuple[float, float]:
         """(all, MLP half) of the bytes block ``i`` saves for backward."""
@@ -392,27 +429,25 @@ class _StepReplay:
 
     def backward(self) -> None:
         self.loss_backward()
+        self.mtp_backward()
         for i in reversed(range(self.spec.model.n_layers)):
             self.block_backward(i)
         t = self.timeline
-        t.alloc("unsharded_grads", self.trainable.embedding * self.param, "backward: embedding")
+        self.embedding_backward("backward: embedding")
         t.free("temporaries", self.residual)
         self.reduce(self.train_root, "backward: root reduce-scatter")
         t.free("unsharded_grads", self.retained_reduce)
         t.free("gathered", self.gathered_bytes(self.root))
 
     def loss_backward(self, head_grads: bool = True) -> None:
-        """Cross-entropy's and the output projection's backward; the root's gradients are reduced last
-        (``head_grads``: the head's unsharded gradients are allocated here, not accumulated into)."""
+        """Cross-entropy's and the output projection's backward (the depths' cross-entropies first, their logits'
+        gradients then waiting for their heads); the root's gradients are reduced last (``head_grads``: the head's
+        unsharded gradients are allocated here, not accumulated into)."""
         t = self.timeline
-        t.alloc("logits", self.logits_fp32, "backward: nll_loss")
-        t.alloc("logits", self.logits_fp32, "backward: log-softmax")
-        if self.parallel.split_vocabulary:  # loss_parallel's fused backward: exp(log-softmax) beside the two
-            t.moment("logits", self.logits_fp32, "backward: nll_loss + log-softmax (loss_parallel)")
-        t.free("logits", CROSS_ENTROPY_BACKWARD_TENSORS * self.logits_fp32)
-        if self.act != FP32_BYTES:
-            t.alloc("logits", self.logits, "backward: logits to bf16")
-            t.free("logits", self.logits_fp32)
+        for depth in reversed(range(1, self.profile.mtp_depths + 1)):
+            self.cross_entropy_backward(f"backward: multi-token prediction {depth}")
+        self.cross_entropy_backward("backward")
+        self.logits_gradient_to_working_dtype("backward")
         order = self.backward_order
         if self.stage == 3 and order and order[0].gathers:  # the root's pre-backward prefetches the last block
             t.alloc("gathered", self.gathered_bytes(order[0]), "backward: root prefetch")
@@ -424,6 +459,52 @@ class _StepReplay:
     def gradient(self, item: str, nbytes: float, phase: str, new: bool) -> None:
         """Unsharded gradients computed in a backward: ``new`` ones stay, others are added into them and die."""
         (self.timeline.alloc if new else self.timeline.moment)(item, nbytes, phase)
+
+    def cross_entropy_backward(self, phase: str) -> None:
+        """A cross-entropy's backward: the gradients of its log-softmax and of its logits, after which the first and
+        the saved log-softmax are released; the logits' (fp32) stays for the head's backward."""
+        t = self.timeline
+        t.alloc("logits", self.logits_fp32, phase + ": nll_loss")
+        t.alloc("logits", self.logits_fp32, phase + ": log-softmax")
+        if self.parallel.split_vocabulary:  # loss_parallel's fused backward: exp(log-softmax) beside the two
+            t.moment("logits", self.logits_fp32, phase + ": nll_loss + log-softmax (loss_parallel)")
+        t.free("logits", CROSS_ENTROPY_BACKWARD_TENSORS * self.logits_fp32)
+
+    def logits_gradient_to_working_dtype(self, phase: str) -> None:
+        """The backward of the model's fp32 cast: the logits' gradient in the working dtype replaces the fp32 one."""
+        if self.act != FP32_BYTES:
+            self.timeline.alloc("logits", self.logits, phase + ": logits to bf16")
+            self.timeline.free("logits", self.logits_fp32)
+
+    def mtp_backward(self) -> None:
+        """The multi-token-prediction depths' backward, the last first: the head's (its weight's gradient summed into
+        the head's), the depth's block, its way into the block (its own parameters' gradients; the embedding's
+        gradient, made here before the trunk's backward)."""
+        depths, t = self.profile.mtp_depths, self.timeline
+        if not depths:
+            return
+        into_block, into_head = self.depth_saved
+        for depth in reversed(range(1, depths + 1)):
+            phase = f"backward: multi-token prediction {depth}"
+            self.logits_gradient_to_working_dtype(phase)
+            t.alloc("temporaries", self.residual, phase + " head")  # the gradient of the depth's hidden state
+            t.moment("unsharded_grads", self.trainable.head * self.param, phase + " head")
+            t.free("logits", self.logits)
+            t.free("activations", into_head)
+            self.block_backward(self.spec.model.n_layers + depth - 1)
+            t.alloc("unsharded_grads", self.trainable.mtp // depths * self.param, phase + " eh_proj and norms")
+            t.free("activations", into_block)
+            self.embedding_backward(phase + " embedding")
+            t.free("temporaries", self.residual)
+
+    def embedding_backward(self, phase: str) -> None:
+        """An embedding lookup's backward: the embedding's gradient, or a second one summed into it in place."""
+        nbytes = self.trainable.embedding * self.param
+        if self.embedding_grad:
+            self.timeline.moment("unsharded_grads", nbytes, phase)
+        else:
+            self.timeline.alloc("unsharded_grads", nbytes, phase)
+            self.embedding_grad = True
 
     def block_backward(self, i: int, phase: str = "", new_grads: bool = True, last: bool = True) -> None:
         """Block ``i``'s backward: regather (ZeRO-3) and prefetch the next, recompute if checkpointed, the MLP's

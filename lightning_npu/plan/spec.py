@@ -185,6 +185,10 @@ class PlanSpec:
             raise PlanError(f"pipeline_parallel_size={self.pipeline.size}: {self.profile.name} ties its embedding to"
                             " its head, which sit on the first and the last stage; untie them (tie_embeddings: false)"
                             " or plan without a pipeline")
+        if self.profile.mtp_depths:
+            raise PlanError(f"pipeline_parallel_size={self.pipeline.size}: {self.profile.name} trains"
+                            f" {self.profile.mtp_depths} multi-token-prediction depth(s), which the recipe does not"
+                            " split into stages; plan with mtp_layers: 0 or without a pipeline")
         if self.micro_batch % self.pipeline.parts:
             raise PlanError(f"micro_batch={self.micro_batch} does not split into pipeline_microbatches="
                             f"{self.pipeline.parts} equal parts; use a multiple of {self.pipeline.parts}")
@@ -216,8 +220,9 @@ class PlanSpec:
 
     @property
     def checkpointed_layers(self) -> list[int]:
-        """Which blocks recompute their activations: the strategy's evenly spaced choice for the ratio."""
-        return options.evenly_spaced(self.model.n_layers, self.ac_ratio)
+        """Which blocks recompute their activations: the strategy's evenly spaced choice for the ratio, among the
+        blocks in module order (the trunk's, then the multi-token-prediction depths')."""
+        return options.evenly_spaced(self.profile.n_blocks, self.ac_ratio)
 
     @property
     def bytes(self) -> PrecisionBytes:

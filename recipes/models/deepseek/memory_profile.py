@@ -15,7 +15,9 @@ layers, the decoder's SwiGLU; the attention half is MLA (``MLAProfile``), as mod
   its head-split output, ``wo`` the output's all-to-all); under ring attention the ring's own: q and k at qk
   width, v as the view of ``wkv_b``'s output it is (nope + v wide), the fp32 output, its row max and sum, and
   ``wo``'s input in a half-precision run;
-- DeepSeekMoE: ``MoEProfile``'s layer, its shared experts without a gate.
+- DeepSeekMoE: ``MoEProfile``'s layer, its shared experts without a gate;
+- multi-token prediction (``mtp_layers``): the planner's ``mtp_depths``, each depth's block a DeepSeekMoE layer
+  (past ``first_k_dense``, which is below ``n_layers``), the head and embedding the model's own, shared.
 """
 
 from __future__ import annotations
@@ -149,10 +151,11 @@ def profile_of(config: DeepSeekConfig, name: str, lora: Any = None) -> DeepSeekP
     shape = ModelShape(vocab_size=config.vocab_size, dim=config.dim, n_layers=config.n_layers,
                        n_heads=config.n_heads, n_kv_heads=config.n_heads, ffn_hidden_dim=config.ffn_hidden_dim,
                        max_seq_len=config.max_seq_len, head_dim=config.qk_head_dim)
-    if config.mtp_layers:
-        raise ValueError(f"model.config.mtp_layers={config.mtp_layers}: multi-token prediction is not planned yet;"
-                         " plan with mtp_layers=0 (an underestimate by one MoE layer and one more output head's"
-                         " logits per depth)")
+    if config.mtp_layers and lora is not None:
+        raise ValueError(f"model.config.mtp_layers={config.mtp_layers} with model.lora: the planner counts"
+                         " multi-token prediction in full training only (add_lora freezes the depths without"
+                         " adapters, which it does not model); plan the LoRA run with mtp_layers=0 (an underestimate"
+                         " by the depths' frozen MoE blocks, saved tensors and logits), or plan full training")
     if config.tie_embeddings:
         raise ValueError("model.config.tie_embeddings=true is not planned for DeepSeek models; plan with false (an"
                          " upper bound: one more [vocab, dim] matrix)")
@@ -163,6 +166,7 @@ def profile_of(config: DeepSeekConfig, name: str, lora: Any = None) -> DeepSeekP
         dense_layers=tuple(config.dense_layer_indices), norm_topk_prob=config.norm_topk_prob,
         q_lora_rank=config.q_lora_rank or 0,
         kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+        mtp_depths=config.mtp_layers,
     )
 
 

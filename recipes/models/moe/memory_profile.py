@@ -43,6 +43,7 @@ from lightning_npu.plan.decoder import (
     EXPERT_PROJECTIONS,
     FP32_BYTES,
     FUSED_DROPOUT_MASK_BYTES,
+    INT64_BYTES,
     BlockParameters,
     Shape,
 )
@@ -51,8 +52,8 @@ from recipes.models.moe.config import MoEConfig
 
 #: The class the recipe's configs shard and checkpoint by (auto_wrap_policy / activation_checkpointing_policy).
 BLOCK_CLASS = "recipes.models.moe.model.MoEBlock"
-#: Bytes of an int64 index (torch.topk's ids, the reference permutation) and of the fused permute's int32 one.
-INT64_BYTES, INT32_BYTES = 8, 4
+#: Bytes of the fused permute's int32 index (torch.topk's ids and the reference permutation are int64).
+INT32_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class MoEProfile(DecoderProfile):
     expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         size = self.expert_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1 or self.n_experts % size:
             raise PlanError(
