@@ -14,7 +14,7 @@ from torch import nn
 from lightning_npu.facts import pipeline as facts
 from lightning_npu.facts.options import FSDPOptions
 from lightning_npu.parallel import PipelineLayout
-from lightning_npu.parallel.pipeline import P2PBatch, _PipelineLoss, _StepGradients, split
+from lightning_npu.parallel.pipeline import _PipelineLoss, _StepGradients, split
 from recipes.decoder.tensor_parallel import PIPELINE
 
 # ---------------------------------------------------------------------------------------------- schedules (facts)
@@ -137,9 +137,31 @@ def test_the_losss_backward_adds_the_steps_gradients_times_what_it_brings():
     torch.testing.assert_close(earlier.grad, torch.full((2,), 4.0))
 
 
-def test_a_p2p_batch_with_two_sends_to_one_peer_is_what_hccl_refuses():
-    assert P2PBatch([("send", 1, (2, 4)), ("send", 1, (2, 4))]).repeats_a_task()
-    assert not P2PBatch([("send", 1, (2, 4)), ("recv", 1, (2, 4))]).repeats_a_task()
+def test_the_strict_fake_refuses_the_p2p_batch_hccl_refuses_and_passes_the_rest(monkeypatch):
+    """Importing torch_npu aliases ``batch_isend_irecv`` to its own; under the fake that one refuses two sends (or two
+    receives) to one peer before any exchange, as HcclBatchSendRecv does, and hands a send and a receive per peer
+    (1F1B's pattern on 2 ranks) to torch."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tests.npu_fake import install_fake_torch_npu
+
+    handed = []
+    monkeypatch.setattr(dist.distributed_c10d, "batch_isend_irecv", handed.append)
+    install_fake_torch_npu(monkeypatch)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)  # P2POp resolves its peer in a group
+    try:
+        x = torch.zeros(2)
+        with pytest.raises(RuntimeError, match="repeats send to/from rank 1"):
+            dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 1), dist.P2POp(dist.isend, x.clone(), 1)])
+        with pytest.raises(ValueError, match="P2POp"):
+            dist.batch_isend_irecv([x])
+        assert handed == []
+        ops = [dist.P2POp(dist.isend, x, 1), dist.P2POp(dist.irecv, x.clone(), 1), dist.P2POp(dist.isend, x, 2)]
+        dist.batch_isend_irecv(ops)
+        assert handed == [ops]
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------- the recipe's checks

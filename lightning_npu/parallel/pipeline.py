@@ -21,8 +21,8 @@ the contract is in ``lightning_npu.parallel.protocol``). This module:
   the shapes of the first (torch infers its P2P buffers from microbatch 0): an uneven split is refused in training
   on every rank before any exchange (evaluation pads the batch with unlabelled rows), and a new shape builds the
   schedule again, which infers the shapes again.
-- checks a schedule's point-to-point batches (:class:`P2PRecorder`): torch_npu sends a ``batch_isend_irecv`` list
-  as one ``HcclBatchSendRecv``, which refuses two tasks in the same direction to one peer.
+- leaves the point-to-point exchanges to torch's schedules, whose mixed send/receive batches hold at most one task of
+  each kind per peer: HCCL's rule (``facts.hccl``), which the strict fake enforces and the launched runs check.
 
 Measured on gloo (tests/test_pipeline.py): every schedule gives the unpipelined model's losses and gradients; FSDP2
 under PP: torch turns gradient sync off for every microbatch and reduce-scatters once per unit per step, so each
@@ -37,7 +37,7 @@ from __future__ import annotations
 import copy
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -340,44 +340,4 @@ def _no_local_backward_handoff(stages: Sequence[Any]) -> Iterator[None]:
             del stage.get_local_bwd_output, stage.set_local_bwd_input
 
 
-@dataclass
-class P2PBatch:
-    """One ``batch_isend_irecv`` call (one ``HcclBatchSendRecv`` under torch_npu): ``(direction, global peer, shape)``
-    per operation."""
-
-    ops: list[tuple[str, int, tuple[int, ...]]]
-
-    def repeats_a_task(self) -> bool:
-        """Two operations in the same direction to one peer: what HcclBatchSendRecv refuses."""
-        keys = [(direction, peer) for direction, peer, _ in self.ops]
-        return len(keys) != len(set(keys))
-
-
-@dataclass
-class P2PRecorder:
-    """Records every ``dist.batch_isend_irecv`` call made while active (``with P2PRecorder() as recorder: ...``). Gloo
-    runs each operation of a batch alone, so a simulated run cannot fail as HCCL would; this shows what HCCL would
-    be given. torch 2.13's schedules send an all-send or all-receive group as separate operations and only a mixed
-    one through ``batch_isend_irecv``."""
-
-    batches: list[P2PBatch] = field(default_factory=list)
-
-    def __enter__(self) -> "P2PRecorder":
-        self._original = original = dist.batch_isend_irecv
-
-        def batch_isend_irecv(ops: list) -> list:
-            self.batches.append(P2PBatch([("send" if op.op is dist.isend else "recv", int(op.peer),
-                                           tuple(op.tensor.shape)) for op in ops]))
-            return original(ops)
-
-        dist.batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv = batch_isend_irecv
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        dist.batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv = self._original
-
-    def refused_by_hccl(self) -> list[P2PBatch]:
-        return [batch for batch in self.batches if batch.repeats_a_task()]
-
-
-__all__ = ["IGNORE_INDEX", "KeptBlocks", "inferring_shapes", "P2PBatch", "P2PRecorder", "Pipeline", "PipelineSplit", "split"]
+__all__ = ["IGNORE_INDEX", "KeptBlocks", "inferring_shapes", "Pipeline", "PipelineSplit", "split"]

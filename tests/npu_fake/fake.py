@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tests.npu_fake import ops
+from tests.npu_fake.hccl import install_hccl_batch_send_recv
 from tests.npu_fake.profiler import build_profiler_module
 
 API_DIR = Path(__file__).parent
@@ -723,5 +724,6 @@ def install_fake_torch_npu(
 
         sharded = _sharded_grad_scaler_class(fake, signature_from_params(scaler["init_params"]))
         monkeypatch.setattr(sharded_grad_scaler, "ShardedGradScaler", sharded)
+    install_hccl_batch_send_recv(monkeypatch)  # its distributed patches alias batch_isend_irecv too
     return fake
 

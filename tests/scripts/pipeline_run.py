@@ -34,7 +34,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_npu
-from lightning_npu.parallel.pipeline import P2PRecorder
+from tests.npu_fake.hccl import P2PRecorder
 from recipes.decoder.module import load_pretrained
 from tests.scripts.expert_parallel_run import module, save_first_weights
 from tests.scripts.trainer_run import SaveAfterFirstEpoch
@@ -110,7 +110,7 @@ def fit(out: Path, name: str, *, devices: int, model: str = "llama", epochs: int
     with P2PRecorder() as p2p:
         trainer.fit(lm, train_dataloaders=train, val_dataloaders=val, ckpt_path=resume)
     return {"losses": losses.losses, "val": losses.val,
-            "refused_by_hccl": [batch.ops for batch in p2p.refused_by_hccl()]}
+            "refused_by_hccl": p2p.refused_by_hccl()}
 
 
 def fabric_fit(out: Path, devices: int, steps: int = 4, **options) -> dict:
