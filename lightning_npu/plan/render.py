@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
+from lightning_npu.facts import pipeline as schedules
 from lightning_npu.facts.precisions import PRECISION_DTYPES
 from lightning_npu.plan.estimate import estimate, max_micro_batch
 from lightning_npu.plan.shape import PlanError
@@ -48,6 +49,8 @@ def report(spec: PlanSpec) -> dict[str, Any]:
         "expert_parallel_size": spec.profile.expert_parallel_size,
         "pipeline": {**dataclasses.asdict(spec.pipeline), "stages": spec.pipeline.num_stages,
                      "microbatches": spec.pipeline.parts, "bubble_fraction": spec.pipeline.bubble(),
+                     "bubble_formula": schedules.bubble_fraction(spec.pipeline.schedule, spec.pipeline.size,
+                                                                 spec.pipeline.parts, spec.pipeline.per_rank),
                      "blocks_per_stage": ([len(blocks) for blocks in spec.pipeline.stage_blocks(spec.model.n_layers)]
                                           if spec.pipeline.size > 1 else [])},
         "precision": spec.precision,

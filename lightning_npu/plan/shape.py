@@ -98,14 +98,18 @@ class Pipelining:
         return checked(schedules.blocks_per_stage, n_layers, self.num_stages, layers_per_stage=self.layers_per_stage)
 
     def bubble(self) -> float:
-        """The share of a step each rank idles, by the schedule's formula."""
-        return schedules.bubble_fraction(self.schedule, self.size, self.parts, self.per_rank)
+        """The share of a step the idlest rank waits, with torch's order replayed (``replayed_bubble``); 0 without
+        a pipeline."""
+        if self.size == 1:
+            return 0.0
+        return max(schedules.replayed_bubble(self.schedule, self.size, self.parts, self.per_rank))
 
     def describe(self) -> str:
         if self.size == 1:
             return "none"
+        formula = schedules.bubble_fraction(self.schedule, self.size, self.parts, self.per_rank)
         return (f"pipeline {self.size} ({self.schedule}, {self.num_stages} stages, {self.parts} microbatches;"
-                f" bubble {100 * self.bubble():.1f}% of the step)")
+                f" bubble {100 * self.bubble():.1f}% of the step, the formula's {100 * formula:.1f}%)")
 
 
 #: ``--model-shape`` keys -> ModelShape fields. ``kv_heads`` defaults to ``heads`` (multi-head attention).
