@@ -321,3 +321,23 @@ def test_multi_token_prediction_under_context_parallelism_is_refused_with_the_re
     apply_context_parallel(model, model.context_parallel_modules(), ContextParallel(None, "ring"))  # refused before the group is asked anything
     with pytest.raises(ValueError, match=r"mtp_layers=1: multi-token prediction reads the tokens up to 1 ahead"):
         model.train()(tokens(seq=8))
+
+
+def test_lora_flops_take_the_weight_gradient_off_every_weight_pass_the_mtp_depths_included():
+    """Under LoRA each frozen weight a token runs through costs 4 FLOPs, not 6, and with multi-token prediction that
+    includes each depth's extra pass through the shared head. Before, the correction subtracted 2 x the active
+    parameters only, so each depth's head pass stayed at 6 (about 0.8% high on DeepSeek-V3)."""
+    from recipes.decoder.module import DecoderLM
+    from recipes.models.deepseek.config import DeepSeekConfig
+
+    config = DeepSeekConfig.from_preset("tiny", mtp_layers=2)
+    lora = {"rank": 8, "targets": ["o"]}
+    full = DecoderLM(family="deepseek", preset="tiny", config={"mtp_layers": 2}).flops_per_token
+    adapted = DecoderLM(family="deepseek", preset="tiny", config={"mtp_layers": 2}, init_from="base",
+                        lora=lora).flops_per_token
+    runs = config.active_params(include_embedding=False) + 2 * config.vocab_size * config.dim
+    from recipes.decoder.lora import active_adapter_params
+    from recipes.decoder.lora_config import LoRAConfig
+
+    adapters = active_adapter_params(config, LoRAConfig.from_value(lora))
+    assert full - adapted == 2 * runs - 6 * adapters

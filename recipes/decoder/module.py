@@ -142,9 +142,10 @@ class DecoderLM(LightningModule):
         flops = self.config.flops_per_token(seq_len)
         if self.lora is not None:
             adapters = active_adapter_params(self.config, self.lora)
-            # A dense family's config has no active_params: every weight is active.
-            active = getattr(self.config, "active_params", self.config.num_params)
-            flops += 6 * adapters - 2 * active(include_embedding=False)
+            # The count's weight part at no context (6 per weight a token runs through: the active experts, an MTP
+            # depth's extra pass through the shared head) is what freezing takes 2 of.
+            frozen = self.config.flops_per_token(0) // 6
+            flops += 6 * adapters - 2 * frozen
         return flops
 
     def forward(self, input_ids: Tensor) -> Tensor:
