@@ -25,7 +25,8 @@ import dataclasses
 from typing import Optional
 
 from lightning_npu.facts import pipeline as schedules
-from lightning_npu.plan.replay import HCCL_BUFFERS_PER_COMMUNICATOR, _StepReplay, _Unit, _unit, _Units, _units, state_bytes_of
+from lightning_npu.plan.replay import (HCCL_BUFFERS_PER_COMMUNICATOR, _StepReplay, _Unit, _unit, _Units, _units,
+                                      state_bytes_of)
 from lightning_npu.plan.spec import MIB, Estimate, PlanSpec
 
 
@@ -55,7 +56,6 @@ class _RankReplay(_StepReplay):
         self.ends = {stage for stage in self.stage_ids if stage in (0, self.last_stage)}
         self.ends_open = set(self.ends)
         self.root_gathered = self.root_upcast = False
-        self.upcast_numel = 0
         # The accumulated unsharded gradients' bytes per element: FSDP2 upcasts them to the reduce dtype between
         # microbatches while gradient sync is off.
         self.accumulated = self.reduced if self.parts > 1 else self.param
@@ -159,7 +159,6 @@ class _RankReplay(_StepReplay):
                 numel += self.train_root.exact
                 self.root_upcast = True
             t.alloc("unsharded_grads", numel * upcast, phase + " upcast")
-            self.upcast_numel += numel
         if last:
             self.ends_open.discard(stage)
             if stage in self.ends and not self.ends_open:  # the root unit's last backward
