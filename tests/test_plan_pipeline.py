@@ -25,7 +25,8 @@ def _torch_order(name: str, pp: int, microbatches: int, per_rank: int, rank: int
     cls = getattr(torch_schedules, schedules.SCHEDULES[name].class_name)
     rounds = max(1, microbatches // pp)
     state = SimpleNamespace(pp_group_size=pp, n_local_stages=per_rank, _n_microbatches=microbatches, rank=rank,
-                            num_stages=pp * per_rank, number_of_rounds=rounds, microbatches_per_round=microbatches // rounds)
+                            num_stages=pp * per_rank, number_of_rounds=rounds,
+                            microbatches_per_round=microbatches // rounds)
     return [(action.stage_index, KINDS[action.computation_type.name], action.microbatch_index)
             for action in cls._calculate_single_rank_operations(state, rank) if action is not None]
 

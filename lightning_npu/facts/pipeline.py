@@ -255,8 +255,10 @@ def replayed_bubble(schedule: str, pp: int, microbatches: int, per_rank: int = 1
             return [(stage - 1, "F", mb)] if stage > 0 else []
         if kind == "W":
             return [(stage, "I", mb)]
-        later = [] if stage == last else [(stage + 1, "B", mb) if (stage + 1, "B", mb) in done else (stage + 1, "I", mb)]
-        return [(stage, "F", mb), *later]
+        if stage == last:
+            return [(stage, "F", mb)]
+        after = (stage + 1, "B", mb) if (stage + 1, "B", mb) in done else (stage + 1, "I", mb)
+        return [(stage, "F", mb), after]
 
     remaining = sum(len(order) for order in orders.values())
     while remaining:
@@ -293,5 +295,6 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, per_rank: int = 1
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
-__all__ = ["Action", "COSTS", "DEFAULT_SCHEDULE", "actions", "replayed_bubble", "SCHEDULES", "Schedule", "blocks_per_stage", "bubble_fraction", "check_microbatches",
-           "check_schedule", "default_microbatches", "last_stage_rank", "stage_ids", "stages_per_rank"]
+__all__ = ["Action", "COSTS", "DEFAULT_SCHEDULE", "SCHEDULES", "Schedule", "actions", "blocks_per_stage",
+           "bubble_fraction", "check_microbatches", "check_schedule", "default_microbatches", "last_stage_rank",
+           "replayed_bubble", "stage_ids", "stages_per_rank"]

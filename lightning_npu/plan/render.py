@@ -98,9 +98,10 @@ def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
                      " optimizer states only for those")
     if spec.pipeline.size > 1:
         pipe = plan["pipeline"]
+        parts = pipe["microbatches"]
         lines.append(f"{spec.pipeline.describe()}: blocks per stage {pipe['blocks_per_stage']}, micro-batch"
-                     f" {spec.micro_batch} in {pipe['microbatches']} parts of {spec.micro_batch // pipe['microbatches']};"
-                     " the table is the fullest pipeline rank's")
+                     f" {spec.micro_batch} in {parts} parts of {spec.micro_batch // parts}; the table is the fullest"
+                     " pipeline rank's")
     lines.append("")
     labels = {key: label.format(**names) for key, label in ITEMS.items()}
     if spec.pipeline.size == 1:

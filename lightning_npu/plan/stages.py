@@ -11,8 +11,9 @@ torch 2.13's order of forwards and backwards per microbatch and stage), on the F
   backward reduce-scatters them into new gradient shards, held apart from the previous step's until Lightning's
   ``zero_grad`` after the training step;
 - each microbatch keeps, from its forward to its backward (to the weight half of it under the zero-bubble
-  schedules, with the gradients of the weight matmuls' outputs from the input half on), what its blocks save and the stage's output (held for the backward: on the last stage the fp32
-  logits, beside the final norm's tensors and cross-entropy's log-softmax);
+  schedules, with the gradients of the weight matmuls' outputs from the input half on), what its blocks save and
+  the stage's output (held for the backward: on the last stage the fp32 logits, beside the final norm's tensors and
+  cross-entropy's log-softmax);
 - torch allocates every microbatch's receive buffer at the first step and keeps them: the activations a stage
   receives (all but the first stage) and the gradients it receives (all but the last);
 - each neighbour the rank sends to holds a point-to-point communicator with two ``P2P_HCCL_BUFFSIZE`` buffers, and
