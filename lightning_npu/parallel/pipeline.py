@@ -17,7 +17,9 @@ the contract is in ``lightning_npu.parallel.protocol``). This module:
   returned loss is differentiable: the schedule has run every backward already, and the loss's own backward adds the
   step's gradients to ``.grad``, times what it brings (Lightning's ``1 / accumulate_grad_batches``, a loss scale),
   so code written for an unpipelined model (``loss.backward()``, ``zero_grad`` between forward and backward, a
-  scaled loss) gets the gradients it would get. ``eval`` (forward only) for validation. Every microbatch must have
+  scaled loss) gets the gradients it would get. ``eval`` (forward only) for validation; called without labels
+  under ``no_grad`` (``predict_step``), the model gives the last stage's outputs, broadcast to every rank of the
+  pipeline (:meth:`Pipeline.outputs`). Every microbatch must have
   the shapes of the first (torch infers its P2P buffers from microbatch 0): an uneven split is refused in training
   on every rank before any exchange (evaluation pads the batch with unlabelled rows), and a new shape builds the
   schedule again, which infers the shapes again.
