@@ -61,7 +61,6 @@ def test_microbatch_rules_of_torchs_constructors_are_checked():
 @pytest.mark.parametrize("options, refused", [
     (dict(context_parallel_size=2), "context_parallel_size"),
     (dict(expert_parallel_size=2), "expert_parallel_size"),
-    (dict(state_dict_type="full"), "state_dict_type='full'"),
     (dict(tensor_parallel_size=2), "sequence_parallel=True"),
     (dict(pipeline_schedule="ZBVZeroBubble", activation_checkpointing_policy=["Block"]),
      "activation_checkpointing_policy"),
@@ -244,6 +243,27 @@ def test_a_checkpoint_resumes_across_pipeline_layouts(pipeline_runs):
     for name in ("plain_to_pp2", "pp2_to_plain", "pp2_to_pp2_tp2"):
         _close(pipeline_runs, name, "plain", start=5)
         _close(pipeline_runs, name, "plain", "val", start=1)
+
+
+@pytest.mark.slow
+def test_a_full_checkpoint_under_pp_holds_every_stage_and_resumes_under_pp_and_plain(pipeline_runs):
+    """``state_dict_type="full"`` under pp 2: one file after epoch 0 with the whole model in its parameter order and
+    the optimizer's state numbered as plain numbers it, what consolidating pp 2's sharded checkpoint gives (the same
+    run); resumed under pp 2 and under plain, the second epoch is plain's. Catches a file of rank 0's stage only,
+    and a load that broadcasts rank 0's tensors to the other stage (wrong weights, or a hang)."""
+    from lightning_npu.strategies.checkpoints.offline import read_sharded
+
+    _close(pipeline_runs, "pp2_full", "plain")
+    for name in ("pp2_full_to_pp2", "pp2_full_to_plain"):
+        _close(pipeline_runs, name, "plain", start=5)
+        _close(pipeline_runs, name, "plain", "val", start=1)
+    out = Path(pipeline_runs["out"])
+    full, sharded = torch.load(out / "pp2_full_epoch0", weights_only=False), read_sharded(out / "pp2_epoch0")
+    assert list(full["state_dict"]) == [name for name, _ in _tiny_llama().named_parameters(prefix="model")]
+    torch.testing.assert_close(full["state_dict"], sharded["state_dict"], rtol=0, atol=1e-6)
+    (full_optimizer,), (sharded_optimizer,) = full["optimizer_states"], sharded["optimizer_states"]
+    assert full_optimizer["param_groups"] == sharded_optimizer["param_groups"]
+    torch.testing.assert_close(full_optimizer["state"], sharded_optimizer["state"], rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow

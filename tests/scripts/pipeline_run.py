@@ -13,7 +13,8 @@ launches:
 - ``--stage two`` (2 simulated NPUs): ``pp2`` (1F1B, 4 microbatches) as ``plain``, a sharded checkpoint after epoch
   0; ``pp2_gpipe``, ``pp2_interleaved`` (2 stages a rank), ``pp2_zbv`` (V schedule) for epoch 0;
   ``pp2_accumulate``; ``plain_to_pp2``: ``plain``'s checkpoint resumed under pp 2; ``plain2``: plain with 2 replicas
-  (the reference of ``pp2_dp2``); ``fabric_pp2``; ``moe_pp2``, ``qwen3_pp2``, ``deepseek_pp2``; ``predict_pp2``,
+  (the reference of ``pp2_dp2``); ``pp2_full``: ``pp2`` saving one full file (``state_dict_type="full"``), which
+  ``pp2_full_to_pp2`` resumes; ``fabric_pp2``; ``moe_pp2``, ``qwen3_pp2``, ``deepseek_pp2``; ``predict_pp2``,
   ``predict_pp2_zbv``: ``predict_plain`` under pp 2 (each rank's logits to ``<name>_rank<r>.pt``); ``guard_pp2``:
   ``guard_plain``'s NaNs, where only the first stage sees them; ``preempt_pp2``: SIGTERM to rank 1 alone, a save
   on preemption (``preempted``);
@@ -21,7 +22,7 @@ launches:
   checkpoint resumed under pp 2 x tensor_parallel_size 2;
 - ``--stage back`` (1 simulated NPU): ``pp2_to_plain``: ``pp2``'s checkpoint resumed under plain npu_fsdp, which
   saves it again before its first step (``pp2_weights_plain``: pp 2's weights and optimizer state, written without
-  the pipeline).
+  the pipeline); ``pp2_full_to_plain``: ``pp2_full``'s file resumed under plain npu_fsdp.
 
 Each stage's results go to ``<out>/<stage>.json`` (rank 0): per run the per-step losses and the validation losses
 (one per epoch), and the P2P batches torch sent through ``batch_isend_irecv`` that HCCL would refuse.
@@ -294,6 +295,8 @@ def main() -> None:
                            activation_checkpointing_policy=None, **pp2),
             "pp2_accumulate": fit(out, "pp2_accumulate", devices=2, epochs=1, accumulate=2, **pp2),
             "plain_to_pp2": fit(out, "plain_to_pp2", devices=2, resume=str(out / "plain_epoch0"), **pp2),
+            "pp2_full": fit(out, "pp2_full", devices=2, save=True, state_dict_type="full", **pp2),
+            "pp2_full_to_pp2": fit(out, "pp2_full_to_pp2", devices=2, resume=str(out / "pp2_full_epoch0"), **pp2),
             "plain2": fit(out, "plain2", devices=2),
             "fabric_pp2": fabric_fit(out, 2, **pp2),
             **{f"{model}_pp2": fit(out, f"{model}_pp2", devices=2, model=model, epochs=1, **pp2)
@@ -308,7 +311,8 @@ def main() -> None:
         # weights, written without the pipeline.
         save = LambdaCallback(on_train_start=lambda trainer, module: trainer.save_checkpoint(out / "pp2_weights_plain"))
         results = {"pp2_to_plain": fit(out, "pp2_to_plain", devices=1, resume=str(out / "pp2_epoch0"),
-                                       callbacks=[save])}
+                                       callbacks=[save]),
+                   "pp2_full_to_plain": fit(out, "pp2_full_to_plain", devices=1, resume=str(out / "pp2_full_epoch0"))}
     else:
         results = {
             "pp2_dp2": fit(out, "pp2_dp2", devices=4, **pp2),
