@@ -90,7 +90,7 @@ def layout_parity_runs(tmp_path_factory):
     return {name: torch.tensor(run["losses"]) for name, run in result.items()}, result
 
 
-@PREFETCHED.fixture(seconds=60)
+@PREFETCHED.fixture(seconds=80)
 def pipeline_runs(tmp_path_factory):
     """``tests/scripts/pipeline_run.py``'s four launches (1, 2, 4, 1 simulated NPUs): pipeline parallelism under the
     Trainer and Fabric against plain npu_fsdp with as many data-parallel replicas. Returns each run's record, and

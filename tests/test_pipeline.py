@@ -253,7 +253,10 @@ def test_a_full_checkpoint_under_pp_holds_every_stage_and_resumes_under_pp_and_p
     and a load that broadcasts rank 0's tensors to the other stage (wrong weights, or a hang)."""
     from lightning_npu.strategies.checkpoints.offline import read_sharded
 
-    _close(pipeline_runs, "pp2_full", "plain")
+    plain = pipeline_runs["plain"]
+    runs = {**pipeline_runs, "plain_first_epoch": {"losses": plain["losses"][:5], "val": plain["val"][:1]}}
+    _close(runs, "pp2_full", "plain_first_epoch")  # its first epoch only: it stops after saving
+    _close(runs, "pp2_full", "plain_first_epoch", "val")
     for name in ("pp2_full_to_pp2", "pp2_full_to_plain"):
         _close(pipeline_runs, name, "plain", start=5)
         _close(pipeline_runs, name, "plain", "val", start=1)

@@ -13,8 +13,8 @@ launches:
 - ``--stage two`` (2 simulated NPUs): ``pp2`` (1F1B, 4 microbatches) as ``plain``, a sharded checkpoint after epoch
   0; ``pp2_gpipe``, ``pp2_interleaved`` (2 stages a rank), ``pp2_zbv`` (V schedule) for epoch 0;
   ``pp2_accumulate``; ``plain_to_pp2``: ``plain``'s checkpoint resumed under pp 2; ``plain2``: plain with 2 replicas
-  (the reference of ``pp2_dp2``); ``pp2_full``: ``pp2`` saving one full file (``state_dict_type="full"``), which
-  ``pp2_full_to_pp2`` resumes; ``fabric_pp2``; ``moe_pp2``, ``qwen3_pp2``, ``deepseek_pp2``; ``predict_pp2``,
+  (the reference of ``pp2_dp2``); ``pp2_full``: ``pp2``'s first epoch, saving one full file
+  (``state_dict_type="full"``), which ``pp2_full_to_pp2`` resumes; ``fabric_pp2``; ``moe_pp2``, ``qwen3_pp2``, ``deepseek_pp2``; ``predict_pp2``,
   ``predict_pp2_zbv``: ``predict_plain`` under pp 2 (each rank's logits to ``<name>_rank<r>.pt``); ``guard_pp2``:
   ``guard_plain``'s NaNs, where only the first stage sees them; ``preempt_pp2``: SIGTERM to rank 1 alone, a save
   on preemption (``preempted``);
@@ -130,6 +130,14 @@ def fit(out: Path, name: str, *, devices: int, model: str = "llama", epochs: int
             stopped = f"{type(error).__name__}: {error}"
     return {"losses": losses.losses, "val": losses.val, "stopped": stopped,
             "refused_by_hccl": p2p.refused_by_hccl()}
+
+
+class StopAfterEpoch(Callback):
+    """End the run after its first epoch, its learning-rate schedule still spanning every epoch (as a run that is
+    resumed from there)."""
+
+    def on_train_epoch_end(self, trainer, module) -> None:
+        trainer.should_stop = True
 
 
 class Predicting(DecoderLM):
@@ -295,7 +303,8 @@ def main() -> None:
                            activation_checkpointing_policy=None, **pp2),
             "pp2_accumulate": fit(out, "pp2_accumulate", devices=2, epochs=1, accumulate=2, **pp2),
             "plain_to_pp2": fit(out, "plain_to_pp2", devices=2, resume=str(out / "plain_epoch0"), **pp2),
-            "pp2_full": fit(out, "pp2_full", devices=2, save=True, state_dict_type="full", **pp2),
+            "pp2_full": fit(out, "pp2_full", devices=2, save=True, state_dict_type="full", callbacks=[StopAfterEpoch()],
+                            **pp2),
             "pp2_full_to_pp2": fit(out, "pp2_full_to_pp2", devices=2, resume=str(out / "pp2_full_epoch0"), **pp2),
             "plain2": fit(out, "plain2", devices=2),
             "fabric_pp2": fabric_fit(out, 2, **pp2),
