@@ -63,8 +63,9 @@ def load_local_model_state(module: nn.Module, state_dict: dict[str, Any], strict
     names = list(get_model_state_dict(module))  # the local (sharded) view: names only, nothing gathered
     missing = [name for name in names if name not in state_dict]
     if missing and strict:
-        raise KeyError(f"the checkpoint holds no {missing[:5]} ({len(missing)} of this pipeline stage's tensors): it"
-                       " was written for another model. To load what it holds, set strict loading off")
+        raise KeyError(f"the checkpoint holds no {missing[:5]} ({len(missing)} of this pipeline stage's tensors), so"
+                       " it was written for another model; load the checkpoint of this model, or set strict loading"
+                       " off to load only what it holds")
     local = {name: state_dict[name] for name in names if name in state_dict}
     set_model_state_dict(module, local, options=StateDictOptions(full_state_dict=True, strict=False))
 
@@ -77,14 +78,16 @@ def local_optimizer_state(saved: dict[str, Any], module: nn.Module, optimizer: O
     groups = saved.get("param_groups", [])
     if len(groups) != len(local["param_groups"]):
         raise ValueError(f"the checkpoint's optimizer state has {len(groups)} param groups, the optimizer"
-                         f" {len(local['param_groups'])}: the checkpoint was written for another optimizer")
+                         f" {len(local['param_groups'])}, so it was written for another optimizer; build the"
+                         " optimizer with the groups it was saved with (configure_optimizers)")
     whole = whole_param_groups(local, pipeline.parameter_order, pipeline.pp_group)["param_groups"]
     numbered = [p for group in groups for p in group.get("params", [])]
     names = [name for group in whole for name in group["params"]]
     if numbered and isinstance(numbered[0], int):
         if len(numbered) != len(names):
             raise ValueError(f"the checkpoint's optimizer state covers {len(numbered)} parameters, the pipelined"
-                             f" model has {len(names)}: the checkpoint was written for another model or optimizer")
+                             f" model has {len(names)}, so it was written for another model or optimizer; load the"
+                             " checkpoint of this model, or only its weights (a new fit from them, without ckpt_path)")
         by_index = dict(zip(numbered, names))
         state = {by_index[index]: value for index, value in saved.get("state", {}).items()}
     else:
