@@ -90,10 +90,11 @@ def layout_parity_runs(tmp_path_factory):
     return {name: torch.tensor(run["losses"]) for name, run in result.items()}, result
 
 
-@PREFETCHED.fixture(seconds=60)
+@PREFETCHED.fixture(seconds=80)
 def pipeline_runs(tmp_path_factory):
     """``tests/scripts/pipeline_run.py``'s four launches (1, 2, 4, 1 simulated NPUs): pipeline parallelism under the
-    Trainer and Fabric against plain npu_fsdp with as many data-parallel replicas. Returns each run's record."""
+    Trainer and Fabric against plain npu_fsdp with as many data-parallel replicas. Returns each run's record, and
+    under "out" the directory the launches wrote (their checkpoints and predictions)."""
     from tests.helpers import SCRIPTS, read_json, run_python
 
     out = tmp_path_factory.mktemp("pipeline")
@@ -101,4 +102,5 @@ def pipeline_runs(tmp_path_factory):
     for stage, devices in stages:
         run_python([str(SCRIPTS / "pipeline_run.py"), "--out", str(out), "--stage", stage], simulate=devices,
                    timeout=1800)
-    return {name: run for stage, _ in stages for name, run in read_json(out / f"{stage}.json").items()}
+    runs = {name: run for stage, _ in stages for name, run in read_json(out / f"{stage}.json").items()}
+    return {**runs, "out": str(out)}  # "out": the launches' directory (checkpoints, predictions)

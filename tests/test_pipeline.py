@@ -6,6 +6,7 @@ and (slow) Trainer and Fabric runs against plain npu_fsdp with as many data-para
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from lightning_npu.facts.options import FSDPOptions
 from lightning_npu.parallel import PipelineLayout
 from lightning_npu.parallel.pipeline import _PipelineLoss, _StepGradients, split
 from recipes.decoder.tensor_parallel import PIPELINE
+from tests.helpers import REPO
 
 # ---------------------------------------------------------------------------------------------- schedules (facts)
 
@@ -59,7 +61,6 @@ def test_microbatch_rules_of_torchs_constructors_are_checked():
 @pytest.mark.parametrize("options, refused", [
     (dict(context_parallel_size=2), "context_parallel_size"),
     (dict(expert_parallel_size=2), "expert_parallel_size"),
-    (dict(state_dict_type="full"), "state_dict_type='full'"),
     (dict(tensor_parallel_size=2), "sequence_parallel=True"),
     (dict(pipeline_schedule="ZBVZeroBubble", activation_checkpointing_policy=["Block"]),
      "activation_checkpointing_policy"),
@@ -245,10 +246,129 @@ def test_a_checkpoint_resumes_across_pipeline_layouts(pipeline_runs):
 
 
 @pytest.mark.slow
+def test_a_full_checkpoint_under_pp_holds_every_stage_and_resumes_under_pp_and_plain(pipeline_runs):
+    """``state_dict_type="full"`` under pp 2: one file after epoch 0 with the whole model in its parameter order and
+    the optimizer's state numbered as plain numbers it, what consolidating pp 2's sharded checkpoint gives (the same
+    run); resumed under pp 2 and under plain, the second epoch is plain's. Catches a file of rank 0's stage only,
+    and a load that broadcasts rank 0's tensors to the other stage (wrong weights, or a hang)."""
+    from lightning_npu.strategies.checkpoints.offline import read_sharded
+
+    plain = pipeline_runs["plain"]
+    runs = {**pipeline_runs, "plain_first_epoch": {"losses": plain["losses"][:5], "val": plain["val"][:1]}}
+    _close(runs, "pp2_full", "plain_first_epoch")  # its first epoch only: it stops after saving
+    _close(runs, "pp2_full", "plain_first_epoch", "val")
+    for name in ("pp2_full_to_pp2", "pp2_full_to_plain"):
+        _close(pipeline_runs, name, "plain", start=5)
+        _close(pipeline_runs, name, "plain", "val", start=1)
+    out = Path(pipeline_runs["out"])
+    full, sharded = torch.load(out / "pp2_full_epoch0", weights_only=False), read_sharded(out / "pp2_epoch0")
+    assert list(full["state_dict"]) == [name for name, _ in _tiny_llama().named_parameters(prefix="model")]
+    torch.testing.assert_close(full["state_dict"], sharded["state_dict"], rtol=0, atol=1e-6)
+    (full_optimizer,), (sharded_optimizer,) = full["optimizer_states"], sharded["optimizer_states"]
+    assert full_optimizer["param_groups"] == sharded_optimizer["param_groups"]
+    torch.testing.assert_close(full_optimizer["state"], sharded_optimizer["state"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_a_fabric_loop_written_for_one_device_runs_pipelined(pipeline_runs):
     """``loss = model(x, labels=y)``, ``fabric.backward(loss / 2)`` over 2 batches, ``fabric.clip_gradients``: the
     same losses under pp 2 as on one device, within 1e-5."""
     _close(pipeline_runs, "fabric_pp2", "fabric_plain")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["predict_pp2", "predict_pp2_zbv"])
+def test_predict_returns_the_last_stages_logits_on_every_rank(pipeline_runs, name):
+    """``trainer.predict`` whose ``predict_step`` calls the model without labels: under pp 2 (1F1B, and the V schedule,
+    whose last stage is on rank 0) every rank returns the batch's logits, those plain npu_fsdp gives, the last
+    batch of 3 rows too (padded to the 4 microbatches, cut back)."""
+    out = Path(pipeline_runs["out"])
+    plain = torch.load(out / "predict_plain_rank0.pt")
+    assert pipeline_runs[name]["batches"] == pipeline_runs["predict_plain"]["batches"] == [[4, 32, 2048], [4, 32, 2048],
+                                                                                          [3, 32, 2048]]
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(out / f"{name}_rank{rank}.pt"), plain, rtol=0, atol=1e-5,
+                                   msg=lambda m: f"{name} rank {rank}: {m}")
+
+
+@pytest.mark.slow
+def test_a_nan_the_first_stage_alone_sees_skips_and_stops_every_rank_as_plain(pipeline_runs):
+    """NonFiniteLossGuard(max_skipped_steps=2) under pp 2 and plain with the same NaNs (tests/scripts/pipeline_run.py
+    ``Poison``): block 0's output at step 1, global rank 0's loss at step 2 (under pp 2 after the broadcast, so the
+    last stage's rank sees a finite loss), a block 0 gradient at step 3 (every loss finite; clipping's norm over
+    the stages turns every weight NaN, and step 4's loss). Every rank skips steps 1 and 2 and stops at step 4 with
+    plain's error, with plain's losses. Catches a per-rank decision: rank 1 would apply step 2, which plain skips
+    (its losses would differ; its skips too), and ranks raising at different steps would hang in the next
+    collective."""
+    plain, pp = pipeline_runs["guard_plain"], pipeline_runs["guard_pp2"]
+    (expected,) = plain["ranks"]
+    assert expected["skipped"] == [1, 2]
+    assert expected["stopped"].startswith("NonFiniteLossError: The training loss was NaN or Inf at step 4 "
+                                          "(trainer.global_step) after skipping steps [1, 2];")
+    assert pp["ranks"] == [expected, expected]
+    torch.testing.assert_close(torch.tensor(pp["losses"]), torch.tensor(plain["losses"]), rtol=0, atol=1e-5,
+                               equal_nan=True)
+    assert len(plain["losses"]) == 4 and torch.tensor(plain["losses"]).isnan().tolist() == [False, True, True, False]
+
+
+@pytest.mark.slow
+def test_a_preemption_one_rank_sees_stops_every_stage_at_one_step_with_a_checkpoint_of_every_stage(pipeline_runs):
+    """SIGTERM to global rank 1 alone (the last stage) at step 2 of a pp 2 run saving on preemption: both ranks raise
+    Preempted at step 2 naming one checkpoint, which holds every stage's weights, as each rank held them, and the
+    optimizer's state of every parameter; the losses before it are plain's. A per-rank decision would leave rank 0
+    training while rank 1 saves: the run would hang (the launch's timeout) instead."""
+    from lightning_npu.strategies.checkpoints.offline import read_sharded
+
+    run = pipeline_runs["preempt_pp2"]
+    first, last = run["ranks"]
+    expected = f"Preempted: preempted by SIGTERM at step 2; checkpoint {run['checkpoint']}"
+    assert first["stopped"] == last["stopped"] == expected
+    assert first["difference"] == last["difference"] == 0.0  # each stage's weights, as saved
+    checkpoint = read_sharded(run["checkpoint"])
+    assert not set(first["held"]) & set(last["held"])
+    assert set(checkpoint["state_dict"]) == set(first["held"]) | set(last["held"])
+    (optimizer,) = checkpoint["optimizer_states"]
+    assert sorted(optimizer["state"]) == list(range(len(checkpoint["state_dict"]))) and checkpoint["global_step"] == 2
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(pipeline_runs["plain_epoch"]["losses"][:2]),
+                               rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_under_pp_consolidates_exports_and_generates_as_one_written_without(pipeline_runs,
+                                                                                              tmp_path, capsys):
+    """pp 2's sharded checkpoint after epoch 0, and the same weights written by plain npu_fsdp (resumed from it and
+    saved before its first step): ``lightning-npu consolidate`` gives equal files (weights, the optimizer's state
+    and param groups numbered alike), ``recipes/convert.py to-hf`` equal HF directories, and ``recipes/generate.py``
+    the same text from the directory, the file and the HF export."""
+    from safetensors.torch import load_file
+
+    from lightning_npu.cli import main as cli
+    from recipes.convert import main as convert
+    from recipes.generate import main as generate
+
+    out = Path(pipeline_runs["out"])
+    written = {}
+    for name in ("pp2_epoch0", "pp2_weights_plain"):
+        assert cli(["consolidate", str(out / name), str(tmp_path / f"{name}.ckpt")]) == 0
+        assert convert(["to-hf", str(tmp_path / f"{name}.ckpt"), str(tmp_path / f"{name}_hf")]) == 0
+        checkpoint = torch.load(tmp_path / f"{name}.ckpt", weights_only=False)
+        texts = []
+        for source in (out / name, tmp_path / f"{name}.ckpt", tmp_path / f"{name}_hf"):
+            capsys.readouterr()
+            assert generate([str(source), "--prompt", "Once upon a time", "--max-new-tokens", "12", "--temperature",
+                             "0", "--device", "cpu", "--tokenizer", str(REPO / "recipes/assets/tokenizer")]) == 0
+            texts.append(capsys.readouterr().out)
+        written[name] = (checkpoint, load_file(tmp_path / f"{name}_hf" / "model.safetensors"), texts)
+    (pp, pp_hf, pp_texts), (plain, plain_hf, plain_texts) = written.values()
+    assert pp["state_dict"].keys() == plain["state_dict"].keys() and len(pp["state_dict"]) == 39
+    assert all(torch.equal(pp["state_dict"][key], plain["state_dict"][key]) for key in plain["state_dict"])
+    (pp_optimizer,), (plain_optimizer,) = pp["optimizer_states"], plain["optimizer_states"]
+    assert pp_optimizer["param_groups"] == plain_optimizer["param_groups"]
+    assert pp_optimizer["state"].keys() == plain_optimizer["state"].keys()
+    for index, state in plain_optimizer["state"].items():
+        assert all(torch.equal(pp_optimizer["state"][index][key], value) for key, value in state.items())
+    assert pp_hf.keys() == plain_hf.keys() and all(torch.equal(pp_hf[key], plain_hf[key]) for key in plain_hf)
+    assert pp_texts == plain_texts and len(set(pp_texts)) == 1 and pp_texts[0].startswith("Once upon a time")
 
 
 def test_an_optimizer_made_before_the_split_forgets_the_other_stages_parameters():

@@ -451,9 +451,6 @@ class FSDPOptions:
             ("sequence_parallel=True", self.tensor_parallel_size > 1 and self.sequence_parallel,
              "the activations would cross to the next stage split by sequence, and a stage could not tell the"
              " whole sequence's positions; set sequence_parallel=False"),
-            ("state_dict_type='full'", self.state_dict_type == "full",
-             "a full checkpoint would hold rank 0's stage only; save sharded and consolidate it"
-             " (`lightning-npu consolidate`)"),
         ) if given]
         if refused:
             raise ValueError(

@@ -17,7 +17,9 @@ the contract is in ``lightning_npu.parallel.protocol``). This module:
   returned loss is differentiable: the schedule has run every backward already, and the loss's own backward adds the
   step's gradients to ``.grad``, times what it brings (Lightning's ``1 / accumulate_grad_batches``, a loss scale),
   so code written for an unpipelined model (``loss.backward()``, ``zero_grad`` between forward and backward, a
-  scaled loss) gets the gradients it would get. ``eval`` (forward only) for validation. Every microbatch must have
+  scaled loss) gets the gradients it would get. ``eval`` (forward only) for validation; called without labels
+  under ``no_grad`` (``predict_step``), the model gives the last stage's outputs, broadcast to every rank of the
+  pipeline (:meth:`Pipeline.outputs`). Every microbatch must have
   the shapes of the first (torch infers its P2P buffers from microbatch 0): an uneven split is refused in training
   on every rank before any exchange (evaluation pads the batch with unlabelled rows), and a new shape builds the
   schedule again, which infers the shapes again.
@@ -236,7 +238,7 @@ class Pipeline:
         self.schedule = self._build()
         self._shapes: Optional[tuple] = None
 
-    def _build(self) -> Any:
+    def _build(self, with_loss: bool = True) -> Any:
         from torch.distributed.pipelining import schedules
 
         cls = getattr(schedules, facts.SCHEDULES[self.schedule_name].class_name, None)
@@ -244,17 +246,22 @@ class Pipeline:
             raise RuntimeError(f"pipeline_schedule={self.schedule_name!r} needs torch >="
                                f" {facts.SCHEDULES[self.schedule_name].since}; this is torch {torch.__version__}")
         stages = self.stages if issubclass(cls, schedules.PipelineScheduleMulti) else self.stages[0]
-        return cls(stages, self.microbatches, loss_fn=self.loss, scale_grads=False)
+        self._with_loss = with_loss
+        return cls(stages, self.microbatches, loss_fn=self.loss if with_loss else None, scale_grads=False)
 
     def install(self) -> None:
-        """Make the pruned model's ``forward(x, *, labels, **kwargs)`` run the pipeline (``run``)."""
+        """Make the pruned model's ``forward(x, *, labels=None, **kwargs)`` run the pipeline: with labels the loss
+        (``run``), without them and without autograd (``predict_step``, evaluation) the outputs (``outputs``)."""
         def forward(x: Tensor, *, labels: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
-            if labels is None:
+            if labels is not None:
+                return self.run(x, labels, **kwargs)
+            if torch.is_grad_enabled():
                 raise ValueError(
-                    "under pipeline parallelism the model is called with labels and returns the loss (each stage"
-                    " holds part of it, and only the last sees the logits): call model(inputs, labels=labels)"
+                    "under pipeline parallelism a training call takes the labels and returns the loss (each stage"
+                    " holds part of the model, and only the last sees the outputs): call model(inputs, labels=labels);"
+                    " the outputs themselves come from a call without labels under torch.no_grad() (predict_step)"
                 )
-            return self.run(x, labels, **kwargs)
+            return self.outputs(x, **kwargs)
 
         self.split.module.forward = forward
 
@@ -288,11 +295,42 @@ class Pipeline:
         anchor = torch.ones((), device=loss.device, requires_grad=True)
         return _PipelineLoss.apply(anchor, loss, gradients)
 
-    def _check_shapes(self, x: Tensor, labels: Tensor, kwargs: dict[str, Any]) -> tuple[Tensor, Tensor, dict]:
+    def outputs(self, x: Tensor, **kwargs: Any) -> Tensor:
+        """The model's outputs for the batch ``x`` (forward only, no loss: what ``predict_step`` wants), on every
+        rank of the pipeline: the last stage computes them and broadcasts them over ``pp_group``, so each rank's
+        ``predict_step`` returns what it returns without pipeline parallelism (the cost: one copy of the outputs,
+        batch x sequence x vocabulary for a decoder, sent to each other stage per batch). A batch that does not
+        split into the microbatches is padded with copies of its last row, which are cut off again."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("Pipeline.outputs runs the forward-only schedule: call it under torch.no_grad()")
+        kwargs = {name: value for name, value in kwargs.items() if value is not None}
+        rows = x.shape[0]
+        x, _, kwargs = self._check_shapes(x, None, kwargs)
+        try:
+            with _no_local_backward_handoff(self.stages):
+                output = self.schedule.eval(x, **kwargs)
+        finally:
+            for view in self.split.stages.values():  # parameters kept gathered for a backward that never comes
+                reshard(view)
+        if self.has_last:
+            # Vocabulary-split logits (loss_parallel) are gathered whole, as a caller without the pipeline sees them.
+            output = (output.full_tensor() if hasattr(output, "full_tensor") else output)[:rows].contiguous()
+        meta = [(tuple(output.shape), output.dtype) if self.has_last else None]
+        source = dist.get_global_rank(self.pp_group, self.last_stage_rank)
+        dist.broadcast_object_list(meta, src=source, group=self.pp_group, device=self.device)
+        if not self.has_last:
+            shape, dtype = meta[0]
+            output = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(output, src=source, group=self.pp_group)
+        return output
+
+    def _check_shapes(self, x: Tensor, labels: Optional[Tensor], kwargs: dict[str, Any]
+                      ) -> tuple[Tensor, Optional[Tensor], dict]:
         """The step's inputs, split-ready: every keyword input a tensor of the batch's rows; under evaluation a batch
         that does not split into equal microbatches (the last, short one) padded with rows of no label, which
-        change no loss. A new shape builds the schedule again."""
-        rows = labels.shape[0]
+        change no loss. A new shape, or a switch between the loss (``labels``) and the outputs (no labels: a schedule
+        without a loss), builds the schedule again."""
+        rows = x.shape[0]
         bad = [name for name, value in kwargs.items() if not (isinstance(value, Tensor) and value.shape[:1] == (rows,))]
         if bad:
             raise ValueError(
@@ -309,12 +347,14 @@ class Pipeline:
             missing = self.microbatches - rows % self.microbatches
             x, *values = (torch.cat([t, t[-1:].expand(missing, *t.shape[1:])]) for t in (x, *kwargs.values()))
             kwargs = dict(zip(kwargs, values))
-            labels = torch.cat([labels, labels.new_full((missing, *labels.shape[1:]), IGNORE_INDEX)])
-        shapes = tuple((tuple(t.shape), t.dtype) for t in (x, labels, *kwargs.values()))
-        if self._shapes is not None and shapes != self._shapes:
-            # torch infers the P2P buffers at a schedule's first step: a new schedule over the same stages infers
-            # the new shapes (a shorter batch, another sequence length), where the old would fail in a receive.
-            self.schedule = self._build()
+            if labels is not None:
+                labels = torch.cat([labels, labels.new_full((missing, *labels.shape[1:]), IGNORE_INDEX)])
+        shapes = tuple((tuple(t.shape), t.dtype) if t is not None else None for t in (x, labels, *kwargs.values()))
+        # torch infers the P2P buffers at a schedule's first step: a new schedule over the same stages infers the
+        # new shapes (a shorter batch, another sequence length), where the old would fail in a receive. Without
+        # labels the last stage computes no loss (torch's would index the missing targets).
+        if (self._shapes is not None and shapes != self._shapes) or (labels is not None) != self._with_loss:
+            self.schedule = self._build(with_loss=labels is not None)
         self._shapes = shapes
         return x, labels, kwargs
 

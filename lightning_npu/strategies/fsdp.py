@@ -42,6 +42,7 @@ from lightning_npu.strategies import initial_state
 from lightning_npu.strategies.backward_sync import RestoresBackwardSync, gradients_unsynced
 from lightning_npu.strategies.checkpoints.layout import directory_error, is_sharded_checkpoint
 from lightning_npu.strategies.checkpoints.load import load_into
+from lightning_npu.strategies.checkpoints.pipeline_state import full_model_state
 from lightning_npu.strategies.checkpoints.save import (
     CheckpointWriter,
     optimizer_state_dict,
@@ -312,6 +313,8 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+        if self._pipeline is not None and not compat.saves_distributed_checkpoint(self):
+            return full_model_state(self.model, self._pipeline)  # every stage's, onto global rank 0
         return get_model_state_dict(self.model, options=self._state_dict_options())
 
     @override
@@ -343,7 +346,7 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         optimizers = self.optimizers if fitting else []
         state = {"state_dict": self.model, **{f"optimizer_{i}": opt for i, opt in enumerate(optimizers)}}
         return load_into(path, state, strict=self.lightning_module.strict_loading, optimizer_states_from_list=True,
-                         weights_only=weights_only)
+                         weights_only=weights_only, pipeline=self._pipeline)
 
     @override
     def on_train_end(self) -> None:
@@ -438,7 +441,7 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
             raise directory_error(path, "fabric.load(path) without a state to load into")
         if not isinstance(state, dict) or not state:
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        return load_into(path, state, strict=strict, weights_only=weights_only)
+        return load_into(path, state, strict=strict, weights_only=weights_only, pipeline=self._pipeline)
 
 
 def _set_memory_fraction(fraction: Optional[float], accelerator: Any, device: torch.device) -> None:

@@ -8,14 +8,21 @@ launches:
   2 epochs of 5 steps with validation (3 batches, the last of 3 rows), a sharded checkpoint after epoch 0;
   ``plain_epoch``: one epoch (the learning-rate schedule spans the run); ``plain_accumulate``: 5 steps of 2 accumulated batches; ``fabric_plain``: a Fabric loop of 4 steps of 2 accumulated
   batches; ``moe_plain``, ``qwen3_plain``, ``deepseek_plain``: the MoE, an untied Qwen3 and a DeepSeek (MLA,
-  DeepSeekMoE) for one epoch;
+  DeepSeekMoE) for one epoch; ``predict_plain``: ``trainer.predict`` of the first weights (logits to
+  ``predict_plain_rank0.pt``); ``guard_plain``: NaNs injected under the non-finite-loss guard (``guarded``);
 - ``--stage two`` (2 simulated NPUs): ``pp2`` (1F1B, 4 microbatches) as ``plain``, a sharded checkpoint after epoch
   0; ``pp2_gpipe``, ``pp2_interleaved`` (2 stages a rank), ``pp2_zbv`` (V schedule) for epoch 0;
   ``pp2_accumulate``; ``plain_to_pp2``: ``plain``'s checkpoint resumed under pp 2; ``plain2``: plain with 2 replicas
-  (the reference of ``pp2_dp2``); ``fabric_pp2``; ``moe_pp2``, ``qwen3_pp2``, ``deepseek_pp2``;
+  (the reference of ``pp2_dp2``); ``pp2_full``: ``pp2``'s first epoch, saving one full file
+  (``state_dict_type="full"``), which ``pp2_full_to_pp2`` resumes; ``fabric_pp2``; ``moe_pp2``, ``qwen3_pp2``, ``deepseek_pp2``; ``predict_pp2``,
+  ``predict_pp2_zbv``: ``predict_plain`` under pp 2 (each rank's logits to ``<name>_rank<r>.pt``); ``guard_pp2``:
+  ``guard_plain``'s NaNs, where only the first stage sees them; ``preempt_pp2``: SIGTERM to rank 1 alone, a save
+  on preemption (``preempted``);
 - ``--stage four`` (4 simulated NPUs): ``pp2_dp2``: pp 2 x 2 replicas as ``plain2``; ``pp2_to_pp2_tp2``: ``pp2``'s
   checkpoint resumed under pp 2 x tensor_parallel_size 2;
-- ``--stage back`` (1 simulated NPU): ``pp2_to_plain``: ``pp2``'s checkpoint resumed under plain npu_fsdp.
+- ``--stage back`` (1 simulated NPU): ``pp2_to_plain``: ``pp2``'s checkpoint resumed under plain npu_fsdp, which
+  saves it again before its first step (``pp2_weights_plain``: pp 2's weights and optimizer state, written without
+  the pipeline); ``pp2_full_to_plain``: ``pp2_full``'s file resumed under plain npu_fsdp.
 
 Each stage's results go to ``<out>/<stage>.json`` (rank 0): per run the per-step losses and the validation losses
 (one per epoch), and the P2P batches torch sent through ``batch_isend_irecv`` that HCCL would refuse.
@@ -25,18 +32,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import LambdaCallback
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_npu
+from lightning_npu.guards import NonFiniteLossError, NonFiniteLossGuard
+from lightning_npu.parallel.tensor import local_tensor
+from lightning_npu.preemption import GracefulPreemption, Preempted
+from recipes.decoder.module import DecoderLM, load_pretrained
 from tests.npu_fake.hccl import P2PRecorder
-from recipes.decoder.module import load_pretrained
-from tests.scripts.expert_parallel_run import module, save_first_weights
+from tests.scripts.expert_parallel_run import FAMILIES, module, save_first_weights
 from tests.scripts.trainer_run import SaveAfterFirstEpoch
 
 SEQ, ROWS, STEPS = 32, 8, 5  # 8 rows of 32 tokens a step (all replicas together), 5 steps an epoch
@@ -86,31 +99,150 @@ class Losses(Callback):
 
 
 def fit(out: Path, name: str, *, devices: int, model: str = "llama", epochs: int = 2, accumulate: int = 1,
-        resume: Optional[str] = None, save: bool = False, **options) -> dict:
+        resume: Optional[str] = None, save: bool = False, callbacks: Sequence[Callback] = (),
+        stops: tuple[type[BaseException], ...] = (), **options) -> dict:
     """``epochs`` epochs of ``STEPS`` optimizer steps (a resumed run: the second) of ``model`` on ``devices`` under
     npu_fsdp with ``options``; the global batch is the same rows on any layout (each data-parallel replica takes its
-    share)."""
+    share). ``callbacks`` join the run's; an exception of ``stops`` ends it early, and its ``str`` is recorded
+    (``stopped``)."""
     seed_everything(1234)
     family, config, block = MODELS[model]
     strategy = lightning_npu.NPUFSDPStrategy(**{**recompute(block), "timeout": 300, **options})
     losses = Losses()
-    callbacks: list = [losses]
+    callbacks = [losses, *callbacks]
     if save:
         callbacks.append(SaveAfterFirstEpoch(str(out / f"{name}_epoch0")))
     trainer = Trainer(
         accelerator="npu", devices=devices, strategy=strategy, precision="32-true", max_epochs=epochs,
         limit_train_batches=STEPS * accumulate, accumulate_grad_batches=accumulate, num_sanity_val_steps=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        deterministic=True, gradient_clip_val=1.0, callbacks=callbacks,
+        deterministic=True, gradient_clip_val=1.0, callbacks=callbacks, default_root_dir=out / name,
     )
     lm = module(family, str(out / f"init_{model}.ckpt"), **config)
     replicas = devices // (options.get("pipeline_parallel_size", 1) * options.get("tensor_parallel_size", 1))
     train = DataLoader(Rows(STEPS * ROWS * accumulate, seed=1), batch_size=ROWS // replicas)
     val = DataLoader(Rows(11 * replicas, seed=5), batch_size=4)  # each replica: 4, 4 and 3 rows
+    stopped = None
     with P2PRecorder() as p2p:
-        trainer.fit(lm, train_dataloaders=train, val_dataloaders=val, ckpt_path=resume)
-    return {"losses": losses.losses, "val": losses.val,
+        try:
+            trainer.fit(lm, train_dataloaders=train, val_dataloaders=val, ckpt_path=resume)
+        except stops as error:
+            stopped = f"{type(error).__name__}: {error}"
+    return {"losses": losses.losses, "val": losses.val, "stopped": stopped,
             "refused_by_hccl": p2p.refused_by_hccl()}
+
+
+class StopAfterEpoch(Callback):
+    """End the run after its first epoch, its learning-rate schedule still spanning every epoch (as a run that is
+    resumed from there)."""
+
+    def on_train_epoch_end(self, trainer, module) -> None:
+        trainer.should_stop = True
+
+
+class Predicting(DecoderLM):
+    """The recipe's module with a ``predict_step`` that returns the model's logits (the model called without
+    labels: under pipeline parallelism the forward-only schedule, its last stage's logits on every rank)."""
+
+    def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model(batch["input_ids"])
+
+
+def predict(out: Path, name: str, *, devices: int, **options) -> dict:
+    """``trainer.predict`` of the first weights (``init_llama.ckpt``) on 11 rows in batches of 4 (the last of 3,
+    which a pipeline pads to its 4 microbatches); every rank's logits, concatenated, go to ``<name>_rank<r>.pt``."""
+    seed_everything(1234)
+    family, config, _ = MODELS["llama"]
+    trainer = Trainer(accelerator="npu", devices=devices, precision="32-true", logger=False,
+                      strategy=lightning_npu.NPUFSDPStrategy(timeout=300, **options), enable_progress_bar=False,
+                      enable_model_summary=False, deterministic=True)
+    lm = Predicting(family=family, preset="tiny", config={**FAMILIES[family][0], **config},
+                    init_from=str(out / "init_llama.ckpt"))
+    logits = trainer.predict(lm, DataLoader(Rows(11, seed=5), batch_size=4))
+    torch.save(torch.cat(logits).cpu(), out / f"{name}_rank{trainer.global_rank}.pt")
+    return {"ranks": trainer.world_size, "batches": [list(batch.shape) for batch in logits]}
+
+
+def every_rank(record: dict) -> list[dict]:
+    """Every rank's ``record``, by global rank (a collective)."""
+    if not dist.is_initialized():
+        return [record]
+    records: list = [None] * dist.get_world_size()
+    dist.all_gather_object(records, record)
+    return records
+
+
+class Poison(Callback):
+    """NaN at one step each, where only the first stage sees it: block 0's output (``activation``, on the rank that
+    holds block 0; under pipeline parallelism the last stage's loss is NaN, and so the loss broadcast to every rank),
+    the loss ``training_step`` returns on global rank 0 (``loss``; under pipeline parallelism after the broadcast, so
+    the other stage's rank sees a finite loss: what the guard's agreement must reach), and a gradient of block 0
+    before the optimizer step (``gradient``: every loss finite; clipping spreads the non-finite norm to every
+    stage, so every weight and the next loss turn NaN)."""
+
+    def __init__(self, activation: int, loss: int, gradient: int) -> None:
+        self.activation, self.loss, self.gradient = activation, loss, gradient
+
+    def on_train_start(self, trainer, lm) -> None:
+        blocks = dict(lm.model.layers.named_children())
+        self.first = blocks.get("0")  # None on a rank without the first stage
+        if self.first is not None:
+            self.first.register_forward_hook(
+                lambda block, args, output: output * float("nan")
+                if trainer.training and trainer.global_step == self.activation else None)
+        step = lm.training_step
+
+        def training_step(batch, batch_idx):
+            loss = step(batch, batch_idx)
+            return loss * float("nan") if trainer.global_step == self.loss and trainer.global_rank == 0 else loss
+
+        lm.training_step = training_step
+
+    def on_before_optimizer_step(self, trainer, lm, optimizer) -> None:
+        if self.first is not None and trainer.global_step == self.gradient:
+            local_tensor(next(self.first.parameters()).grad).view(-1)[0] = float("nan")
+
+
+def guarded(out: Path, name: str, *, devices: int, **options) -> dict:
+    """One epoch under ``NonFiniteLossGuard(max_skipped_steps=2)`` with ``Poison(activation=1, loss=2,
+    gradient=3)``: steps 1 and 2 skipped, step 3 applied with a NaN gradient, step 4's loss NaN on every rank, one
+    skip over the budget: NonFiniteLossError. Each rank's skipped steps and error (``ranks``), gathered."""
+    guard = NonFiniteLossGuard(max_skipped_steps=2)
+    # A short timeout: ranks that disagree wait in mismatched collectives, which then fail instead of hanging.
+    run = fit(out, name, devices=devices, epochs=1, callbacks=[guard, Poison(activation=1, loss=2, gradient=3)],
+              stops=(NonFiniteLossError,), timeout=120, **options)
+    mine = {"skipped": guard.skipped_steps, "stopped": run.pop("stopped")}
+    return {**run, "ranks": every_rank(mine)}
+
+
+class SignalOnRank(Callback):
+    """SIGTERM to this process on global rank ``rank`` only, once ``global_step`` reaches ``step``: a preemption
+    one rank sees (its node's agent signalled it alone)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def preempted(out: Path, name: str, *, devices: int, **options) -> dict:
+    """A run SIGTERMed on global rank 1 alone at step 2, saving on preemption: every rank's ``Preempted`` (step,
+    checkpoint) and the largest difference between its stages' live weights and the checkpoint's (``ranks``)."""
+    from lightning_npu.strategies.checkpoints.offline import read_sharded_state_dict
+
+    modules: list = []
+    callbacks = [SignalOnRank(rank=1, step=2), GracefulPreemption(save_on_preemption=True, exit_timeout_s=None),
+                 LambdaCallback(on_train_start=lambda trainer, module: modules.append(module))]
+    run = fit(out, name, devices=devices, epochs=1, callbacks=callbacks, stops=(Preempted,), timeout=120, **options)
+    checkpoint = out / name / "checkpoints" / "preempted-step=2.ckpt"
+    saved = read_sharded_state_dict(checkpoint) if checkpoint.is_dir() else {}
+    live = {f"model.{key}": local_tensor(value) for key, value in modules[0].model.state_dict().items()}
+    mine = {"stopped": run.pop("stopped"), "held": sorted(live),
+            "difference": max(float((saved[key] - value).abs().max()) if key in saved else float("inf")
+                              for key, value in live.items())}
+    return {**run, "ranks": every_rank(mine), "checkpoint": str(checkpoint)}
 
 
 def fabric_fit(out: Path, devices: int, steps: int = 4, **options) -> dict:
@@ -156,6 +288,8 @@ def main() -> None:
             "plain_epoch": fit(out, "plain_epoch", devices=1, epochs=1),
             "plain_accumulate": fit(out, "plain_accumulate", devices=1, epochs=1, accumulate=2),
             "fabric_plain": fabric_fit(out, 1),
+            "predict_plain": predict(out, "predict_plain", devices=1),
+            "guard_plain": guarded(out, "guard_plain", devices=1),
             **{f"{model}_plain": fit(out, f"{model}_plain", devices=1, model=model, epochs=1)
                for model in ("moe", "qwen3", "deepseek")},
         }
@@ -169,13 +303,25 @@ def main() -> None:
                            activation_checkpointing_policy=None, **pp2),
             "pp2_accumulate": fit(out, "pp2_accumulate", devices=2, epochs=1, accumulate=2, **pp2),
             "plain_to_pp2": fit(out, "plain_to_pp2", devices=2, resume=str(out / "plain_epoch0"), **pp2),
+            "pp2_full": fit(out, "pp2_full", devices=2, save=True, state_dict_type="full", callbacks=[StopAfterEpoch()],
+                            **pp2),
+            "pp2_full_to_pp2": fit(out, "pp2_full_to_pp2", devices=2, resume=str(out / "pp2_full_epoch0"), **pp2),
             "plain2": fit(out, "plain2", devices=2),
             "fabric_pp2": fabric_fit(out, 2, **pp2),
             **{f"{model}_pp2": fit(out, f"{model}_pp2", devices=2, model=model, epochs=1, **pp2)
                for model in ("moe", "qwen3", "deepseek")},
+            "predict_pp2": predict(out, "predict_pp2", devices=2, **pp2),
+            "predict_pp2_zbv": predict(out, "predict_pp2_zbv", devices=2, pipeline_schedule="ZBVZeroBubble", **pp2),
+            "guard_pp2": guarded(out, "guard_pp2", devices=2, **pp2),
+            "preempt_pp2": preempted(out, "preempt_pp2", devices=2, **pp2),
         }
     elif args.stage == "back":
-        results = {"pp2_to_plain": fit(out, "pp2_to_plain", devices=1, resume=str(out / "pp2_epoch0"))}
+        # pp 2's checkpoint resumed under plain, saved again before its first step (``pp2_weights_plain``): the same
+        # weights, written without the pipeline.
+        save = LambdaCallback(on_train_start=lambda trainer, module: trainer.save_checkpoint(out / "pp2_weights_plain"))
+        results = {"pp2_to_plain": fit(out, "pp2_to_plain", devices=1, resume=str(out / "pp2_epoch0"),
+                                       callbacks=[save]),
+                   "pp2_full_to_plain": fit(out, "pp2_full_to_plain", devices=1, resume=str(out / "pp2_full_epoch0"))}
     else:
         results = {
             "pp2_dp2": fit(out, "pp2_dp2", devices=4, **pp2),

@@ -17,14 +17,17 @@ from lightning_npu.compat import (
 )
 from lightning_npu.strategies.checkpoints.layout import DCP_METADATA_FILENAME, META_FILENAME, is_sharded_checkpoint
 from lightning_npu.strategies.checkpoints.optimizer_state import from_full_state, keyed_by_name
+from lightning_npu.strategies.checkpoints.pipeline_state import load_local_model_state, local_optimizer_state
 
 
 def load_into(
     path: Path, state: dict[str, Any], strict: bool, optimizer_states_from_list: bool = False,
-    weights_only: Optional[bool] = None,
+    weights_only: Optional[bool] = None, pipeline: Optional[Any] = None,
 ) -> dict[str, Any]:
     """Restore the sharded model and optimizers in ``state`` from ``path`` (sharded directory or full file);
-    fill the other requested keys of ``state`` from the checkpoint and return what was not requested."""
+    fill the other requested keys of ``state`` from the checkpoint and return what was not requested. ``pipeline``:
+    this rank's ``parallel.pipeline.Pipeline`` under pipeline parallelism (a full file is then read by stages, see
+    ``pipeline_state``)."""
     modules = {key: obj for key, obj in state.items() if has_dtensor_modules(obj)}
     if len(modules) != 1:
         raise ValueError(
@@ -41,7 +44,7 @@ def load_into(
                                       weights_only)
         elif path.is_file():
             remainder = _load_full(path, module_key, module, optimizers, strict, optimizer_states_from_list,
-                                   weights_only)
+                                   weights_only, pipeline)
         else:
             raise FileNotFoundError(
                 f"no checkpoint at {path}: expected a sharded checkpoint directory (with {DCP_METADATA_FILENAME} and"
@@ -113,21 +116,28 @@ def _only_saved(template: dict[str, Any], key: str, saved: set[str]) -> dict[str
 
 
 def _load_full(path: Path, module_key: str, module: nn.Module, optimizers: dict[str, Optimizer], strict: bool,
-               from_list: bool, weights_only: Optional[bool]) -> dict[str, Any]:
+               from_list: bool, weights_only: Optional[bool], pipeline: Optional[Any] = None) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-    load_raw_module_state(checkpoint.pop(module_key), module, strict=strict)
+    if pipeline is None:
+        load_raw_module_state(checkpoint.pop(module_key), module, strict=strict)
+    else:
+        load_local_model_state(module, checkpoint.pop(module_key), strict=strict)
     if from_list:  # a Trainer checkpoint: the optimizers' states in a list, in the optimizers' order
         checkpoint.update(zip(optimizers, checkpoint.pop("optimizer_states", [])))
     for key, optimizer in _with_saved_state(optimizers, checkpoint, path, required=strict or from_list).items():
         # In the layout of the live state, which the saved tensors are sharded onto (AdamW8bit: fp32 moments ->
         # codes and scales).
-        saved = from_full_state(optimizer, keyed_by_name(checkpoint.pop(key), module, optimizer))
+        saved = checkpoint.pop(key)
+        saved = keyed_by_name(saved, module, optimizer) if pipeline is None else local_optimizer_state(
+            saved, module, optimizer, pipeline)
+        saved = from_full_state(optimizer, saved)
         # torch's full-state path shards the saved tensors onto the live ones and fails when there are none (an
-        # optimizer without state, e.g. SGD without momentum): then only the param groups need restoring.
+        # optimizer without state, e.g. SGD without momentum): then only the param groups need restoring. Under
+        # pipeline parallelism every rank shards from its own copy: rank 0's broadcast holds the first stage only.
         full = any(isinstance(t, torch.Tensor) for values in saved.get("state", {}).values() for t in values.values())
-        options = StateDictOptions(full_state_dict=full, broadcast_from_rank0=full, strict=strict)
+        options = StateDictOptions(full_state_dict=full, broadcast_from_rank0=full and pipeline is None, strict=strict)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=saved, options=options)
     return checkpoint
 

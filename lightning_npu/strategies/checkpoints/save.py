@@ -30,6 +30,7 @@ from lightning_npu.strategies.checkpoints.optimizer_state import (
     to_full_state,
     whole_param_groups,
 )
+from lightning_npu.strategies.checkpoints.pipeline_state import full_model_state, full_optimizer_state
 from lightning_npu.strategies.checkpoints.publish import (
     new_token,
     publish,
@@ -221,6 +222,9 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, options: Any,
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    if options.full_state_dict and pipeline is not None:  # every stage's state, gathered onto global rank 0
+        state = full_optimizer_state(module, optimizer, pipeline)
+        return keyed_by_index(to_full_state(optimizer, state)) if state else {}
     off_rank0 = options.full_state_dict and dist.is_initialized() and dist.get_rank() != 0
     if not optimizer.state:
         # Only the param groups to save. torch would first create the state by a step with a zero gradient
@@ -262,7 +266,9 @@ def split_fabric_state(
     metadata: dict[str, Any] = {}
     for key, obj in state.items():
         if isinstance(obj, nn.Module):
-            apply_filter(key, filter or {}, get_model_state_dict(obj, options=options), tensors)
+            whole = full_state_dict and pipeline is not None  # every stage's tensors, gathered onto global rank 0
+            model_state = full_model_state(obj, pipeline) if whole else get_model_state_dict(obj, options=options)
+            apply_filter(key, filter or {}, model_state, tensors)
         elif isinstance(obj, Optimizer):
             apply_filter(key, filter or {}, optimizer_state_dict(modules[0], obj, options, pipeline), tensors)
         else:

@@ -1,0 +1,128 @@
+"""Full (one-file) checkpoints under pipeline parallelism.
+
+Each rank holds its stages' parameters only (``parallel.pipeline.split``), under the names they have in the whole
+model. torch's full state dict gathers each tensor onto global rank 0, which holds the first stage alone, and its
+loading broadcasts every tensor from rank 0 in each rank's own parameter order, which differs between stages: the
+stages would exchange each other's tensors (same shapes: wrong weights, silently; other shapes: an error or a hang).
+So under pipeline parallelism:
+
+- saving: every rank of a stage makes each of its tensors whole (the stage's FSDP / tensor-parallel collectives); the
+  ranks of the pipeline that holds global rank 0 keep them on the host and send them to global rank 0, which writes
+  one file of the whole model, in its parameter order, its optimizer state numbered as without the pipeline;
+- loading: every rank reads the file (memory-mapped) and takes its stages' tensors, each sharded from the rank's own
+  copy (no broadcast); an optimizer state numbered by index is named by the whole model's param groups first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_npu.strategies.checkpoints.optimizer_state import keyed_by_name, whole_param_groups
+
+
+def full_model_state(module: nn.Module, pipeline: Any) -> dict[str, Any]:
+    """The whole model's full state dict on global rank 0 (``{}`` on the others); a collective on every rank."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    parts = _onto_rank0(get_model_state_dict(module), pipeline)
+    if parts is None:
+        return {}
+    position = {name: index for index, name in enumerate(pipeline.parameter_order)}
+    merged = {name: value for part in parts for name, value in part.items()}
+    # The whole model's parameter order (what the file holds without the pipeline); buffers after the parameters.
+    return dict(sorted(merged.items(), key=lambda item: position.get(item[0], len(position))))
+
+
+def full_optimizer_state(module: nn.Module, optimizer: Optimizer, pipeline: Any) -> dict[str, Any]:
+    """``optimizer``'s whole state keyed by name, its param groups listing every stage's parameters, on global rank
+    0 (``{}`` on the others); a collective on every rank."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    # An optimizer without state (SGD without momentum) saves its param groups only (see save.optimizer_state_dict).
+    state = get_optimizer_state_dict(module, optimizer) if optimizer.state else keyed_by_name(
+        optimizer.state_dict(), module, optimizer)
+    state = whole_param_groups(state, pipeline.parameter_order, pipeline.pp_group)
+    parts = _onto_rank0(state["state"], pipeline)
+    if parts is None:
+        return {}
+    return {"state": {name: value for part in parts for name, value in part.items()},
+            "param_groups": state["param_groups"]}
+
+
+def load_local_model_state(module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
+    """Load this rank's stages' share of the whole model's full ``state_dict`` (every rank holds it) into
+    ``module``; with ``strict``, a tensor of these stages the file lacks is a KeyError (tensors of other stages are
+    expected in it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    names = list(get_model_state_dict(module))  # the local (sharded) view: names only, nothing gathered
+    missing = [name for name in names if name not in state_dict]
+    if missing and strict:
+        raise KeyError(f"the checkpoint holds no {missing[:5]} ({len(missing)} of this pipeline stage's tensors), so"
+                       " it was written for another model; load the checkpoint of this model, or set strict loading"
+                       " off to load only what it holds")
+    local = {name: state_dict[name] for name in names if name in state_dict}
+    set_model_state_dict(module, local, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def local_optimizer_state(saved: dict[str, Any], module: nn.Module, optimizer: Optimizer,
+                          pipeline: Any) -> dict[str, Any]:
+    """A full checkpoint's optimizer state (numbered over the whole model, or keyed by name) cut to this rank's
+    parameters, keyed by name, its param groups this rank's; a collective over the pipeline."""
+    local = keyed_by_name(optimizer.state_dict(), module, optimizer)
+    groups = saved.get("param_groups", [])
+    if len(groups) != len(local["param_groups"]):
+        raise ValueError(f"the checkpoint's optimizer state has {len(groups)} param groups, the optimizer"
+                         f" {len(local['param_groups'])}, so it was written for another optimizer; build the"
+                         " optimizer with the groups it was saved with (configure_optimizers)")
+    whole = whole_param_groups(local, pipeline.parameter_order, pipeline.pp_group)["param_groups"]
+    numbered = [p for group in groups for p in group.get("params", [])]
+    names = [name for group in whole for name in group["params"]]
+    if numbered and isinstance(numbered[0], int):
+        if len(numbered) != len(names):
+            raise ValueError(f"the checkpoint's optimizer state covers {len(numbered)} parameters, the pipelined"
+                             f" model has {len(names)}, so it was written for another model or optimizer; load the"
+                             " checkpoint of this model, or only its weights (a new fit from them, without ckpt_path)")
+        by_index = dict(zip(numbered, names))
+        state = {by_index[index]: value for index, value in saved.get("state", {}).items()}
+    else:
+        state = dict(saved.get("state", {}))
+    mine = {name for group in local["param_groups"] for name in group["params"]}
+    return {"state": {name: value for name, value in state.items() if name in mine},
+            "param_groups": [{**group, "params": live["params"]} for group, live in zip(groups, local["param_groups"])]}
+
+
+def _onto_rank0(state: dict[str, Any], pipeline: Any) -> Optional[list[dict[str, Any]]]:
+    """Each rank's ``state`` with every tensor whole and on the host, from the ranks of the pipeline that holds
+    global rank 0, gathered there (a list by pipeline rank); None elsewhere. Every rank of a stage takes part in
+    making its tensors whole (collectives over the stage's meshes), in the same order."""
+    keep = 0 in dist.get_process_group_ranks(pipeline.pp_group)
+    whole = _whole(state, keep)
+    if not keep:
+        return None
+    parts: Optional[list] = [None] * dist.get_world_size(pipeline.pp_group) if dist.get_rank() == 0 else None
+    dist.gather_object(whole, parts, dst=0, group=pipeline.pp_group)
+    return parts
+
+
+def _whole(value: Any, keep: bool) -> Any:
+    """``value`` with each DTensor made whole (a collective) and each tensor on the host where ``keep``; tensors
+    dropped (None) elsewhere."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, Tensor):
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        return value.detach().cpu() if keep else None
+    if isinstance(value, dict):
+        return {key: _whole(item, keep) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_whole(item, keep) for item in value)
+    return value
+
+
+__all__ = ["full_model_state", "full_optimizer_state", "load_local_model_state", "local_optimizer_state"]
