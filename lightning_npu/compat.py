@@ -186,6 +186,9 @@ ACCESSED = (
     Fenced("lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector", "_get_current_signal_handlers"),
     Fenced("lightning.fabric.utilities.cloud_io", "_load"),
     Fenced("lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop", BROADCAST_SIGTERM),
+    *(Fenced(owner, "inference_mode", instance=True) for owner in (
+        "lightning.pytorch.loops.evaluation_loop:_EvaluationLoop",
+        "lightning.pytorch.loops.prediction_loop:_PredictionLoop")),
     Fenced(_FSDP2_MODULE, "_get_fsdp_state"),
     Fenced(_FSDP2_STATE, "_fsdp_param_groups|_fsdp_param_group", instance=True),
     Fenced(_FSDP2_GROUP, "reduce_grads", instance=True),
@@ -508,6 +511,14 @@ def dtensor_with_local(dtensor: Any, local: Any) -> Any:
 def attached_trainer(module: Any) -> Optional[Any]:
     """The Trainer a LightningModule is attached to, or None (``module.trainer`` raises when there is none)."""
     return module._trainer
+
+
+def evaluate_without_inference_mode(trainer: Any) -> None:
+    """Make the Trainer's validation, test and predict loops (the fit loop's validation too) run under ``no_grad``
+    instead of ``inference_mode``, whatever ``Trainer(inference_mode=...)`` says, as Lightning does for its own
+    FSDPStrategy."""
+    for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop):
+        loop.inference_mode = False
 
 
 def logs_this_step(trainer: Any) -> bool:

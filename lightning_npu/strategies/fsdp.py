@@ -276,6 +276,12 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
         check_callbacks(trainer.callbacks)
+        # FSDP2's unshard on a one-rank shard group (pipeline or tensor parallelism without data parallelism, one
+        # device) fails when the first forward runs under inference_mode: the all-gather output it allocates there
+        # is an inference tensor, whose version counter it then preserves ("Inference tensors do not track version
+        # counter"). Lightning evaluates under inference_mode on every backend but gloo, so on HCCL that would be
+        # trainer.validate / test / predict from a checkpoint; no_grad costs nothing here.
+        compat.evaluate_without_inference_mode(trainer)
         layer_sync = compat.layer_sync(self)
         if layer_sync is not None and not getattr(self.model, _SHARDED_HERE, False):
             # sync_batchnorm=True: before sharding, so FSDP shards the SyncBatchNorm modules; in whichever stage
