@@ -276,6 +276,15 @@ def test_a_fabric_loop_written_for_one_device_runs_pipelined(pipeline_runs):
     _close(pipeline_runs, "fabric_pp2", "fabric_plain")
 
 
+def test_fabric_load_raw_of_a_full_file_gives_each_stage_its_tensors(pipeline_runs):
+    """``fabric.load_raw(file, model)`` after training puts the first weights back: the first batch's loss is then
+    the first step's, under pp 2 as without. Lightning's own raw load broadcasts rank 0's tensors, which under a
+    pipeline are its stage's only (the other stage's ranks wait for tensors that never come)."""
+    for name in ("fabric_plain", "fabric_pp2"):
+        run = pipeline_runs[name]
+        assert run["reloaded_first_loss"] == pytest.approx(run["losses"][0], abs=1e-6), name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["predict_pp2", "predict_pp2_zbv"])
 def test_predict_returns_the_last_stages_logits_on_every_rank(pipeline_runs, name):

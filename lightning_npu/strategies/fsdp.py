@@ -42,7 +42,7 @@ from lightning_npu.strategies import initial_state
 from lightning_npu.strategies.backward_sync import RestoresBackwardSync, gradients_unsynced
 from lightning_npu.strategies.checkpoints.layout import directory_error, is_sharded_checkpoint
 from lightning_npu.strategies.checkpoints.load import load_into
-from lightning_npu.strategies.checkpoints.pipeline_state import full_model_state
+from lightning_npu.strategies.checkpoints.pipeline_state import full_model_state, load_local_model_state
 from lightning_npu.strategies.checkpoints.save import (
     CheckpointWriter,
     optimizer_state_dict,
@@ -443,6 +443,12 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
                 reshard(item)
         if isinstance(state, nn.Module) and is_sharded_checkpoint(path):
             raise directory_error(path, "loading into a bare module (fabric.load_raw)")
+        if isinstance(state, nn.Module) and self._pipeline is not None:
+            # Lightning's raw load broadcasts rank 0's tensors, which under a pipeline are its stages' only: each
+            # rank takes its own stages' share of the file instead.
+            load_local_model_state(state, torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only),
+                                   strict=strict)
+            return {}
         if not state and is_sharded_checkpoint(path):
             raise directory_error(path, "fabric.load(path) without a state to load into")
         if not isinstance(state, dict) or not state:

@@ -7,7 +7,7 @@ launches:
   a 4-block MoE balanced by its routing bias); ``plain``:
   2 epochs of 5 steps with validation (3 batches, the last of 3 rows), a sharded checkpoint after epoch 0;
   ``plain_epoch``: one epoch (the learning-rate schedule spans the run); ``plain_accumulate``: 5 steps of 2 accumulated batches; ``fabric_plain``: a Fabric loop of 4 steps of 2 accumulated
-  batches; ``moe_plain``, ``qwen3_plain``, ``deepseek_plain``: the MoE, an untied Qwen3 and a DeepSeek (MLA,
+  batches, then ``fabric.load_raw`` of the first weights; ``moe_plain``, ``qwen3_plain``, ``deepseek_plain``: the MoE, an untied Qwen3 and a DeepSeek (MLA,
   DeepSeekMoE) for one epoch; ``predict_plain``: ``trainer.predict`` of the first weights (logits to
   ``predict_plain_rank0.pt``); ``guard_plain``: NaNs injected under the non-finite-loss guard (``guarded``);
 - ``--stage two`` (2 simulated NPUs): ``pp2`` (1F1B, 4 microbatches) as ``plain``, a sharded checkpoint after epoch
@@ -258,6 +258,10 @@ def fabric_fit(out: Path, devices: int, steps: int = 4, **options) -> dict:
     lm = module(family, None, **config)
     lm.configure_model()
     load_pretrained(lm.model, str(out / "init_llama.ckpt"), lm.config)
+    raw = out / "init_llama_raw.pt"  # the first weights as a bare module's state dict, for fabric.load_raw
+    if fabric.global_rank == 0 and not raw.exists():
+        torch.save(lm.model.state_dict(), raw)
+    fabric.barrier()
     model = fabric.setup(lm.model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
     loader = DataLoader(Rows(steps * 2 * ROWS, seed=1), batch_size=ROWS)
@@ -270,7 +274,12 @@ def fabric_fit(out: Path, devices: int, steps: int = 4, **options) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses}
+    # The first weights again, into the trained (sharded, split) model: the first batch's loss is the first step's.
+    fabric.load_raw(raw, model)
+    first = next(iter(loader))
+    with torch.no_grad():
+        reloaded = model(first["input_ids"].to(fabric.device), labels=first["labels"].to(fabric.device)).item()
+    return {"losses": losses, "reloaded_first_loss": reloaded}
 
 
 def main() -> None:
