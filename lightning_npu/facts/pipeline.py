@@ -239,11 +239,14 @@ def _zbv(stages: Sequence[int], rank: int, pp: int, microbatches: int) -> list[A
 COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
-def replayed_bubble(schedule: str, pp: int, microbatches: int, per_rank: int = 1) -> list[float]:
+def replayed_bubble(schedule: str, pp: int, microbatches: int, per_rank: int = 1,
+                    costs: Optional[dict[str, float]] = None) -> list[float]:
     """Each pipeline rank's idle share of a step when every rank runs its ``actions`` in order, each as soon as the
     rank is free and its inputs exist (a forward after the previous stage's, a backward after its own forward and
-    the next stage's backward, a weight pass after its input pass), at ``COSTS`` per equal stage and free
-    communication: the bubble the schedule's order leaves, to set beside ``bubble_fraction``'s formula."""
+    the next stage's backward, a weight pass after its input pass), at ``costs`` per equal stage (``COSTS``
+    unless given) and free communication: the bubble the schedule's order leaves, to set beside
+    ``bubble_fraction``'s formula."""
+    costs = COSTS if costs is None else {**COSTS, **costs}
     orders = {rank: actions(schedule, rank, pp, microbatches, per_rank) for rank in range(pp)}
     last = pp * per_rank - 1
     done: dict[tuple[int, str, int], float] = {}
@@ -270,8 +273,8 @@ def replayed_bubble(schedule: str, pp: int, microbatches: int, per_rank: int = 1
             inputs = needs(action)
             if all(key in done for key in inputs):
                 start = max([clock[rank], *(done[key] for key in inputs)])
-                clock[rank] = start + COSTS[action.kind]
-                busy[rank] += COSTS[action.kind]
+                clock[rank] = start + costs[action.kind]
+                busy[rank] += costs[action.kind]
                 done[tuple(action)] = clock[rank]
                 position[rank] += 1
                 remaining -= 1
