@@ -16,9 +16,12 @@ from typing import Any, Callable, Generator, Iterable, Mapping, Optional, Union
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.core.module import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -33,7 +36,7 @@ from lightning_npu.facts.options import (
 )
 from lightning_npu.parallel.fsdp import STEP_METHODS, reshard
 from lightning_npu.parallel.mesh import ParallelMesh
-from lightning_npu.parallel.parallelize import parallelize
+from lightning_npu.parallel.parallelize import check_pipeline, parallelize
 from lightning_npu.parallel.pipeline import Pipeline
 from lightning_npu.parallel.protocol import plan_of, resolve_parallel_plan
 from lightning_npu.parallel.tensor import loss_parallel_if
@@ -249,6 +252,20 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
     strategy_name = "npu_fsdp"
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self.options.pipeline_parallel_size > 1 and type(self._launcher) is _SubprocessScriptLauncher:
+            self._launcher = _SplitCheckedLauncher(self._check_split, self.cluster_environment, self.num_processes,
+                                                   self.num_nodes)
+
+    def _check_split(self, module: Any) -> None:
+        """A model that cannot be split into the pipeline's stages, refused before the other ranks start (each would
+        fail alike, later). One built in ``configure_model`` does not exist yet: the same check runs on every rank
+        when it is sharded."""
+        if not is_overridden("configure_model", module, LightningModule):
+            check_pipeline(module, self.options, plan_of(module, self._plan_function))
+
+    @override
     def setup_environment(self) -> None:
         self._setup_sharded_environment()
         compat.set_device_mesh(self.lightning_module, self.device_mesh)
@@ -439,6 +456,20 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
         if not isinstance(state, dict) or not state:
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         return load_into(path, state, strict=strict, weights_only=weights_only)
+
+
+class _SplitCheckedLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher, checking the LightningModule (``check(module)``) before it starts the other ranks."""
+
+    def __init__(self, check: Callable[[Any], None], *args: Any) -> None:
+        super().__init__(*args)
+        self._check = check
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        if trainer is not None:
+            self._check(trainer.lightning_module)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 def _set_memory_fraction(fraction: Optional[float], accelerator: Any, device: torch.device) -> None:

@@ -8,11 +8,13 @@ launches:
   2 epochs of 5 steps with validation (3 batches, the last of 3 rows), a sharded checkpoint after epoch 0;
   ``plain_epoch``: one epoch (the learning-rate schedule spans the run); ``plain_accumulate``: 5 steps of 2 accumulated batches; ``fabric_plain``: a Fabric loop of 4 steps of 2 accumulated
   batches; ``moe_plain``, ``qwen3_plain``, ``deepseek_plain``: the MoE, an untied Qwen3 and a DeepSeek (MLA,
-  DeepSeekMoE) for one epoch;
+  DeepSeekMoE) for one epoch; ``user_plain``: a user's own LightningModule, not the recipes' (a sequence classifier
+  with its own projection, residual blocks of ``x`` alone, pooling under a keyword mask, head and loss:
+  tests/scripts/pipeline_user_model.py) for one epoch;
 - ``--stage two`` (2 simulated NPUs): ``pp2`` (1F1B, 4 microbatches) as ``plain``, a sharded checkpoint after epoch
   0; ``pp2_gpipe``, ``pp2_interleaved`` (2 stages a rank), ``pp2_zbv`` (V schedule) for epoch 0;
   ``pp2_accumulate``; ``plain_to_pp2``: ``plain``'s checkpoint resumed under pp 2; ``plain2``: plain with 2 replicas
-  (the reference of ``pp2_dp2``); ``fabric_pp2``; ``moe_pp2``, ``qwen3_pp2``, ``deepseek_pp2``;
+  (the reference of ``pp2_dp2``); ``fabric_pp2``; ``moe_pp2``, ``qwen3_pp2``, ``deepseek_pp2``, ``user_pp2``;
 - ``--stage four`` (4 simulated NPUs): ``pp2_dp2``: pp 2 x 2 replicas as ``plain2``; ``pp2_to_pp2_tp2``: ``pp2``'s
   checkpoint resumed under pp 2 x tensor_parallel_size 2;
 - ``--stage back`` (1 simulated NPU): ``pp2_to_plain``: ``pp2``'s checkpoint resumed under plain npu_fsdp.
@@ -37,6 +39,7 @@ import lightning_npu
 from tests.npu_fake.hccl import P2PRecorder
 from recipes.decoder.module import load_pretrained
 from tests.scripts.expert_parallel_run import module, save_first_weights
+from tests.scripts.pipeline_user_model import Classify, Sequences
 from tests.scripts.trainer_run import SaveAfterFirstEpoch
 
 SEQ, ROWS, STEPS = 32, 8, 5  # 8 rows of 32 tokens a step (all replicas together), 5 steps an epoch
@@ -91,7 +94,11 @@ def fit(out: Path, name: str, *, devices: int, model: str = "llama", epochs: int
     npu_fsdp with ``options``; the global batch is the same rows on any layout (each data-parallel replica takes its
     share)."""
     seed_everything(1234)
-    family, config, block = MODELS[model]
+    if model == "user":  # a user's own LightningModule (tests/scripts/pipeline_user_model.py), built in __init__
+        lm, dataset, block = Classify(), Sequences, "Residual"
+    else:
+        family, config, block = MODELS[model]
+        lm, dataset = module(family, str(out / f"init_{model}.ckpt"), **config), Rows
     strategy = lightning_npu.NPUFSDPStrategy(**{**recompute(block), "timeout": 300, **options})
     losses = Losses()
     callbacks: list = [losses]
@@ -103,10 +110,9 @@ def fit(out: Path, name: str, *, devices: int, model: str = "llama", epochs: int
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True, gradient_clip_val=1.0, callbacks=callbacks,
     )
-    lm = module(family, str(out / f"init_{model}.ckpt"), **config)
     replicas = devices // (options.get("pipeline_parallel_size", 1) * options.get("tensor_parallel_size", 1))
-    train = DataLoader(Rows(STEPS * ROWS * accumulate, seed=1), batch_size=ROWS // replicas)
-    val = DataLoader(Rows(11 * replicas, seed=5), batch_size=4)  # each replica: 4, 4 and 3 rows
+    train = DataLoader(dataset(STEPS * ROWS * accumulate, seed=1), batch_size=ROWS // replicas)
+    val = DataLoader(dataset(11 * replicas, seed=5), batch_size=4)  # each replica: 4, 4 and 3 rows
     with P2PRecorder() as p2p:
         trainer.fit(lm, train_dataloaders=train, val_dataloaders=val, ckpt_path=resume)
     return {"losses": losses.losses, "val": losses.val,
@@ -157,7 +163,7 @@ def main() -> None:
             "plain_accumulate": fit(out, "plain_accumulate", devices=1, epochs=1, accumulate=2),
             "fabric_plain": fabric_fit(out, 1),
             **{f"{model}_plain": fit(out, f"{model}_plain", devices=1, model=model, epochs=1)
-               for model in ("moe", "qwen3", "deepseek")},
+               for model in ("moe", "qwen3", "deepseek", "user")},
         }
     elif args.stage == "two":
         results = {
@@ -172,7 +178,7 @@ def main() -> None:
             "plain2": fit(out, "plain2", devices=2),
             "fabric_pp2": fabric_fit(out, 2, **pp2),
             **{f"{model}_pp2": fit(out, f"{model}_pp2", devices=2, model=model, epochs=1, **pp2)
-               for model in ("moe", "qwen3", "deepseek")},
+               for model in ("moe", "qwen3", "deepseek", "user")},
         }
     elif args.stage == "back":
         results = {"pp2_to_plain": fit(out, "pp2_to_plain", devices=1, resume=str(out / "pp2_epoch0"))}
