@@ -152,13 +152,13 @@ def check_split(module: nn.Module, layout: PipelineLayout, num_stages: int,
     missing = [part for part in (*layout.inputs, layout.blocks, *layout.outputs) if part not in children]
     if missing:
         raise ValueError(f"the pipeline layout names {missing}, which {name} has no child called; its children are"
-                         f" {sorted(children)} (the parts are {name}'s own children: name the module that holds"
-                         " them as PipelineLayout.module)")
+                         f" {sorted(children)}; name the parts among its children, or give the module that holds"
+                         " them as PipelineLayout.module")
     container = children[layout.blocks]
     if not isinstance(container, nn.ModuleList):
         raise TypeError(f"the pipeline's blocks ({name}.{layout.blocks}) are a {type(container).__name__}: each stage"
-                        " keeps some of them under their indices, so they must be an nn.ModuleList that forward"
-                        " loops over (for block in self.blocks: x = block(x))")
+                        " keeps some of them under their indices; make them an nn.ModuleList that forward loops over"
+                        " (for block in self.blocks: x = block(x))")
     own = [param_name for param_name, _ in module.named_parameters(recurse=False)]
     if own:
         raise ValueError(f"{name} holds parameters of its own ({own}): under pipeline parallelism each parameter"
@@ -181,18 +181,19 @@ def _check_untied(module: nn.Module, layout: PipelineLayout, blocks: Sequence[Se
     each stepped with its own stage's gradient only: refused, naming both."""
     container = getattr(module, layout.blocks)
     where: dict[int, tuple[int, str]] = {}
-    parts = [(0, part) for part in layout.inputs]
-    parts += [(stage, f"{layout.blocks}.{index}") for stage, indices in enumerate(blocks) for index in indices]
-    parts += [(len(blocks) - 1, part) for part in layout.outputs]
-    for stage, part in parts:
-        owner = container[int(part.rpartition(".")[2])] if part.startswith(f"{layout.blocks}.") else getattr(module, part)
+    parts = [(0, part, getattr(module, part)) for part in layout.inputs]
+    parts += [(stage, f"{layout.blocks}.{index}", container[index])
+              for stage, indices in enumerate(blocks) for index in indices]
+    parts += [(len(blocks) - 1, part, getattr(module, part)) for part in layout.outputs]
+    for stage, part, owner in parts:
         for param_name, param in owner.named_parameters():
             first = where.setdefault(id(param), (stage, f"{part}.{param_name}"))
             if first[0] != stage:
                 raise ValueError(
                     f"{type(module).__name__}.{first[1]} (stage {first[0]}) and .{part}.{param_name} (stage {stage})"
-                    " are one parameter: split over two stages it would become two, each trained by its own stage's"
-                    " gradient; untie them (e.g. tie_embeddings off) or keep both parts on one stage"
+                    " are one parameter, which two stages would hold as two copies, each trained by its own"
+                    " stage's gradient; make them two parameters (e.g. tie_embeddings off) or keep both parts on one"
+                    " stage"
                     " (pipeline_layers_per_stage)"
                 )
 
@@ -226,11 +227,11 @@ def _absent_parts_explained(forward: Any, absent: list[str], name: str) -> Any:
             if "'NoneType' object" not in str(error):
                 raise
             raise TypeError(
-                f"{name}.forward failed on a pipeline stage that does not hold {absent} ({error}): each stage runs"
-                " forward with the parts other stages hold set to None, so forward must skip them: take x as the"
+                f"{name}.forward failed on a pipeline stage that does not hold {absent} ({error}), which are None"
+                " there as they are on every stage that does not hold them; make forward skip them: take x as the"
                 " previous stage's activations where the inputs are None (h = x if self.embed is None else"
-                " self.embed(x)) and return the activations where the outputs are None (if self.head is None:"
-                f" return h) ({_CONTRACT})"
+                " self.embed(x)), and return the activations where the outputs are None (if self.head is None,"
+                f" return h), {_CONTRACT}"
             ) from error
 
     return run

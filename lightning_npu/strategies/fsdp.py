@@ -18,7 +18,6 @@ from lightning.fabric.strategies import ModelParallelStrategy as FabricModelPara
 from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.core.module import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -254,9 +253,8 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if self.options.pipeline_parallel_size > 1 and type(self._launcher) is _SubprocessScriptLauncher:
-            self._launcher = _SplitCheckedLauncher(self._check_split, self.cluster_environment, self.num_processes,
-                                                   self.num_nodes)
+        if self.options.pipeline_parallel_size > 1:
+            compat.check_before_launch(self, self._check_split)
 
     def _check_split(self, module: Any) -> None:
         """A model that cannot be split into the pipeline's stages, refused before the other ranks start (each would
@@ -456,20 +454,6 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
         if not isinstance(state, dict) or not state:
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         return load_into(path, state, strict=strict, weights_only=weights_only)
-
-
-class _SplitCheckedLauncher(_SubprocessScriptLauncher):
-    """Lightning's launcher, checking the LightningModule (``check(module)``) before it starts the other ranks."""
-
-    def __init__(self, check: Callable[[Any], None], *args: Any) -> None:
-        super().__init__(*args)
-        self._check = check
-
-    @override
-    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
-        if trainer is not None:
-            self._check(trainer.lightning_module)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 def _set_memory_fraction(fraction: Optional[float], accelerator: Any, device: torch.device) -> None:

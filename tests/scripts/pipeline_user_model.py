@@ -85,11 +85,13 @@ class Sequences(Dataset):
 
     def __init__(self, count: int, seed: int) -> None:
         generator = torch.Generator().manual_seed(0)
-        base, classes = torch.randn(16, SEQ, FEATURES, generator=generator), torch.randint(0, CLASSES, (16,), generator=generator)
+        base = torch.randn(16, SEQ, FEATURES, generator=generator)
+        classes = torch.randint(0, CLASSES, (16,), generator=generator)
         pick = torch.randint(0, 16, (count,), generator=torch.Generator().manual_seed(seed))
         self.x, self.labels = base[pick], classes[pick].masked_fill(
             torch.rand(count, generator=torch.Generator().manual_seed(seed + 1)) < 0.3, -100)
-        self.mask = torch.arange(SEQ) < SEQ - torch.randint(0, 4, (count, 1), generator=torch.Generator().manual_seed(seed + 2))
+        unmasked = SEQ - torch.randint(0, 4, (count, 1), generator=torch.Generator().manual_seed(seed + 2))
+        self.mask = torch.arange(SEQ) < unmasked
 
     def __len__(self) -> int:
         return len(self.x)
