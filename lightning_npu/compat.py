@@ -97,6 +97,9 @@ IMPORTED = {
     "SignalConnector": Fenced("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector"),
     "CheckpointConnector": Fenced("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector"),
     "TrainingEpochLoop": Fenced("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop"),
+    # The launcher that starts a Trainer's other ranks (npu_fsdp checks a pipelined model before it does).
+    "SubprocessScriptLauncher": Fenced("lightning.pytorch.strategies.launchers.subprocess_script",
+                                       "_SubprocessScriptLauncher"),
     "BackwardSyncControl": Fenced("lightning.fabric.strategies.strategy", "_BackwardSyncControl"),
     "has_dtensor_modules": Fenced("lightning.fabric.strategies.model_parallel", "_has_dtensor_modules"),
     "load_raw_module_state": Fenced("lightning.fabric.strategies.model_parallel", "_load_raw_module_state"),
@@ -171,6 +174,7 @@ ACCESSED = (
       for name in ("_timeout", "_process_group_backend")),
     *(Fenced(owner, name, instance=True) for owner in (_TRAINER_FSDP2, _FABRIC_FSDP2)
       for name in ("_device_mesh", "_save_distributed_checkpoint")),
+    Fenced(_TRAINER_FSDP2, "_launcher", instance=True),
     *(Fenced(owner, "_setup_distributed") for owner in (_TRAINER_FSDP2, _FABRIC_FSDP2)),
     Fenced(_FABRIC_FSDP2, "_backward_sync_control", instance=True),
     Fenced("lightning.pytorch:LightningModule", "_device_mesh", instance=True),
@@ -271,6 +275,7 @@ FabricConnector: type = _RESOLVED[IMPORTED["FabricConnector"]]
 SignalConnector: type = _RESOLVED[IMPORTED["SignalConnector"]]
 CheckpointConnector: type = _RESOLVED[IMPORTED["CheckpointConnector"]]
 TrainingEpochLoop: type = _RESOLVED[IMPORTED["TrainingEpochLoop"]]
+SubprocessScriptLauncher: type = _RESOLVED[IMPORTED["SubprocessScriptLauncher"]]
 BackwardSyncControl: type = _RESOLVED[IMPORTED["BackwardSyncControl"]]
 has_dtensor_modules: Callable[..., bool] = _RESOLVED[IMPORTED["has_dtensor_modules"]]
 load_raw_module_state: Callable[..., None] = _RESOLVED[IMPORTED["load_raw_module_state"]]
@@ -335,6 +340,27 @@ def saves_distributed_checkpoint(strategy: Any) -> bool:
 def setup_distributed(strategy: Any) -> None:
     """Lightning's FSDP2 process-group setup (cluster environment, ``init_process_group``) without its mesh."""
     strategy._setup_distributed()
+
+
+def check_before_launch(strategy: Any, check: Callable[[Any], None]) -> None:
+    """Make the Trainer ``strategy``'s launcher, if it is Lightning's subprocess launcher (the one that starts the
+    other ranks), call ``check(lightning_module)`` first, in the launching process."""
+    if type(strategy._launcher) is SubprocessScriptLauncher:
+        strategy._launcher = _CheckedLauncher(check, strategy.cluster_environment, strategy.num_processes,
+                                              strategy.num_nodes)
+
+
+class _CheckedLauncher(SubprocessScriptLauncher):
+    """Lightning's subprocess launcher, calling ``check(lightning_module)`` before it starts the other ranks."""
+
+    def __init__(self, check: Callable[[Any], None], *args: Any) -> None:
+        super().__init__(*args)
+        self._check = check
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        if trainer is not None:
+            self._check(trainer.lightning_module)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 def set_device_mesh(owner: Any, mesh: Any) -> None:

@@ -26,26 +26,6 @@ def test_boring_model_trains_validates_and_tests_on_one_npu(simulate, tmp_path):
     assert list((tmp_path / "lightning_logs").rglob("*.ckpt"))
 
 
-def test_npu_fsdp_evaluates_under_no_grad_whatever_the_trainer_says(simulate, tmp_path):
-    """FSDP2's first unshard under inference_mode on a one-rank shard group (pipeline or tensor parallelism without
-    data parallelism, one device) fails ("Inference tensors do not track version counter"), and Lightning picks
-    inference_mode for every backend but gloo, so on HCCL ``trainer.predict`` from a fresh Trainer would fail where
-    the simulation (gloo: no_grad) passes. The decision is tested here: npu_fsdp turns each evaluation loop's
-    inference_mode off, as Lightning does for its FSDPStrategy."""
-    from lightning_npu import NPUFSDPStrategy
-
-    simulate(1)
-    model = BoringModel()
-    seen = []
-    model.predict_step = lambda batch, batch_idx: seen.append(torch.is_inference_mode_enabled())
-    trainer = Trainer(accelerator="npu", devices=1, strategy=NPUFSDPStrategy(), inference_mode=True, logger=False,
-                      default_root_dir=tmp_path, enable_progress_bar=False)
-    trainer.predict(model, DataLoader(torch.randn(4, 32), batch_size=2))
-    loops = (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop)
-    assert [loop.inference_mode for loop in loops] == [False] * 4
-    assert seen == [False, False]
-
-
 def _demo_losses_in_bf16(accelerator: str) -> list[float]:
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (16, 9), generator=torch.Generator().manual_seed(0))

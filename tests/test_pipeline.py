@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_npu.facts import pipeline as facts
 from lightning_npu.facts.options import FSDPOptions
-from lightning_npu.parallel import PipelineLayout
+from lightning_npu.parallel import ParallelPlan, PipelineLayout
 from lightning_npu.parallel.pipeline import _PipelineLoss, _StepGradients, split
 from recipes.decoder.tensor_parallel import PIPELINE
 from tests.helpers import REPO
@@ -113,6 +113,107 @@ def test_a_model_that_does_not_fit_its_layout_is_refused_by_name():
     model.extra = nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"\['extra'\] hold parameters but are in no part of the pipeline layout"):
         split(model, PIPELINE, [0], 2)
+
+
+def test_a_users_model_split_in_one_process_gives_its_loss_with_its_keyword_inputs_and_buffers():
+    """The user's model of tests/scripts/pipeline_user_model.py (a root buffer used by the first stage, a keyword
+    mask used by the last): its two stages chained give the whole model's loss, and a stage whose forward does not
+    skip the parts it lacks fails naming them and the fix, not with Python's "'NoneType' object is not callable"."""
+    from tests.scripts.pipeline_user_model import SEQ, SequenceClassifier, Sequences
+
+    torch.manual_seed(0)
+    model, batch = SequenceClassifier(), Sequences(4, seed=1)[:]
+    layout = PipelineLayout("", ("project",), "blocks", ("norm", "head"))
+    expected = model(batch["x"], labels=batch["labels"], mask=batch["mask"])
+    first, last = split(copy.deepcopy(model), layout, [0], 2), split(copy.deepcopy(model), layout, [1], 2)
+    hidden = first.stages[0](batch["x"], mask=batch["mask"])
+    output = last.stages[1](hidden, mask=batch["mask"])
+    torch.testing.assert_close(last.module.loss(output, batch["labels"]), expected, rtol=0, atol=0)
+
+    class Unaware(SequenceClassifier):  # written for one device only: calls every part
+        def forward(self, x, *, labels=None, mask=None):
+            h = self.project(x * self.feature_scale)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(self.norm(h).mean(1))
+
+    torch.manual_seed(0)
+    stage = split(Unaware(), layout, [0], 2).stages[0]
+    with pytest.raises(TypeError, match=r"Unaware.forward failed on a pipeline stage that does not hold"
+                                        r" \['norm', 'head'\] \('NoneType' object is not callable\).*if self.head"
+                                        r" is None, return h"):
+        stage(torch.randn(2, SEQ, 8))
+
+
+class _Tied(nn.Module):
+    """Its embedding (first stage) is its head (last stage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.blocks = nn.Embedding(8, 4), nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+    def loss(self, output, labels, reduction="mean"):
+        return nn.functional.cross_entropy(output, labels, reduction=reduction)
+
+
+def _unsplittable(problem: str) -> nn.Module:
+    """A user's model (tests/scripts/pipeline_user_model.py) changed so that it cannot be split: ``problem``."""
+    from tests.scripts.pipeline_user_model import SequenceClassifier
+
+    model = SequenceClassifier()
+    if problem == "loss":
+        model.loss = lambda logits, labels: nn.functional.cross_entropy(logits, labels)  # no reduction
+    elif problem == "sequential":
+        model.blocks = nn.Sequential(*model.blocks)
+    elif problem == "own parameter":
+        model.position = nn.Parameter(torch.zeros(8))
+    elif problem == "few blocks":
+        model.blocks = model.blocks[:1]
+    elif problem == "no loss":
+        model = nn.ModuleDict(dict(project=model.project, blocks=model.blocks, norm=model.norm, head=model.head))
+    else:
+        model = _Tied()
+    return model
+
+
+_REFUSALS = {
+    "loss": r"SequenceClassifier.loss\(logits, labels\) cannot be called as loss\(output, labels,"
+            r" reduction='sum'\).*give loss a reduction argument",
+    "sequential": r"blocks \(SequenceClassifier.blocks\) are a Sequential: .* make them an nn.ModuleList",
+    "own parameter": r"SequenceClassifier holds parameters of its own \(\['position'\]\).*move them into a part",
+    "few blocks": r"1 blocks do not spread over 4 pipeline stages.*use fewer stages",
+    "no loss": r"ModuleDict has no loss\(output, labels, reduction\) method.*define it",
+    "tied": r"_Tied.embed.weight \(stage 0\) and .head.weight \(stage 3\) are one parameter.*make them two parameters",
+}
+
+
+@pytest.mark.parametrize("problem", list(_REFUSALS))
+def test_a_user_model_that_cannot_be_split_is_refused_before_workers_start(problem, simulate, monkeypatch):
+    """trainer.fit under pipeline_parallel_size=2 (4 stages: Interleaved1F1B) on 2 simulated NPUs: the model's
+    problem is raised with the value, the reason and the fix in the launching process, before Lightning starts
+    the other rank."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from lightning_npu import NPUFSDPStrategy
+    from tests.scripts.pipeline_user_model import Classify
+
+    def started(*args, **kwargs):
+        raise AssertionError("Lightning started the other ranks before the model was checked")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", started)
+    simulate(2)
+    lm = Classify()
+    lm.model = _unsplittable(problem)
+    if problem == "tied":
+        lm.parallel_plan = lambda: ParallelPlan(pipeline=PipelineLayout("model", ("embed",), "blocks", ("head",)))
+    strategy = NPUFSDPStrategy(pipeline_parallel_size=2, pipeline_schedule="Interleaved1F1B")
+    trainer = Trainer(accelerator="npu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises((ValueError, TypeError), match=_REFUSALS[problem]):
+        trainer.fit(lm)
 
 
 # ---------------------------------------------------------------------------------------------- the step's gradients
@@ -221,10 +322,11 @@ def _close(runs: dict, name: str, reference: str, key: str = "losses", start: in
     ("pp2_dp2", "plain2"),  # pp 2 x 2 replicas against 2 replicas
     ("moe_pp2", "moe_plain"),  # the routing bias moves by the tokens routed on each stage's MoE layers
     ("qwen3_pp2", "qwen3_plain"), ("deepseek_pp2", "deepseek_plain"),  # q/k norms; MLA and DeepSeekMoE
+    ("user_pp2", "user_plain"),  # a user's LightningModule: its own parts, blocks of x alone, a keyword mask, loss
 ])
 def test_pipeline_trains_and_validates_with_the_losses_of_plain_sharding(pipeline_runs, name, reference):
     """Every schedule, gradient accumulation, data parallelism, an MoE, Qwen3 and DeepSeek under pipeline_parallel_size 2
-    against plain npu_fsdp with as many data-parallel replicas, from the same first weights and rows (30 % of labels
+    and a user's own LightningModule against plain npu_fsdp with as many data-parallel replicas, from the same first weights and rows (30 % of labels
     -100, so the microbatches hold unequal label counts), gradients clipped at 1.0 (the norm over every stage):
     per-step training losses and every epoch's validation loss (its last batch of 3 rows padded to the 4
     microbatches) within 1e-5; the loss falls. torch sent no point-to-point batch HCCL would refuse."""
@@ -298,6 +400,18 @@ def test_predict_returns_the_last_stages_logits_on_every_rank(pipeline_runs, nam
     for rank in range(2):
         torch.testing.assert_close(torch.load(out / f"{name}_rank{rank}.pt"), plain, rtol=0, atol=1e-5,
                                    msg=lambda m: f"{name} rank {rank}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["predict_plain", "predict_pp2"])
+def test_npu_fsdp_evaluates_under_no_grad_whatever_the_trainer_says(pipeline_runs, name):
+    """FSDP2's first unshard under inference_mode on a one-rank shard group (pipeline or tensor parallelism without
+    data parallelism, one device) fails ("Inference tensors do not track version counter"), and Lightning picks
+    inference_mode for every backend but gloo: on HCCL ``trainer.predict`` from a fresh Trainer would fail where the
+    simulation (gloo: no_grad) passes. So the decision is tested: with ``Trainer(inference_mode=True)`` npu_fsdp
+    turns every evaluation loop's inference_mode off, as Lightning does for its FSDPStrategy."""
+    assert pipeline_runs[name]["loops_inference_mode"] == [False] * 4
+    assert pipeline_runs[name]["predict_step_inference_mode"] is False
 
 
 @pytest.mark.slow

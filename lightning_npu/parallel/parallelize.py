@@ -20,8 +20,8 @@ from lightning_npu.parallel.context import ContextParallel, apply_context_parall
 from lightning_npu.parallel.expert import apply_experts, check_experts, shard_experts
 from lightning_npu.parallel.fsdp import apply_fsdp, fully_shard_options, resolve_module_classes, wrap_classes
 from lightning_npu.parallel.mesh import ParallelMesh
-from lightning_npu.parallel.pipeline import Pipeline, PipelineSplit, split
-from lightning_npu.parallel.protocol import ParallelPlan, find_modules
+from lightning_npu.parallel.pipeline import Pipeline, PipelineSplit, check_split, split
+from lightning_npu.parallel.protocol import ParallelPlan, PipelineLayout, find_modules
 from lightning_npu.parallel.tensor import apply_tensor_parallel, tensor_parallel_parameters
 from lightning_npu.precision import mixed_precision_policy
 
@@ -84,28 +84,39 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, prec
     return pipeline
 
 
-def _split(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: ParallelPlan) -> PipelineSplit:
-    """Prune the plan's pipelined module to this rank's stages (``parallel.pipeline.split``)."""
+def check_pipeline(model: nn.Module, options: FSDPOptions, plan: ParallelPlan) -> tuple[nn.Module, PipelineLayout]:
+    """Whether ``model`` splits into the stages ``options`` ask for as its ``plan`` says: the plan's pipelined module
+    and its layout relative to it, or ValueError / TypeError with the value, the reason and the fix. npu_fsdp runs it
+    before workers start where the model exists by then (built outside ``configure_model``), and on every rank
+    before the split."""
     layout = plan.pipeline
     if layout is None:
         raise ValueError(
-            f"pipeline_parallel_size={mesh.layout.pp}, but the model's ParallelPlan names no pipeline: give"
-            " ParallelPlan(pipeline=PipelineLayout(module, inputs, blocks, outputs)) for the module to split (see"
+            f"pipeline_parallel_size={options.pipeline_parallel_size}, but the model's ParallelPlan names no pipeline:"
+            " give ParallelPlan(pipeline=PipelineLayout(module, inputs, blocks, outputs)) for the module to split (see"
             " lightning_npu.parallel.protocol), or train without pipeline parallelism"
         )
     ((_, module),) = find_modules(model, [layout.module], "ParallelPlan.pipeline")
-    outside = [name for name, param in model.named_parameters()
-               if not any(param is inner for inner in module.parameters())]
+    inside = {id(param) for param in module.parameters()}
+    outside = [name for name, param in model.named_parameters() if id(param) not in inside]
     if outside:
         raise ValueError(
             f"under pipeline parallelism every parameter belongs to a stage of {layout.module or 'the model'};"
             f" {outside[:5]} lie outside it: move them into its parts (inputs, blocks or outputs)"
         )
+    layout = dataclasses.replace(layout, module="")
+    check_split(module, layout, options.pipeline_parallel_size * options.stages_per_rank,
+                options.pipeline_layers_per_stage)
+    return module, layout
+
+
+def _split(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: ParallelPlan) -> PipelineSplit:
+    """Prune the plan's pipelined module to this rank's stages (``parallel.pipeline.split``)."""
+    module, layout = check_pipeline(model, options, plan)
     per_rank = options.stages_per_rank
     pp, pp_rank = mesh.layout.pp, mesh.pp.get_local_rank()
     stage_ids = pipeline_facts.stage_ids(options.pipeline_schedule, pp_rank, pp, per_rank)
-    split_ = split(module, dataclasses.replace(layout, module=""), stage_ids, pp * per_rank,
-                   options.pipeline_layers_per_stage)
+    split_ = split(module, layout, stage_ids, pp * per_rank, options.pipeline_layers_per_stage)
     held = [f"{stage}: {split_.blocks[stage]}" for stage in stage_ids]
     rank_zero_info(f"npu_fsdp: pipeline ({options.pipeline_schedule}, {options.microbatches} microbatches) over"
                    f" {pp * per_rank} stages; rank 0 runs stage(s) {', '.join(held)}")
@@ -146,4 +157,4 @@ def _context_parallel(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions
                    f" {len(given)} modules split the sequence")
 
 
-__all__ = ["parallelize"]
+__all__ = ["check_pipeline", "parallelize"]

@@ -37,6 +37,8 @@ computes wrong weight gradients, silently).
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -107,11 +109,10 @@ class PipelineSplit:
 def split(module: nn.Module, layout: PipelineLayout, stage_ids: Sequence[int], num_stages: int,
           layers_per_stage: Optional[Sequence[int]] = None) -> PipelineSplit:
     """Prune ``module`` in place to the stages ``stage_ids`` of ``num_stages`` (see the module docstring), each holding
-    the blocks ``facts.blocks_per_stage`` gives (``layers_per_stage``: their counts); ValueError naming what does not
-    fit the layout."""
-    _check_layout(module, layout)
+    the blocks ``facts.blocks_per_stage`` gives (``layers_per_stage``: their counts); ValueError or TypeError naming
+    what does not fit the layout (:func:`check_split`)."""
+    blocks = check_split(module, layout, num_stages, layers_per_stage)
     container = getattr(module, layout.blocks)
-    blocks = facts.blocks_per_stage(len(container), num_stages, layers_per_stage=layers_per_stage)
 
     def parts(stage: int) -> set[str]:
         return (set(layout.inputs) if stage == 0 else set()) | (set(layout.outputs) if stage == num_stages - 1 else set())
@@ -126,27 +127,77 @@ def split(module: nn.Module, layout: PipelineLayout, stage_ids: Sequence[int], n
     return PipelineSplit(module, stages, num_stages, blocks)
 
 
-def _check_layout(module: nn.Module, layout: PipelineLayout) -> None:
-    if not callable(getattr(module, "loss", None)):
-        raise TypeError(f"{type(module).__name__} has no loss(output, labels, reduction) for the last pipeline stage to"
-                        " call (see lightning_npu.parallel.protocol: pipeline)")
+_CONTRACT = "see 'Pipeline parallelism' in docs/parallelism.md"
+
+
+def check_split(module: nn.Module, layout: PipelineLayout, num_stages: int,
+                layers_per_stage: Optional[Sequence[int]] = None) -> list[list[int]]:
+    """Whether ``module`` (the layout's pipelined module) splits into ``num_stages`` stages as ``layout`` says,
+    without changing it: the blocks of every stage (``facts.blocks_per_stage``), or ValueError / TypeError naming the
+    value, why it cannot split and the fix. Run before workers start where the model exists by then, and by
+    :func:`split` on every rank."""
+    name = type(module).__name__
+    loss = getattr(module, "loss", None)
+    if not callable(loss):
+        raise TypeError(f"{name} has no loss(output, labels, reduction) method: under pipeline parallelism only the"
+                        " last stage sees the output, and it computes the loss by calling it; define it (and make"
+                        f" forward(x, labels=labels) return it), {_CONTRACT}")
+    try:
+        inspect.signature(loss).bind(None, None, reduction="sum")
+    except TypeError as error:
+        raise TypeError(f"{name}.loss{inspect.signature(loss)} cannot be called as loss(output, labels,"
+                        f" reduction='sum') ({error}): the last stage sums each microbatch's loss and divides by the"
+                        " batch's labelled count, so the mean is the unpipelined one however labels fall on the"
+                        " microbatches; give loss a reduction argument ('mean' | 'sum', as torch.nn.functional's"
+                        " losses take)") from None
     children = dict(module.named_children())
-    missing = [name for name in (*layout.inputs, layout.blocks, *layout.outputs) if name not in children]
+    missing = [part for part in (*layout.inputs, layout.blocks, *layout.outputs) if part not in children]
     if missing:
-        raise ValueError(f"the pipeline layout names {missing}, which {type(module).__name__} has no child called;"
-                         f" its children are {sorted(children)}")
-    if not isinstance(children[layout.blocks], nn.ModuleList):
-        raise TypeError(f"the pipeline's blocks ({layout.blocks}) must be an nn.ModuleList, not"
-                        f" {type(children[layout.blocks]).__name__}")
-    if any(True for _ in module.parameters(recurse=False)):
-        raise ValueError(f"{type(module).__name__} holds parameters of its own: under pipeline parallelism each"
-                         " parameter must belong to one stage's part (an input, a block or an output)")
+        raise ValueError(f"the pipeline layout names {missing}, which {name} has no child called; its children are"
+                         f" {sorted(children)}; name the parts among its children, or give the module that holds"
+                         " them as PipelineLayout.module")
+    container = children[layout.blocks]
+    if not isinstance(container, nn.ModuleList):
+        raise TypeError(f"the pipeline's blocks ({name}.{layout.blocks}) are a {type(container).__name__}: each stage"
+                        " keeps some of them under their indices; make them an nn.ModuleList that forward loops over"
+                        " (for block in self.blocks: x = block(x))")
+    own = [param_name for param_name, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(f"{name} holds parameters of its own ({own}): under pipeline parallelism each parameter"
+                         " belongs to one stage's part (an input, a block or an output); move them into a part (a"
+                         " positional table into the input module that uses it)")
     named = {*layout.inputs, layout.blocks, *layout.outputs}
-    holding = [name for name, child in children.items()
-               if name not in named and child is not None and any(True for _ in child.parameters())]
+    holding = [child for child, value in children.items()
+               if child not in named and value is not None and any(True for _ in value.parameters())]
     if holding:
         raise ValueError(f"{holding} hold parameters but are in no part of the pipeline layout: only"
-                         " parameter-free children can stay on every stage")
+                         " parameter-free children can stay on every stage; add them to the layout's inputs or"
+                         " outputs")
+    blocks = facts.blocks_per_stage(len(container), num_stages, layers_per_stage=layers_per_stage)
+    _check_untied(module, layout, blocks)
+    return blocks
+
+
+def _check_untied(module: nn.Module, layout: PipelineLayout, blocks: Sequence[Sequence[int]]) -> None:
+    """A parameter shared by parts on two stages (an embedding tied to the head) would be two copies after the split,
+    each stepped with its own stage's gradient only: refused, naming both."""
+    container = getattr(module, layout.blocks)
+    where: dict[int, tuple[int, str]] = {}
+    parts = [(0, part, getattr(module, part)) for part in layout.inputs]
+    parts += [(stage, f"{layout.blocks}.{index}", container[index])
+              for stage, indices in enumerate(blocks) for index in indices]
+    parts += [(len(blocks) - 1, part, getattr(module, part)) for part in layout.outputs]
+    for stage, part, owner in parts:
+        for param_name, param in owner.named_parameters():
+            first = where.setdefault(id(param), (stage, f"{part}.{param_name}"))
+            if first[0] != stage:
+                raise ValueError(
+                    f"{type(module).__name__}.{first[1]} (stage {first[0]}) and .{part}.{param_name} (stage {stage})"
+                    " are one parameter, which two stages would hold as two copies, each trained by its own"
+                    " stage's gradient; make them two parameters (e.g. tie_embeddings off) or keep both parts on one"
+                    " stage"
+                    " (pipeline_layers_per_stage)"
+                )
 
 
 def _view(module: nn.Module, keep: set[str], layout: PipelineLayout, indices: Sequence[int]) -> nn.Module:
@@ -161,7 +212,31 @@ def _view(module: nn.Module, keep: set[str], layout: PipelineLayout, indices: Se
             setattr(view, name, None)
     container = getattr(module, layout.blocks)
     setattr(view, layout.blocks, KeptBlocks({index: container[index] for index in indices}))
+    absent = [name for name in (*layout.inputs, *layout.outputs) if name not in keep]
+    if absent:
+        view.forward = _absent_parts_explained(view.forward, absent, type(module).__name__)
     return view
+
+
+def _absent_parts_explained(forward: Any, absent: list[str], name: str) -> Any:
+    """``forward`` of a stage lacking the parts ``absent``, whose failure on one of them (None on this stage) says
+    so and how to write the forward: Python's own error names neither the part nor the stage."""
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        except (TypeError, AttributeError) as error:
+            if "'NoneType' object" not in str(error):
+                raise
+            raise TypeError(
+                f"{name}.forward failed on a pipeline stage that does not hold {absent} ({error}), which are None"
+                " there as they are on every stage that does not hold them; make forward skip them: take x as the"
+                " previous stage's activations where the inputs are None (h = x if self.embed is None else"
+                " self.embed(x)), and return the activations where the outputs are None (if self.head is None,"
+                f" return h), {_CONTRACT}"
+            ) from error
+
+    return run
 
 
 class _TokenMeanLoss:
@@ -380,4 +455,4 @@ def _no_local_backward_handoff(stages: Sequence[Any]) -> Iterator[None]:
             del stage.get_local_bwd_output, stage.set_local_bwd_input
 
 
-__all__ = ["IGNORE_INDEX", "KeptBlocks", "inferring_shapes", "Pipeline", "PipelineSplit", "split"]
+__all__ = ["IGNORE_INDEX", "KeptBlocks", "check_split", "inferring_shapes", "Pipeline", "PipelineSplit", "split"]

@@ -33,7 +33,9 @@ that returns the plan (``""`` is that module itself).
     module's ``forward(x, *, labels=None, **kwargs)`` gives, with ``labels``, the loss (the mean over the labels that
     are not -100), computed by its ``loss(output, labels, reduction)``; and it runs with parts set to ``None``: the
     first stage gets the inputs, the others the previous stage's activations (one tensor), the last returns the
-    output its ``loss`` takes. ``kwargs`` (per-row tensors) reach every stage. Under pipeline parallelism npu_fsdp
+    output its ``loss`` takes (called with ``reduction="sum"``). ``kwargs`` (per-row tensors) reach every stage.
+    Every parameter lies in one part (none tied across stages), the blocks are an ``nn.ModuleList``: what
+    ``parallel.pipeline.check_split`` checks, before workers start. Under pipeline parallelism npu_fsdp
     keeps each rank's stages of it (parameter names unchanged) and its ``forward`` with ``labels`` runs the schedule:
     every microbatch's forward and backward, returning the step's loss on every rank.
 """

@@ -16,9 +16,11 @@ from typing import Any, Callable, Generator, Iterable, Mapping, Optional, Union
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.core.module import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -33,7 +35,7 @@ from lightning_npu.facts.options import (
 )
 from lightning_npu.parallel.fsdp import STEP_METHODS, reshard
 from lightning_npu.parallel.mesh import ParallelMesh
-from lightning_npu.parallel.parallelize import parallelize
+from lightning_npu.parallel.parallelize import check_pipeline, parallelize
 from lightning_npu.parallel.pipeline import Pipeline
 from lightning_npu.parallel.protocol import plan_of, resolve_parallel_plan
 from lightning_npu.parallel.tensor import loss_parallel_if
@@ -248,6 +250,19 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
     """Trainer FSDP2 on NPUs. Every option is an explicit argument, so LightningCLI YAML can set it."""
 
     strategy_name = "npu_fsdp"
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self.options.pipeline_parallel_size > 1:
+            compat.check_before_launch(self, self._check_split)
+
+    def _check_split(self, module: Any) -> None:
+        """A model that cannot be split into the pipeline's stages, refused before the other ranks start (each would
+        fail alike, later). One built in ``configure_model`` does not exist yet: the same check runs on every rank
+        when it is sharded."""
+        if not is_overridden("configure_model", module, LightningModule):
+            check_pipeline(module, self.options, plan_of(module, self._plan_function))
 
     @override
     def setup_environment(self) -> None:

@@ -7,17 +7,20 @@ launches:
   a 4-block MoE balanced by its routing bias); ``plain``:
   2 epochs of 5 steps with validation (3 batches, the last of 3 rows), a sharded checkpoint after epoch 0;
   ``plain_epoch``: one epoch (the learning-rate schedule spans the run); ``plain_accumulate``: 5 steps of 2 accumulated batches; ``fabric_plain``: a Fabric loop of 4 steps of 2 accumulated
-  batches, then ``fabric.load_raw`` of the first weights; ``moe_plain``, ``qwen3_plain``, ``deepseek_plain``: the MoE, an untied Qwen3 and a DeepSeek (MLA,
-  DeepSeekMoE) for one epoch; ``predict_plain``: ``trainer.predict`` of the first weights (logits to
-  ``predict_plain_rank0.pt``); ``guard_plain``: NaNs injected under the non-finite-loss guard (``guarded``);
+  batches, then ``fabric.load_raw`` of the first weights; ``moe_plain``, ``qwen3_plain``, ``deepseek_plain``: the MoE, an
+  untied Qwen3 and a DeepSeek (MLA, DeepSeekMoE) for one epoch; ``user_plain``: a user's own LightningModule, not
+  the recipes' (a sequence classifier with its own projection, residual blocks of ``x`` alone, pooling under a
+  keyword mask, head and loss: tests/scripts/pipeline_user_model.py) for one epoch; ``predict_plain``:
+  ``trainer.predict`` of the first weights (logits to ``predict_plain_rank0.pt``); ``guard_plain``: NaNs injected
+  under the non-finite-loss guard (``guarded``);
 - ``--stage two`` (2 simulated NPUs): ``pp2`` (1F1B, 4 microbatches) as ``plain``, a sharded checkpoint after epoch
   0; ``pp2_gpipe``, ``pp2_interleaved`` (2 stages a rank), ``pp2_zbv`` (V schedule) for epoch 0;
   ``pp2_accumulate``; ``plain_to_pp2``: ``plain``'s checkpoint resumed under pp 2; ``plain2``: plain with 2 replicas
   (the reference of ``pp2_dp2``); ``pp2_full``: ``pp2``'s first epoch, saving one full file
-  (``state_dict_type="full"``), which ``pp2_full_to_pp2`` resumes; ``fabric_pp2``; ``moe_pp2``, ``qwen3_pp2``, ``deepseek_pp2``; ``predict_pp2``,
-  ``predict_pp2_zbv``: ``predict_plain`` under pp 2 (each rank's logits to ``<name>_rank<r>.pt``); ``guard_pp2``:
-  ``guard_plain``'s NaNs, where only the first stage sees them; ``preempt_pp2``: SIGTERM to rank 1 alone, a save
-  on preemption (``preempted``);
+  (``state_dict_type="full"``), which ``pp2_full_to_pp2`` resumes; ``fabric_pp2``; ``moe_pp2``, ``qwen3_pp2``,
+  ``deepseek_pp2``, ``user_pp2``; ``predict_pp2``, ``predict_pp2_zbv``: ``predict_plain`` under pp 2 (each rank's
+  logits to ``<name>_rank<r>.pt``); ``guard_pp2``: ``guard_plain``'s NaNs, where only the first stage sees them;
+  ``preempt_pp2``: SIGTERM to rank 1 alone, a save on preemption (``preempted``);
 - ``--stage four`` (4 simulated NPUs): ``pp2_dp2``: pp 2 x 2 replicas as ``plain2``; ``pp2_to_pp2_tp2``: ``pp2``'s
   checkpoint resumed under pp 2 x tensor_parallel_size 2;
 - ``--stage back`` (1 simulated NPU): ``pp2_to_plain``: ``pp2``'s checkpoint resumed under plain npu_fsdp, which
@@ -50,6 +53,7 @@ from lightning_npu.preemption import GracefulPreemption, Preempted
 from recipes.decoder.module import DecoderLM, load_pretrained
 from tests.npu_fake.hccl import P2PRecorder
 from tests.scripts.expert_parallel_run import FAMILIES, module, save_first_weights
+from tests.scripts.pipeline_user_model import Classify, Sequences
 from tests.scripts.trainer_run import SaveAfterFirstEpoch
 
 SEQ, ROWS, STEPS = 32, 8, 5  # 8 rows of 32 tokens a step (all replicas together), 5 steps an epoch
@@ -106,7 +110,11 @@ def fit(out: Path, name: str, *, devices: int, model: str = "llama", epochs: int
     share). ``callbacks`` join the run's; an exception of ``stops`` ends it early, and its ``str`` is recorded
     (``stopped``)."""
     seed_everything(1234)
-    family, config, block = MODELS[model]
+    if model == "user":  # a user's own LightningModule (tests/scripts/pipeline_user_model.py), built in __init__
+        lm, dataset, block = Classify(), Sequences, "Residual"
+    else:
+        family, config, block = MODELS[model]
+        lm, dataset = module(family, str(out / f"init_{model}.ckpt"), **config), Rows
     strategy = lightning_npu.NPUFSDPStrategy(**{**recompute(block), "timeout": 300, **options})
     losses = Losses()
     callbacks = [losses, *callbacks]
@@ -118,10 +126,9 @@ def fit(out: Path, name: str, *, devices: int, model: str = "llama", epochs: int
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True, gradient_clip_val=1.0, callbacks=callbacks, default_root_dir=out / name,
     )
-    lm = module(family, str(out / f"init_{model}.ckpt"), **config)
     replicas = devices // (options.get("pipeline_parallel_size", 1) * options.get("tensor_parallel_size", 1))
-    train = DataLoader(Rows(STEPS * ROWS * accumulate, seed=1), batch_size=ROWS // replicas)
-    val = DataLoader(Rows(11 * replicas, seed=5), batch_size=4)  # each replica: 4, 4 and 3 rows
+    train = DataLoader(dataset(STEPS * ROWS * accumulate, seed=1), batch_size=ROWS // replicas)
+    val = DataLoader(dataset(11 * replicas, seed=5), batch_size=4)  # each replica: 4, 4 and 3 rows
     stopped = None
     with P2PRecorder() as p2p:
         try:
@@ -145,6 +152,7 @@ class Predicting(DecoderLM):
     labels: under pipeline parallelism the forward-only schedule, its last stage's logits on every rank)."""
 
     def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self.inference_mode_seen = torch.is_inference_mode_enabled()
         return self.model(batch["input_ids"])
 
 
@@ -155,12 +163,15 @@ def predict(out: Path, name: str, *, devices: int, **options) -> dict:
     family, config, _ = MODELS["llama"]
     trainer = Trainer(accelerator="npu", devices=devices, precision="32-true", logger=False,
                       strategy=lightning_npu.NPUFSDPStrategy(timeout=300, **options), enable_progress_bar=False,
-                      enable_model_summary=False, deterministic=True)
+                      enable_model_summary=False, deterministic=True, inference_mode=True)
     lm = Predicting(family=family, preset="tiny", config={**FAMILIES[family][0], **config},
                     init_from=str(out / "init_llama.ckpt"))
     logits = trainer.predict(lm, DataLoader(Rows(11, seed=5), batch_size=4))
     torch.save(torch.cat(logits).cpu(), out / f"{name}_rank{trainer.global_rank}.pt")
-    return {"ranks": trainer.world_size, "batches": [list(batch.shape) for batch in logits]}
+    loops = (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop)
+    return {"ranks": trainer.world_size, "batches": [list(batch.shape) for batch in logits],
+            "loops_inference_mode": [loop.inference_mode for loop in loops],
+            "predict_step_inference_mode": lm.inference_mode_seen}
 
 
 def every_rank(record: dict) -> list[dict]:
@@ -300,7 +311,7 @@ def main() -> None:
             "predict_plain": predict(out, "predict_plain", devices=1),
             "guard_plain": guarded(out, "guard_plain", devices=1),
             **{f"{model}_plain": fit(out, f"{model}_plain", devices=1, model=model, epochs=1)
-               for model in ("moe", "qwen3", "deepseek")},
+               for model in ("moe", "qwen3", "deepseek", "user")},
         }
     elif args.stage == "two":
         results = {
@@ -318,7 +329,7 @@ def main() -> None:
             "plain2": fit(out, "plain2", devices=2),
             "fabric_pp2": fabric_fit(out, 2, **pp2),
             **{f"{model}_pp2": fit(out, f"{model}_pp2", devices=2, model=model, epochs=1, **pp2)
-               for model in ("moe", "qwen3", "deepseek")},
+               for model in ("moe", "qwen3", "deepseek", "user")},
             "predict_pp2": predict(out, "predict_pp2", devices=2, **pp2),
             "predict_pp2_zbv": predict(out, "predict_pp2_zbv", devices=2, pipeline_schedule="ZBVZeroBubble", **pp2),
             "guard_pp2": guarded(out, "guard_pp2", devices=2, **pp2),
