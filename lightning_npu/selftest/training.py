@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from lightning_npu.selftest.model import Decoder, DecoderConfig
 from lightning_npu.selftest.report import FAIL, INFO, PASS, WARN, CheckResult
@@ -81,13 +80,19 @@ def batch(step: int, rank: int, config: DecoderConfig, batch_size: int, seq_len:
 
 def _train_step(fabric: Any, model: Any, optimizer: Any, step: int, config: DecoderConfig, batch_size: int,
                 seq_len: int) -> float:
-    tokens = batch(step, fabric.global_rank, config, batch_size, seq_len).to(fabric.device)
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss = _step(fabric, model, optimizer, batch(step, fabric.global_rank, config, batch_size, seq_len))
+    return fabric.all_reduce(loss, reduce_op="mean").item()
+
+
+def _step(fabric: Any, model: Any, optimizer: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on ``tokens`` (the model's call with labels: under pipeline parallelism that runs every
+    microbatch's forward and backward); the step's loss, detached."""
+    tokens = tokens.to(fabric.device)
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
     fabric.backward(loss)
     optimizer.step()
     optimizer.zero_grad()
-    return fabric.all_reduce(loss.detach(), reduce_op="mean").item()
+    return loss.detach()
 
 
 def loss_result(losses: list[float]) -> CheckResult:
