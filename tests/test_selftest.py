@@ -1,5 +1,6 @@
 """lightning-npu selftest: the whole command on two simulated NPUs, and each check family made to fail on purpose
-(a wrong fused kernel through the strict fake, a wrong collective, a resume that does not reproduce the run)."""
+(a wrong fused kernel through the strict fake, a wrong collective, a resume that does not reproduce the run, a
+pipelined loss off plain npu_fsdp's)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from lightning_npu import runtime as runtime_pkg
 from lightning_npu.cli import main
 from lightning_npu.kernels import _dispatch
 from lightning_npu.runtime.npu import NPURuntime
-from lightning_npu.selftest import collectives, kernels, report, training
+from lightning_npu.selftest import collectives, kernels, model, report, training
 from tests.helpers import REPO, WARM_PYTHON, run_python
 from tests.npu_fake import install_fake_torch_npu
 from tests.test_kernels import attention_mod, install_cann
@@ -32,7 +34,9 @@ def _by_label(data):
 @pytest.mark.slow
 def test_quick_selftest_on_two_simulated_npus_passes_and_reports_fused_kernels_not_available(tmp_path):
     """Catches a selftest that cannot run end to end here (launch, collectives over gloo, sharded save and resume
-    on two processes), one that counts a fused kernel it never ran as passed, and a missing table or JSON."""
+    on two processes, the decoder split into two pipeline stages), one that counts a fused kernel it never ran as
+    passed, a missing table or JSON, and a pipeline whose loss is wrong (scaling the schedule's loss by 1 + 1e-4
+    fails the pipelined row here)."""
     out = tmp_path / "selftest.json"
     proc = run_python(["-m", "lightning_npu.cli", "selftest", "--quick", "--json", str(out)], simulate=2,
                       timeout=E2E_TIMEOUT_S)
@@ -52,6 +56,11 @@ def test_quick_selftest_on_two_simulated_npus_passes_and_reports_fused_kernels_n
     assert checks["training/loss"]["verdict"] == "pass"
     assert checks["training/resume"]["verdict"] == "pass" and checks["training/resume"]["figures"]["steps_compared"] == 4
     assert checks["training/memory"]["verdict"] == "info" and checks["training/memory"]["figures"]["planned_tensors_gib"] > 0
+    # Both ranks' losses (each its own, sent from the last stage) within fp32's tolerance of plain npu_fsdp's.
+    pipelined = checks["training/pipelined step (1F1B)"]
+    assert pipelined["verdict"] == "pass", pipelined["detail"]
+    assert pipelined["figures"]["tolerance"] == 1e-5 and pipelined["figures"]["max_rel_diff"] <= 1e-5
+    assert pipelined["figures"]["stages"] == 2 and len(pipelined["figures"]["losses"]) == 4
     assert data["versions"]["torch"] == torch.__version__ and data["settings"]["ranks"] == 2
     assert "kernels/rms_norm bf16" in proc.stdout and "summary: " in proc.stdout and "FAILED" not in proc.stdout
 
@@ -335,6 +344,38 @@ def test_a_loss_that_does_not_fall_fails():
     assert training.loss_result([5.5, 5.5, 5.4]).verdict == "fail"
     assert training.loss_result([5.5, float("nan"), 1.0]).verdict == "fail"
     assert training.loss_result([5.5, 4.0, 3.0]).verdict == "pass"
+
+
+_PLAIN_LOSSES = [5.7494, 5.0109, 4.2829, 3.5560]
+
+
+def test_a_pipelined_loss_off_plain_npu_fsdps_fails_the_pipelined_step():
+    """Catches a comparison too loose for fp32 or too tight for bf16, and a pipeline that does not learn."""
+    assert training.pipeline_result(_PLAIN_LOSSES, _PLAIN_LOSSES, 1e-5, rank=0).verdict == "pass"
+    off = [x * (1 + 2e-5) for x in _PLAIN_LOSSES]
+    wrong = training.pipeline_result(off, _PLAIN_LOSSES, training.PIPELINE_TOLERANCE["32-true"], rank=1)
+    assert wrong.verdict == "fail" and wrong.fallback.startswith("pipeline_parallel_size=1")
+    assert wrong.detail.startswith("rank 1: step 0's pipelined loss 5.74951 differs from plain npu_fsdp's 5.7494")
+    # bf16's tolerance takes rounding noise, not a lost microbatch (a loss over 3 of 4 rows' tokens).
+    assert training.pipeline_result(off, _PLAIN_LOSSES, training.PIPELINE_TOLERANCE["bf16-mixed"], rank=0).verdict == "pass"
+    lost = [x * 3 / 4 for x in _PLAIN_LOSSES]
+    assert training.pipeline_result(lost, _PLAIN_LOSSES, training.PIPELINE_TOLERANCE["bf16-mixed"], rank=0).verdict == "fail"
+    nan = [*_PLAIN_LOSSES[:-1], float("nan")]
+    assert training.pipeline_result(nan, _PLAIN_LOSSES, 1e-5, rank=0).verdict == "fail"
+    flat = [5.7, 5.6, 5.5, 5.4]
+    stuck = training.pipeline_result(flat, flat, 1e-5, rank=0)
+    assert stuck.verdict == "fail" and "did not fall below 0.9 x the first step's" in stuck.detail
+
+
+def test_the_pipelined_step_is_info_where_the_ranks_cannot_form_two_stages():
+    """Catches a selftest that fails (or hangs building a mesh) on one rank or an odd world size."""
+    config = model.DecoderConfig()
+    assert [training.pipeline_problem(world, nodes, config) for world, nodes in ((2, 1), (4, 1), (16, 2))] == [None] * 3
+    assert "does not divide the world size 3" in training.pipeline_problem(3, 1, config)
+    one_rank = SimpleNamespace(world_size=1, global_rank=0, strategy=SimpleNamespace(num_nodes=1))
+    result = training.check_pipeline(one_rank, runtime=None, precision="32-true")
+    assert result.verdict == "info" and result.label == "training/pipelined step (1F1B)"
+    assert result.detail == "not run on 1 rank(s): 2 pipeline stages need at least 2 ranks"
 
 
 # ---------------------------------------------------------------- options

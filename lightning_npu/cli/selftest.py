@@ -7,9 +7,11 @@ collectives, and a short sharded training with a checkpoint resume.
 Checks (each with its figures and a verdict: pass, fail, warn, not available, info):
   kernels      npu_fusion_attention, npu_rms_norm, npu_rotary_mul, npu_swiglu vs the reference path, forward and
                backward, fp32/bf16/fp16, the recipe's and edge shapes; errors and times (on device 0)
-  collectives  all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast: exact results, bus bandwidth
+  collectives  all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, all_gather, broadcast,
+               send/recv (batch_isend_irecv): exact results, bus bandwidth
   training     a small LLaMA-style decoder with npu_fsdp on every device: the loss falls, a sharded checkpoint
-               resumes exactly, peak memory vs `lightning-npu plan`'s estimate
+               resumes exactly, peak memory vs `lightning-npu plan`'s estimate; on an even number of devices, the
+               same decoder in 2 pipeline stages (1F1B) gives plain npu_fsdp's losses
 On the simulated runtime (LIGHTNING_NPU_SIMULATE) fused kernels are "not available": only the reference runs.
 A failing kernel names its switch (LIGHTNING_NPU_DISABLE_FUSED=<kernel>) to train on the reference path meanwhile.
 Across nodes, start it like training, on every node: torchrun --nnodes 2 --nproc-per-node 8 ... -m lightning_npu.cli

@@ -5,16 +5,23 @@ training-only core of that architecture -- pre-norm blocks of RMSNorm, grouped-q
 embeddings, and a SwiGLU MLP with fused gate/up weights -- without KV cache, generation or checkpoint names. Its
 parameters have the recipe's shapes and layout (``ModelShape.block_shapes`` / ``root_shapes`` in the planner), so
 ``lightning-npu plan`` estimates it as it estimates the recipe. The recipe could build its model on these blocks.
+
+It follows the pipeline contract of ``lightning_npu.parallel.protocol`` (``parallel_plan().pipeline``, ``forward``
+with ``labels``, ``loss(logits, labels, reduction)``), so the pipelined-step check splits it into stages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_npu.kernels import apply_rotary, causal_attention, rms_norm, rotary_tables, swiglu
+from lightning_npu.parallel import ParallelPlan, PipelineLayout
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,7 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Token ids [batch, seq] -> next-token logits [batch, seq, vocab] in fp32."""
+    """Token ids [batch, seq] -> next-token logits [batch, seq, vocab] in fp32, or with ``labels`` their mean loss."""
 
     def __init__(self, c: DecoderConfig) -> None:
         super().__init__()
@@ -79,9 +86,24 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        x = self.tok_embeddings(tokens)
-        cos, sin = rotary_tables(tokens.shape[1], self.c.head_dim, device=tokens.device)
+    def parallel_plan(self) -> ParallelPlan:
+        """Its pipeline stages: the embedding with the first, the blocks spread over all, the norm and head with the
+        last (without pipeline parallelism npu_fsdp reads nothing from it)."""
+        return ParallelPlan(pipeline=PipelineLayout(module="", inputs=("tok_embeddings",), blocks="layers",
+                                                    outputs=("norm", "output")))
+
+    def forward(self, x: Tensor, *, labels: Optional[Tensor] = None) -> Tensor:
+        """As a pipeline stage the parts it does not hold are None: without the embedding ``x`` is the previous
+        stage's hidden states [batch, seq, dim], and without the head it returns its last block's."""
+        h = x if self.tok_embeddings is None else self.tok_embeddings(x)
+        cos, sin = rotary_tables(h.shape[1], self.c.head_dim, device=h.device)
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.output(self.norm(x)).float()
+            h = layer(h, cos, sin)
+        if self.output is None:
+            return h
+        logits = self.output(self.norm(h)).float()
+        return logits if labels is None else self.loss(logits, labels)
+
+    def loss(self, logits: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
+        """Next-token cross-entropy over every position (the pipeline's last stage calls it with ``"sum"``)."""
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction=reduction)

@@ -12,12 +12,16 @@
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 
+from lightning_npu.facts import env as names
+from lightning_npu.facts.options import FSDPOptions
+from lightning_npu.facts.pipeline import blocks_per_stage
 from lightning_npu.selftest.model import Decoder, DecoderConfig
 from lightning_npu.selftest.report import FAIL, INFO, PASS, WARN, CheckResult
 
@@ -81,13 +85,19 @@ def batch(step: int, rank: int, config: DecoderConfig, batch_size: int, seq_len:
 
 def _train_step(fabric: Any, model: Any, optimizer: Any, step: int, config: DecoderConfig, batch_size: int,
                 seq_len: int) -> float:
-    tokens = batch(step, fabric.global_rank, config, batch_size, seq_len).to(fabric.device)
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss = _step(fabric, model, optimizer, batch(step, fabric.global_rank, config, batch_size, seq_len))
+    return fabric.all_reduce(loss, reduce_op="mean").item()
+
+
+def _step(fabric: Any, model: Any, optimizer: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on ``tokens`` (the model's call with labels: under pipeline parallelism that runs every
+    microbatch's forward and backward); the step's loss, detached."""
+    tokens = tokens.to(fabric.device)
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
     fabric.backward(loss)
     optimizer.step()
     optimizer.zero_grad()
-    return fabric.all_reduce(loss.detach(), reduce_op="mean").item()
+    return loss.detach()
 
 
 def loss_result(losses: list[float]) -> CheckResult:
@@ -128,6 +138,107 @@ def memory_result(peak_bytes: int, plan: dict[str, Any], *, simulated: bool) -> 
         return CheckResult(FAMILY, "memory", PASS, detail, figures)
     return CheckResult(FAMILY, "memory", WARN, detail + f": off by more than {MEMORY_WARN_RATIO}x; trust"
                        " `lightning-npu plan` less for this setup, and please report it", figures)
+
+
+#: The pipelined step's layout: 2 stages (the decoder's 2 blocks, one each, with the embedding on the first and the
+#: head on the last), 1F1B, 4 microbatches of one row (1F1B needs at least one per stage; 4 give it a steady state).
+PIPELINE_OPTIONS = {"pipeline_parallel_size": 2, "pipeline_schedule": "1F1B", "pipeline_microbatches": 4}
+PIPELINE_STEPS = 4
+#: The largest relative difference, per step, between the pipelined loss and plain npu_fsdp's. The two runs differ in
+#: summation order only (per-microbatch sums over the batch's tokens, gradients accumulated over 4 microbatches). In
+#: fp32 that is ~1e-7 (measured on 2 and 4 simulated NPUs: 9.5e-8 over the 4 steps): 1e-5 leaves margin. In bf16-mixed
+#: every matmul rounds to 2^-8, differently for a 1-row microbatch than for 4 rows, and AdamW's early sign-like updates
+#: carry that into later steps (measured on the CPU: 1.3e-4 over 8 steps; NPU kernels may tile the two batch shapes
+#: differently): 4 x 2^-8, so a sound NPU never fails it. Either catches a lost or doubled microbatch (25%), a
+#: misscaled loss, activations or gradients corrupted in transit, or a stage that does not train (17% by step 4).
+PIPELINE_TOLERANCE = {"32-true": 1e-5, "bf16-mixed": 4 * 2**-8}
+PIPELINE_CHECK = f"pipelined step ({PIPELINE_OPTIONS['pipeline_schedule']})"
+
+
+def check_pipeline(fabric: Any, runtime: Any, *, precision: str, steps: int = PIPELINE_STEPS,
+                   config: DecoderConfig = DecoderConfig(), batch_size: int = 4, seq_len: int = 64,
+                   learning_rate: float = 3e-3, seed: int = 1234) -> CheckResult:
+    """Train ``steps`` steps with plain npu_fsdp (``fabric``), then as many from the same weights on the same rows
+    split into pipeline stages (a second Fabric, with ``PIPELINE_OPTIONS``); the pipelined losses against the plain
+    ones. ``info`` where the ranks cannot form the pipeline. ``fabric`` must be made from the launcher's ``LT_*``
+    variables, as the selftest worker makes it: the pipelined Fabric is made from them too."""
+    nodes = getattr(fabric.strategy, "num_nodes", 1)
+    problem = pipeline_problem(fabric.world_size, nodes, config)
+    if problem is not None:
+        return CheckResult(FAMILY, PIPELINE_CHECK, INFO, f"not run on {fabric.world_size} rank(s): {problem}",
+                           {"ranks": fabric.world_size})
+    rows = batch(0, 0, config, batch_size, seq_len)  # the same on every rank
+    reference = _losses(fabric, runtime, rows, steps, config, seed, learning_rate)
+    pipelined = _losses(_pipelined_fabric(precision), runtime, rows, steps, config, seed, learning_rate)
+    return pipeline_result(pipelined, reference, PIPELINE_TOLERANCE[precision], rank=fabric.global_rank)
+
+
+def pipeline_problem(world_size: int, nodes: int, config: DecoderConfig) -> Optional[str]:
+    """Why ``world_size`` ranks on ``nodes`` nodes cannot run the pipelined step (None when they can): npu_fsdp's
+    own checks of the layout and of the decoder's split."""
+    stages = PIPELINE_OPTIONS["pipeline_parallel_size"]
+    if world_size < stages:
+        return f"{stages} pipeline stages need at least {stages} ranks"
+    try:
+        FSDPOptions(**PIPELINE_OPTIONS).layout(nodes, world_size // nodes)
+        blocks_per_stage(config.n_layers, stages)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _losses(fabric: Any, runtime: Any, rows: torch.Tensor, steps: int, config: DecoderConfig, seed: int,
+            learning_rate: float) -> list[float]:
+    """Each step's loss on this rank (under pipeline parallelism the last stage's, sent to every rank)."""
+    model, optimizer = _build(fabric, runtime, config, seed, learning_rate)
+    return [_step(fabric, model, optimizer, rows).item() for _ in range(steps)]
+
+
+def _pipelined_fabric(precision: str) -> Any:
+    """A Fabric on the same processes and devices with npu_fsdp split into pipeline stages."""
+    from lightning.fabric import Fabric
+
+    from lightning_npu.strategies.fsdp import NPUFabricFSDPStrategy
+
+    with _strategy_not_from_launcher():
+        return Fabric(strategy=NPUFabricFSDPStrategy(**PIPELINE_OPTIONS), precision=precision)
+
+
+@contextmanager
+def _strategy_not_from_launcher() -> Iterator[None]:
+    """Without the launcher's ``LT_STRATEGY`` (plain ``npu_fsdp``), which Fabric would otherwise prefer to a strategy
+    object, refusing the two together; its other ``LT_*`` variables (accelerator, devices, nodes) still apply."""
+    launcher_strategy = os.environ.pop(names.LT_STRATEGY, None)
+    try:
+        yield
+    finally:
+        if launcher_strategy is not None:
+            os.environ[names.LT_STRATEGY] = launcher_strategy
+
+
+def pipeline_result(pipelined: list[float], reference: list[float], tolerance: float, *, rank: int) -> CheckResult:
+    """The pipelined losses against plain npu_fsdp's: each finite and within ``tolerance`` (relative), and falling;
+    a failure names the first step off."""
+    diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(pipelined, reference)]
+    figures = {"stages": PIPELINE_OPTIONS["pipeline_parallel_size"],
+               "microbatches": PIPELINE_OPTIONS["pipeline_microbatches"], "steps": len(pipelined),
+               "max_rel_diff": max(diffs), "tolerance": tolerance, "losses": pipelined, "reference": reference}
+    fallback = "pipeline_parallel_size=1 (train without pipeline parallelism)"
+    off = [step for step, diff in enumerate(diffs) if not diff <= tolerance]  # NaN is never within it
+    if off:
+        step = off[0]
+        detail = (f"rank {rank}: step {step}'s pipelined loss {pipelined[step]:.6g} differs from plain npu_fsdp's"
+                  f" {reference[step]:.6g} on the same weights and rows by {diffs[step]:.2e} (relative), over the"
+                  f" {tolerance:.2e} allowed: the stages' activations or gradients, or the loss sent from the last"
+                  " stage, are wrong (see the send/recv row)")
+        return CheckResult(FAMILY, PIPELINE_CHECK, FAIL, detail, figures, fallback)
+    if not pipelined[-1] < LOSS_DROP * pipelined[0]:
+        detail = (f"rank {rank}: the pipelined loss did not fall below {LOSS_DROP} x the first step's: "
+                  + ", ".join(f"{x:.4g}" for x in pipelined))
+        return CheckResult(FAMILY, PIPELINE_CHECK, FAIL, detail, figures, fallback)
+    return CheckResult(FAMILY, PIPELINE_CHECK, PASS, f"{len(pipelined)} steps over 2 stages matched plain npu_fsdp's"
+                       f" losses within {max(diffs):.1e} (allowed {tolerance:.1e}); the loss fell from"
+                       f" {pipelined[0]:.3f} to {pipelined[-1]:.3f}", figures)
 
 
 def planned_peak(config: DecoderConfig, *, seq_len: int, micro_batch: int, devices: int, nodes: int, precision: str,

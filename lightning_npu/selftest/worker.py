@@ -1,4 +1,5 @@
-"""What every selftest process runs: kernels (on global rank 0), collectives and the short training (on all ranks).
+"""What every selftest process runs: kernels (on global rank 0), collectives, the short training and the pipelined
+step (on all ranks).
 
 Started by ``lightning-npu selftest`` through ``lightning-npu run``'s launcher (one process per device, torchrun),
 run in the command's own process for a single device, or started by the user's torchrun / srun across nodes. The
@@ -27,7 +28,7 @@ def run_checks(*, quick: bool, workdir: Path, steps: int) -> Optional[dict[str, 
     from lightning_npu.runtime import get_runtime
     from lightning_npu.selftest.collectives import FULL_SIZES, QUICK_SIZES, check_collectives
     from lightning_npu.selftest.kernels import check_kernels
-    from lightning_npu.selftest.training import check_training
+    from lightning_npu.selftest.training import check_pipeline, check_training
     from lightning_npu.strategies.clean_exit import destroy_process_groups
 
     runtime = get_runtime()
@@ -40,6 +41,7 @@ def run_checks(*, quick: bool, workdir: Path, steps: int) -> Optional[dict[str, 
     shared = check_collectives(runtime, device, sizes=QUICK_SIZES if quick else FULL_SIZES,
                                iterations=5 if quick else 20)
     shared += check_training(fabric, runtime, workdir, steps=steps, precision=precision)
+    shared.append(check_pipeline(fabric, runtime, precision=precision))
     per_rank = [shared]
     if fabric.world_size > 1:
         per_rank = [None] * fabric.world_size
