@@ -174,3 +174,20 @@ def test_options_are_shared_by_trainer_and_fabric_strategies():
 
     kwargs = {"auto_wrap_policy": [Block], "zero_stage": 2, "activation_checkpointing_ratio": 0.5}
     assert NPUFSDPStrategy(**kwargs).options == NPUFabricFSDPStrategy(**kwargs).options == FSDPOptions(**kwargs)
+
+
+def test_buffers_outside_every_pipeline_stage_move_to_the_device_and_stay_registered():
+    """Under pipeline parallelism FSDP moves only what its stage units hold: a buffer on the LightningModule itself
+    (or on a parameter-free module beside the pipelined one) would stay on the host while the stages compute on the
+    NPU. parallelize moves them (the meta device stands for the NPU here; the simulated NPU is the CPU)."""
+    from lightning_npu.parallel.parallelize import move_buffers
+
+    owner = nn.Module()
+    owner.register_buffer("scale", torch.ones(3))
+    owner.register_buffer("cache", torch.zeros(2), persistent=False)
+    owner.inner = nn.BatchNorm1d(4)
+    move_buffers(owner, torch.device("meta"))
+    assert all(buffer.is_meta for buffer in owner.buffers())
+    assert dict(owner.named_buffers()).keys() == {"scale", "cache", "inner.running_mean", "inner.running_var",
+                                                   "inner.num_batches_tracked"}
+    assert "cache" not in owner.state_dict() and "scale" in owner.state_dict()

@@ -74,6 +74,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, prec
         # (see parallel.pipeline: one all-gather per unit per step; the zero-bubble schedules need it).
         sharded = [name for stage in split_.stages.values()
                    for name in apply_fsdp(stage, mesh.fsdp, reshard_after_forward=False, **shard)]
+        if device is not None:
+            # FSDP moves what its units hold; buffers outside every stage (on the LightningModule itself, or
+            # parameter-free modules beside the pipelined one) would stay where they were built.
+            move_buffers(model, device)
     rank_zero_info(f"npu_fsdp: {len(sharded)} FSDP units ({chosen_by}; zero_stage={options.zero_stage},"
                    f" sharding={options.sharding!r}), activation checkpointing on {len(checkpointed)} modules")
     if split_ is None:
@@ -108,6 +112,15 @@ def check_pipeline(model: nn.Module, options: FSDPOptions, plan: ParallelPlan) -
     check_split(module, layout, options.pipeline_parallel_size * options.stages_per_rank,
                 options.pipeline_layers_per_stage)
     return module, layout
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Every buffer of ``model`` that is not on ``device`` (nor on the meta device, which the first values fill)
+    moved there; registered buffers stay registered."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer is not None and not buffer.is_meta and buffer.device != device:
+                setattr(module, name, buffer.to(device))
 
 
 def _split(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: ParallelPlan) -> PipelineSplit:
@@ -157,4 +170,4 @@ def _context_parallel(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions
                    f" {len(given)} modules split the sequence")
 
 
-__all__ = ["check_pipeline", "parallelize"]
+__all__ = ["check_pipeline", "move_buffers", "parallelize"]
