@@ -70,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
 
     fabric = Fabric(accelerator="npu", devices=2, precision="32-true", strategy=lightning_npu.NPUFabricFSDPStrategy(
         pipeline_parallel_size=2, pipeline_schedule=args.schedule, pipeline_microbatches=args.microbatches,
-        timeout=600))
+        pipeline_layers_per_stage=json.loads(args.layers) if args.layers else None, timeout=600))
     fabric.launch()
     torch.manual_seed(0)
     lm = DecoderLM(preset="tiny", config=MODEL)
@@ -110,7 +110,7 @@ def measure(schedule: str, args: argparse.Namespace, workdir: Path) -> dict[str,
            "PYTHONWARNINGS": "ignore"}
     command = [sys.executable, __file__, "--worker", "--schedule", schedule, "--microbatches", str(microbatches),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq",
-               str(args.seq), "--result", str(out)]
+               str(args.seq), "--result", str(out), *(["--layers", args.layers] if args.layers else [])]
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise RuntimeError(f"{schedule} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--layers", help="pipeline_layers_per_stage as JSON, e.g. [1,3,2,2] (default: the split rule)")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--schedule", help=argparse.SUPPRESS)

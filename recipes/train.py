@@ -202,7 +202,8 @@ def check_pipeline(model: DecoderLM, data: TextDataModule, trainer: Trainer) -> 
          f" pipeline_microbatches={options.microbatches} equal microbatches; make it a multiple"),
     ) if given]
     try:
-        blocks_per_stage(config.n_layers, stages, layers_per_stage=options.pipeline_layers_per_stage)
+        blocks_per_stage(config.n_layers, stages, schedule=options.pipeline_schedule,
+                         layers_per_stage=options.pipeline_layers_per_stage)
     except ValueError as err:
         problems.append(str(err))
     if problems:

@@ -413,7 +413,8 @@ class FSDPOptions:
         " (Interleaved1F1B); unset: the schedule's")
     pipeline_layers_per_stage: Optional[list[int]] = option(
         None, check_layer_counts, "blocks each stage holds, in stage order (`[1, 3, 3, 1]`); unset: the balancing rule"
-        " (the embedding and the head count as a block each, so the end stages take fewer)")
+        " (the embedding and the head count as a block each, so the end stages take fewer; under a V-shaped schedule,"
+        " whose rank 0 holds both ends, every rank an equal share)")
 
     def __post_init__(self) -> None:
         for spec in fields(FSDPOptions):

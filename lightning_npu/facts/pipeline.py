@@ -97,19 +97,25 @@ def last_stage_rank(schedule: str, pp: int, per_rank: int) -> int:
     return 0 if SCHEDULES[schedule].style == "v" else (pp * per_rank - 1) % pp
 
 
-def blocks_per_stage(num_blocks: int, num_stages: int, *, input_weight: int = 1, output_weight: int = 1,
-                     layers_per_stage: Optional[Sequence[int]] = None) -> list[list[int]]:
+def blocks_per_stage(num_blocks: int, num_stages: int, *, schedule: str = DEFAULT_SCHEDULE, input_weight: int = 1,
+                     output_weight: int = 1, layers_per_stage: Optional[Sequence[int]] = None) -> list[list[int]]:
     """The block indices each stage holds, in stage order: contiguous, every block once.
 
-    The rule: the first stage's inputs (the embedding) count as ``input_weight`` blocks and the last stage's outputs
-    (the final norm and head) as ``output_weight``, and the ``num_blocks + input_weight + output_weight`` units are
-    spread as evenly as they go, the remainder to the middle stages first, then the first, then the last; so the end
-    stages take fewer blocks (8 blocks on 4 stages: 1, 3, 3, 1). ``layers_per_stage`` overrides it: a count per stage
-    (``[1, 3, 3, 1]``)."""
+    The rule, where a rank's stages loop (``r, r + pp, ...``): the first stage's inputs (the embedding) count as
+    ``input_weight`` blocks and the last stage's outputs (the final norm and head) as ``output_weight``, and the
+    ``num_blocks + input_weight + output_weight`` units are spread as evenly as they go, the remainder to the middle
+    stages first, then the first, then the last; so the end stages take fewer blocks (8 blocks on 4 stages: 1, 3, 3,
+    1). Under a V-shaped schedule (ZBV, DualPipeV) rank 0 holds both end stages, so lighter ends would make rank 0 the
+    lighter rank (measured: 8 blocks as 1, 3, 3, 1 on 2 ranks idled rank 0 60% of a ZBV step, 2, 2, 2, 2 took 28%
+    less time): there every rank takes an equal share of the blocks (the remainder to the last ranks, rank 0
+    carrying the embedding and head), split between its two stages. ``layers_per_stage`` overrides it: a count per
+    stage (``[1, 3, 3, 1]``)."""
     if layers_per_stage is not None:
         return _explicit(num_blocks, num_stages, layers_per_stage)
     if num_stages == 1:
         return [list(range(num_blocks))]
+    if SCHEDULES[schedule].style == "v":
+        return _ranges(_v_counts(num_blocks, num_stages // 2))
     base, extra = divmod(num_blocks + input_weight + output_weight, num_stages)
     units = [base] * num_stages
     for stage in [*range(1, num_stages - 1), 0, num_stages - 1][:extra]:
@@ -124,6 +130,17 @@ def blocks_per_stage(num_blocks: int, num_stages: int, *, input_weight: int = 1,
             " give the layers of each stage"
         )
     return _ranges(counts)
+
+
+def _v_counts(num_blocks: int, pp: int) -> list[int]:
+    """Block counts of the ``2 pp`` stages of a V: rank ``r`` (stages ``r`` and ``2 pp - 1 - r``) gets an equal share,
+    the first of its stages the larger half."""
+    base, extra = divmod(num_blocks, pp)
+    counts = [0] * (2 * pp)
+    for rank in range(pp):
+        share = base + (rank >= pp - extra)
+        counts[rank], counts[2 * pp - 1 - rank] = share - share // 2, share // 2
+    return counts
 
 
 def _ranges(counts: Sequence[int]) -> list[list[int]]:

@@ -110,7 +110,7 @@ def check_pipeline(model: nn.Module, options: FSDPOptions, plan: ParallelPlan) -
         )
     layout = dataclasses.replace(layout, module="")
     check_split(module, layout, options.pipeline_parallel_size * options.stages_per_rank,
-                options.pipeline_layers_per_stage)
+                options.pipeline_layers_per_stage, options.pipeline_schedule)
     return module, layout
 
 
@@ -129,7 +129,8 @@ def _split(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: Par
     per_rank = options.stages_per_rank
     pp, pp_rank = mesh.layout.pp, mesh.pp.get_local_rank()
     stage_ids = pipeline_facts.stage_ids(options.pipeline_schedule, pp_rank, pp, per_rank)
-    split_ = split(module, layout, stage_ids, pp * per_rank, options.pipeline_layers_per_stage)
+    split_ = split(module, layout, stage_ids, pp * per_rank, options.pipeline_layers_per_stage,
+                   options.pipeline_schedule)
     held = [f"{stage}: {split_.blocks[stage]}" for stage in stage_ids]
     rank_zero_info(f"npu_fsdp: pipeline ({options.pipeline_schedule}, {options.microbatches} microbatches) over"
                    f" {pp * per_rank} stages; rank 0 runs stage(s) {', '.join(held)}")

@@ -107,11 +107,11 @@ class PipelineSplit:
 
 
 def split(module: nn.Module, layout: PipelineLayout, stage_ids: Sequence[int], num_stages: int,
-          layers_per_stage: Optional[Sequence[int]] = None) -> PipelineSplit:
+          layers_per_stage: Optional[Sequence[int]] = None, schedule: str = facts.DEFAULT_SCHEDULE) -> PipelineSplit:
     """Prune ``module`` in place to the stages ``stage_ids`` of ``num_stages`` (see the module docstring), each holding
-    the blocks ``facts.blocks_per_stage`` gives (``layers_per_stage``: their counts); ValueError or TypeError naming
-    what does not fit the layout (:func:`check_split`)."""
-    blocks = check_split(module, layout, num_stages, layers_per_stage)
+    the blocks ``facts.blocks_per_stage`` gives for ``schedule`` (``layers_per_stage``: their counts); ValueError or
+    TypeError naming what does not fit the layout (:func:`check_split`)."""
+    blocks = check_split(module, layout, num_stages, layers_per_stage, schedule)
     container = getattr(module, layout.blocks)
 
     def parts(stage: int) -> set[str]:
@@ -131,7 +131,8 @@ _CONTRACT = "see 'Pipeline parallelism' in docs/parallelism.md"
 
 
 def check_split(module: nn.Module, layout: PipelineLayout, num_stages: int,
-                layers_per_stage: Optional[Sequence[int]] = None) -> list[list[int]]:
+                layers_per_stage: Optional[Sequence[int]] = None, schedule: str = facts.DEFAULT_SCHEDULE
+                ) -> list[list[int]]:
     """Whether ``module`` (the layout's pipelined module) splits into ``num_stages`` stages as ``layout`` says,
     without changing it: the blocks of every stage (``facts.blocks_per_stage``), or ValueError / TypeError naming the
     value, why it cannot split and the fix. Run before workers start where the model exists by then, and by
@@ -173,7 +174,7 @@ def check_split(module: nn.Module, layout: PipelineLayout, num_stages: int,
         raise ValueError(f"{holding} hold parameters but are in no part of the pipeline layout: only"
                          " parameter-free children can stay on every stage; add them to the layout's inputs or"
                          " outputs")
-    blocks = facts.blocks_per_stage(len(container), num_stages, layers_per_stage=layers_per_stage)
+    blocks = facts.blocks_per_stage(len(container), num_stages, schedule=schedule, layers_per_stage=layers_per_stage)
     _check_untied(module, layout, blocks)
     return blocks
 

@@ -95,7 +95,8 @@ class Pipelining:
 
     def stage_blocks(self, n_layers: int) -> list[list[int]]:
         """The blocks of each stage (``facts.pipeline.blocks_per_stage``: the recipes' split rule)."""
-        return checked(schedules.blocks_per_stage, n_layers, self.num_stages, layers_per_stage=self.layers_per_stage)
+        return checked(schedules.blocks_per_stage, n_layers, self.num_stages, schedule=self.schedule,
+                       layers_per_stage=self.layers_per_stage)
 
     def bubble(self) -> float:
         """The share of a step the idlest rank waits, with torch's order replayed (``replayed_bubble``); 0 without
