@@ -1,6 +1,6 @@
 """How close is ``lightning-npu plan`` to the real peak memory of training? Measured on the CPU.
 
-    python benchmarks/plan_accuracy.py                 # all 54 cases, ~15 min on 2 cores
+    python benchmarks/plan_accuracy.py                 # all 55 cases, ~15 min on 2 cores
     python benchmarks/plan_accuracy.py --cases base,ac1 --out /tmp/plan_accuracy.json
     python benchmarks/plan_accuracy.py --cases tp2,cp2_ring --update  # re-measure some, keep the other rows
 
@@ -174,6 +174,9 @@ CASES: dict[str, dict[str, Any]] = {
                               pp=2, microbatches=4),
     "pp2_tp2_1f1b": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=4, zero=3, ac=0.0, pp=2,
                          tp=2, sequence_parallel=False, microbatches=2),
+    # (the load-balancing loss sums the routing over stages, so it is off under a pipeline; the routing bias balances)
+    "moe_pp2_ep2": dict(family="moe", model=dict(router_aux_loss_coef=0.0, router_bias_update_rate=0.01), seq=256,
+                        batch=4, devices=4, zero=3, ac=0.0, pp=2, ep=2, microbatches=2),
 }
 STEPS = 4  # optimizer steps per run (a case's "steps" overrides it); the first is excluded (no optimizer states yet)
 

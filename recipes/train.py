@@ -187,14 +187,7 @@ def check_pipeline(model: DecoderLM, data: TextDataModule, trainer: Trainer) -> 
     if not isinstance(options, FSDPOptions) or options.pipeline_parallel_size == 1:
         return
     config, stages = model.config, options.pipeline_parallel_size * options.stages_per_rank
-    problems = [problem for given, problem in (
-        (getattr(config, "tie_embeddings", False), "model.config.tie_embeddings=true: the embedding (first stage) and"
-         " the head (last stage) would be one matrix on two ranks; train it untied"),
-        (getattr(config, "mtp_layers", 0), f"model.config.mtp_layers={getattr(config, 'mtp_layers', 0)}: multi-token"
-         " prediction runs the embedding again after the last block, on the last stage; set mtp_layers=0"),
-        (getattr(config, "router_aux_loss_coef", 0), f"model.config.router_aux_loss_coef="
-         f"{getattr(config, 'router_aux_loss_coef', 0)}: the load-balancing loss sums the routing of MoE layers that"
-         " lie on different stages; set it to 0 (router_bias_update_rate balances without a loss)"),
+    problems = model.pipeline_problems() + [problem for given, problem in (
         (isinstance(data, SFTDataModule),
          f"data ({type(data).__name__}) packs samples into rows, and their boundaries (cu_seqlens) span the batch,"
          " which the pipeline splits into microbatches; pretrain on TextDataModule"),

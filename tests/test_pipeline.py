@@ -33,7 +33,7 @@ def test_blocks_spread_over_stages_every_block_once_in_order(blocks, stages, exp
 
 
 @pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
-@pytest.mark.parametrize("blocks, pp", [(8, 2), (6, 2), (4, 2), (7, 3), (32, 4), (3, 4)])
+@pytest.mark.parametrize("blocks, pp", [(8, 2), (6, 2), (4, 2), (7, 3), (32, 4), (5, 4)])
 def test_a_v_schedule_gives_every_rank_an_equal_share_of_the_blocks(schedule, blocks, pp):
     """Rank 0 holds both end stages of a V, so the loop rule's lighter ends would make it the lighter rank
     (benchmarks/pipeline_bubble.py: 8 blocks as 1, 3, 3, 1 idled rank 0 for 60% of a ZBV step; 2, 2, 2, 2 ran it
@@ -47,6 +47,10 @@ def test_a_v_schedule_gives_every_rank_an_equal_share_of_the_blocks(schedule, bl
 def test_too_few_blocks_for_the_stages_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="2 blocks do not spread over 8 pipeline stages.*use fewer stages"):
         facts.blocks_per_stage(2, 8)
+    # A V with fewer blocks than ranks would leave a rank nothing to train (its optimizer refuses an empty list
+    # there while the other ranks wait in their next collective).
+    with pytest.raises(ValueError, match="3 blocks do not spread over the 4 ranks of a V-shaped pipeline"):
+        facts.blocks_per_stage(3, 8, schedule="ZBVZeroBubble")
 
 
 @pytest.mark.parametrize("schedule, rank, expected", [
@@ -72,7 +76,6 @@ def test_microbatch_rules_of_torchs_constructors_are_checked():
 
 @pytest.mark.parametrize("options, refused", [
     (dict(context_parallel_size=2), "context_parallel_size"),
-    (dict(expert_parallel_size=2), "expert_parallel_size"),
     (dict(tensor_parallel_size=2), "sequence_parallel=True"),
     (dict(pipeline_schedule="ZBVZeroBubble", activation_checkpointing_policy=["Block"]),
      "activation_checkpointing_policy"),
@@ -278,6 +281,24 @@ def test_the_strict_fake_refuses_the_p2p_batch_hccl_refuses_and_passes_the_rest(
         dist.destroy_process_group()
 
 
+def test_the_recipes_module_refuses_what_a_pipeline_cannot_split_when_built_by_a_script():
+    """train.py checks the model before workers start; a script that builds DecoderLM itself gets the same reasons
+    from configure_model (every rank alike). Before, the MoE load-balancing loss under pp 2 failed at the first
+    backward with torch's "Trying to backward through the graph a second time"."""
+    from types import SimpleNamespace
+
+    from lightning_npu.facts.options import FSDPOptions
+    from recipes.decoder.module import DecoderLM
+
+    lm = DecoderLM(family="moe", preset="tiny", config={"router_aux_loss_coef": 0.01})
+    lm._trainer = SimpleNamespace(strategy=SimpleNamespace(options=FSDPOptions(pipeline_parallel_size=2)))
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 cannot run this model: model.config.router_aux_"):
+        lm.configure_model()
+    lm._trainer = SimpleNamespace(strategy=SimpleNamespace(options=FSDPOptions()))
+    lm.configure_model()
+    assert lm.model is not None
+
+
 # ---------------------------------------------------------------------------------------------- the recipe's checks
 
 
@@ -333,6 +354,7 @@ def _close(runs: dict, name: str, reference: str, key: str = "losses", start: in
     ("pp2_accumulate", "plain_accumulate"),  # 2 batches a step: the backward's 1 / 2 scales the step's gradients
     ("pp2_dp2", "plain2"),  # pp 2 x 2 replicas against 2 replicas
     ("moe_pp2", "moe_plain"),  # the routing bias moves by the tokens routed on each stage's MoE layers
+    ("moe_pp2_ep2", "moe_plain2"),  # each stage's experts split over the 2 replicas, exchanged per microbatch
     ("qwen3_pp2", "qwen3_plain"), ("deepseek_pp2", "deepseek_plain"),  # q/k norms; MLA and DeepSeekMoE
     ("user_pp2", "user_plain"),  # a user's LightningModule: its own parts, blocks of x alone, a keyword mask, loss
 ])

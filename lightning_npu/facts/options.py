@@ -442,8 +442,6 @@ class FSDPOptions:
         refused = [(name, reason) for name, given, reason in (
             ("context_parallel_size", self.context_parallel_size > 1,
              "its sequence exchanges run inside the stages, out of step with the pipeline's"),
-            ("expert_parallel_size", self.expert_parallel_size > 1,
-             "the experts' exchanges under a pipeline are not tested yet"),
             ("activation_checkpointing_policy", bool(self.activation_checkpointing_policy)
              and self.activation_checkpointing_ratio > 0 and pipeline.SCHEDULES[self.pipeline_schedule].splits_backward,
              f"pipeline_schedule={self.pipeline_schedule!r} computes each backward in two passes (input, then weight"

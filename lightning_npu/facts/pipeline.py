@@ -135,6 +135,10 @@ def blocks_per_stage(num_blocks: int, num_stages: int, *, schedule: str = DEFAUL
 def _v_counts(num_blocks: int, pp: int) -> list[int]:
     """Block counts of the ``2 pp`` stages of a V: rank ``r`` (stages ``r`` and ``2 pp - 1 - r``) gets an equal share,
     the first of its stages the larger half."""
+    if num_blocks < pp:
+        raise ValueError(f"{num_blocks} blocks do not spread over the {pp} ranks of a V-shaped pipeline: a rank would"
+                         " hold no block (and nothing to train); use pipeline_parallel_size <= the blocks, or give the"
+                         " layers of each stage")
     base, extra = divmod(num_blocks, pp)
     counts = [0] * (2 * pp)
     for rank in range(pp):

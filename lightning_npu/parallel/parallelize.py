@@ -62,8 +62,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, prec
     checkpointed = apply_activation_checkpointing(model, ac_classes, float(options.activation_checkpointing_ratio))
     policy = mixed_precision_policy(precision)
     if experts_apart:
+        # Under a pipeline the experts' units stay gathered for the step, as the stages' (see the stages below).
         shard_experts(experts, mesh.expert_fsdp, mesh.layout.loss_ranks,
-                      reshard_after_forward=options.reshard_after_forward,
+                      reshard_after_forward=options.reshard_after_forward and split_ is None,
                       **fully_shard_options(mesh.expert_fsdp, policy, options.cpu_offload))
     shard = dict(wrap_classes=classes, mp_policy=policy, cpu_offload=options.cpu_offload, scalar_group=mesh.loss_group)
     if split_ is None:

@@ -77,6 +77,7 @@ class Pipelining:
             object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
         if self.size > 1:
             checked(schedules.check_microbatches, self.schedule, self.parts, self.size, self.per_rank)
+            checked(schedules.actions, self.schedule, 0, self.size, self.parts, self.per_rank)  # modelled at all
 
     @property
     def per_rank(self) -> int:

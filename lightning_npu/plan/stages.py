@@ -26,6 +26,7 @@ import dataclasses
 from typing import Optional
 
 from lightning_npu.facts import pipeline as schedules
+from lightning_npu.facts.options import evenly_spaced
 from lightning_npu.plan.replay import (HCCL_BUFFERS_PER_COMMUNICATOR, _StepReplay, _Unit, _unit, _Units, _units,
                                       state_bytes_of)
 from lightning_npu.plan.spec import MIB, Estimate, PlanSpec
@@ -45,6 +46,9 @@ class _RankReplay(_StepReplay):
         self.stage_ids = schedules.stage_ids(pipeline.schedule, pp_rank, pipeline.size, pipeline.per_rank)
         every = pipeline.stage_blocks(spec.model.n_layers)
         self.stage_blocks = {stage: every[stage] for stage in self.stage_ids}
+        # npu_fsdp applies activation checkpointing after the split: the ratio spreads over this rank's blocks.
+        held = sorted(i for blocks in self.stage_blocks.values() for i in blocks)
+        self.checkpointed = {held[i] for i in evenly_spaced(len(held), spec.ac_ratio)} if spec.ac_ratio else set()
         self.last_stage = pipeline.num_stages - 1
         units, self.train = (_rank_units(spec, self.stage_blocks, self.last_stage, trainable)
                              for trainable in (False, True))
@@ -57,6 +61,8 @@ class _RankReplay(_StepReplay):
         self.ends = {stage for stage in self.stage_ids if stage in (0, self.last_stage)}
         self.ends_open = set(self.ends)
         self.root_gathered = self.root_upcast = False
+        #: The new gradient shards this step's reduce-scatters made (beside the previous step's until released).
+        self.step_gradients = 0.0
         # The accumulated unsharded gradients' bytes per element: FSDP2 upcasts them to the reduce dtype between
         # microbatches while gradient sync is off.
         self.accumulated = self.reduced if self.parts > 1 else self.param
@@ -155,7 +161,8 @@ class _RankReplay(_StepReplay):
         t.free("temporaries", self.residual)
         upcast = self.accumulated - self.param
         if first and upcast and not last:  # the stage's gradients, and the root's with its first end stage
-            numel = sum(self.train_blocks[i].exact for i in self.stage_blocks[stage])
+            numel = sum(self.train_blocks[i].exact + (self.train.experts[i].exact if self.train.experts[i] else 0)
+                        for i in self.stage_blocks[stage])
             if stage in self.ends and not self.root_upcast:
                 numel += self.train_root.exact
                 self.root_upcast = True
@@ -179,15 +186,23 @@ class _RankReplay(_StepReplay):
         t.free("unsharded_grads", unit.exact * self.param)
         if self.parts > 1 and self.accumulated != self.param:
             t.free("unsharded_grads", unit.exact * (self.accumulated - self.param))
-        t.alloc("gradients", unit.shard * self.master, phase)
+        if self.spec.cpu_offload:  # the reduced shard goes to the host
+            t.moment("unsharded_grads", unit.shard * self.reduced, phase)
+        else:
+            t.alloc("gradients", unit.shard * self.master, phase)
+            self.step_gradients += unit.shard * self.master
         self.retained_reduce = unit.padded * self.reduced
 
     def release_gradients(self) -> None:
-        """Lightning's ``zero_grad`` after the training step drops the previous step's shards (the step's own are
-        added into them instead while gradients accumulate)."""
-        if self.spec.accumulate_grad_batches == 1 and not self.spec.cpu_offload:
+        """The loss's backward hands the step's shards over: Lightning's ``zero_grad`` after the training step drops
+        the previous step's, or, while gradients accumulate, the step's are added into them and dropped."""
+        if self.spec.cpu_offload:
+            return
+        if self.spec.accumulate_grad_batches == 1:
             self.timeline.free("gradients", self.gradients)
-            self.gradients = 0.0
+            self.gradients = self.step_gradients
+        else:
+            self.timeline.free("gradients", self.step_gradients)
 
 
 def _rank_units(spec: PlanSpec, stage_blocks: dict[int, list[int]], last_stage: int, trainable: bool) -> _Units:

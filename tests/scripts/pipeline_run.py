@@ -16,13 +16,14 @@ launches:
 - ``--stage two`` (2 simulated NPUs): ``pp2`` (1F1B, 4 microbatches) as ``plain``, a sharded checkpoint after epoch
   0; ``pp2_gpipe``, ``pp2_interleaved`` (2 stages a rank), ``pp2_zbv`` (V schedule) for epoch 0;
   ``pp2_accumulate``; ``plain_to_pp2``: ``plain``'s checkpoint resumed under pp 2; ``plain2``: plain with 2 replicas
-  (the reference of ``pp2_dp2``); ``pp2_full``: ``pp2``'s first epoch, saving one full file
+  (the reference of ``pp2_dp2``); ``moe_plain2``: the MoE with 2 replicas (the reference of ``moe_pp2_ep2``); ``pp2_full``: ``pp2``'s first epoch, saving one full file
   (``state_dict_type="full"``), which ``pp2_full_to_pp2`` resumes; ``fabric_pp2``; ``moe_pp2``, ``qwen3_pp2``,
   ``deepseek_pp2``, ``user_pp2``; ``predict_pp2``, ``predict_pp2_zbv``: ``predict_plain`` under pp 2 (each rank's
   logits to ``<name>_rank<r>.pt``); ``guard_pp2``: ``guard_plain``'s NaNs, where only the first stage sees them;
   ``preempt_pp2``: SIGTERM to rank 1 alone, a save on preemption (``preempted``);
-- ``--stage four`` (4 simulated NPUs): ``pp2_dp2``: pp 2 x 2 replicas as ``plain2``; ``pp2_to_pp2_tp2``: ``pp2``'s
-  checkpoint resumed under pp 2 x tensor_parallel_size 2;
+- ``--stage four`` (4 simulated NPUs): ``pp2_dp2``: pp 2 x 2 replicas as ``plain2``; ``moe_pp2_ep2``: the MoE under
+  pp 2 x expert_parallel_size 2 (over the 2 replicas) as ``moe_plain2``; ``pp2_to_pp2_tp2``: ``pp2``'s checkpoint
+  resumed under pp 2 x tensor_parallel_size 2;
 - ``--stage back`` (1 simulated NPU): ``pp2_to_plain``: ``pp2``'s checkpoint resumed under plain npu_fsdp, which
   saves it again before its first step (``pp2_weights_plain``: pp 2's weights and optimizer state, written without
   the pipeline); ``pp2_full_to_plain``: ``pp2_full``'s file resumed under plain npu_fsdp.
@@ -327,6 +328,7 @@ def main() -> None:
                             **pp2),
             "pp2_full_to_pp2": fit(out, "pp2_full_to_pp2", devices=2, resume=str(out / "pp2_full_epoch0"), **pp2),
             "plain2": fit(out, "plain2", devices=2),
+            "moe_plain2": fit(out, "moe_plain2", devices=2, model="moe", epochs=1),
             "fabric_pp2": fabric_fit(out, 2, **pp2),
             **{f"{model}_pp2": fit(out, f"{model}_pp2", devices=2, model=model, epochs=1, **pp2)
                for model in ("moe", "qwen3", "deepseek", "user")},
@@ -345,6 +347,7 @@ def main() -> None:
     else:
         results = {
             "pp2_dp2": fit(out, "pp2_dp2", devices=4, **pp2),
+            "moe_pp2_ep2": fit(out, "moe_pp2_ep2", devices=4, model="moe", epochs=1, expert_parallel_size=2, **pp2),
             "pp2_to_pp2_tp2": fit(out, "pp2_to_pp2_tp2", devices=4, resume=str(out / "pp2_epoch0"),
                                   tensor_parallel_size=2, sequence_parallel=False, **pp2),
         }
