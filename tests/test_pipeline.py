@@ -299,6 +299,27 @@ def test_the_recipes_module_refuses_what_a_pipeline_cannot_split_when_built_by_a
     assert lm.model is not None
 
 
+def test_a_full_checkpoint_under_pp_refuses_a_param_group_out_of_the_models_order(monkeypatch):
+    """A full file numbers each group's parameters; under a pipeline every rank holds part of each group, and only the
+    model's order puts the parts back together, while without the pipeline the optimizer's own order numbers them.
+    A group listed otherwise (head before embedding) would put the moments on other parameters when loaded without
+    the pipeline: refused on every rank. Sharded saves, which key the state by name, are not affected."""
+    import torch.distributed as dist
+
+    from lightning_npu.strategies.checkpoints.optimizer_state import whole_param_groups
+
+    ranks = [[["embed.weight", "blocks.0.w"]], [["head.weight", "blocks.1.w"]]]  # rank 1 lists the head first
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), ranks))
+    order = ["embed.weight", "blocks.0.w", "blocks.1.w", "head.weight"]
+    state = {"state": {}, "param_groups": [{"lr": 0.1, "params": ranks[0][0]}]}
+    with pytest.raises(ValueError, match="param group 0 lists 'blocks.1.w' after 'head.weight', against the model"):
+        whole_param_groups(state, order, None, numbered=True)
+    assert whole_param_groups(state, order, None)["param_groups"][0]["params"] == order
+    ranks[1] = [["blocks.1.w", "head.weight"]]
+    assert whole_param_groups(state, order, None, numbered=True)["param_groups"][0]["params"] == order
+
+
 # ---------------------------------------------------------------------------------------------- the recipe's checks
 
 

@@ -53,11 +53,13 @@ def keyed_by_name(optimizer_state: dict[str, Any], module: nn.Module, optimizer:
     }
 
 
-def whole_param_groups(optimizer_state: dict[str, Any], order: list[str], group: Any) -> dict[str, Any]:
+def whole_param_groups(optimizer_state: dict[str, Any], order: list[str], group: Any,
+                       numbered: bool = False) -> dict[str, Any]:
     """``optimizer_state`` (keyed by name) with each param group listing the parameters it holds on every rank of
     ``group`` (a pipeline's, each rank holding other parameters; a collective), in the whole model's ``order``: what
     the group lists without pipeline parallelism. A sharded checkpoint keeps one copy of each group's list, and
-    offline consolidation numbers the state by it."""
+    offline consolidation numbers the state by it. ``numbered``: for a full checkpoint, which numbers the state by
+    these lists: a group not listed in the model's order is refused (ValueError, on every rank alike)."""
     import torch.distributed as dist
 
     local = [group_["params"] for group_ in optimizer_state.get("param_groups", [])]
@@ -67,6 +69,19 @@ def whole_param_groups(optimizer_state: dict[str, Any], order: list[str], group:
         raise ValueError(f"the pipeline's ranks hold {sorted({len(lists) for lists in gathered})} param groups:"
                          " every rank's optimizer must have the same groups (an empty one where a stage has none)")
     position = {name: i for i, name in enumerate(order)}
+    for lists in gathered if numbered else ():
+        for index, names in enumerate(lists):
+            places = [position.get(name, len(order)) for name in names]
+            late = next((k for k in range(1, len(places)) if places[k] < places[k - 1]), None)
+            if late is not None:
+                # A checkpoint numbers a group's parameters in the order the group lists them; a pipeline's ranks
+                # hold parts of each list, which only the model's order can put back together.
+                raise ValueError(
+                    f"param group {index} lists {names[late]!r} after {names[late - 1]!r}, against the model's order:"
+                    " under pipeline parallelism each group's parameters are numbered in the model's order, so this"
+                    " optimizer's state would land on other parameters when loaded without the pipeline; list each"
+                    " group's parameters in the model's order (filter self.named_parameters())"
+                )
     groups = []
     for index, group_ in enumerate(optimizer_state["param_groups"]):
         names = {name for lists in gathered for name in lists[index]}

@@ -46,7 +46,7 @@ def full_optimizer_state(module: nn.Module, optimizer: Optimizer, pipeline: Any)
     # An optimizer without state (SGD without momentum) saves its param groups only (see save.optimizer_state_dict).
     state = get_optimizer_state_dict(module, optimizer) if optimizer.state else keyed_by_name(
         optimizer.state_dict(), module, optimizer)
-    state = whole_param_groups(state, pipeline.parameter_order, pipeline.pp_group)
+    state = whole_param_groups(state, pipeline.parameter_order, pipeline.pp_group, numbered=True)
     parts = _onto_rank0(state["state"], pipeline)
     if parts is None:
         return {}
@@ -80,7 +80,7 @@ def local_optimizer_state(saved: dict[str, Any], module: nn.Module, optimizer: O
         raise ValueError(f"the checkpoint's optimizer state has {len(groups)} param groups, the optimizer"
                          f" {len(local['param_groups'])}, so it was written for another optimizer; build the"
                          " optimizer with the groups it was saved with (configure_optimizers)")
-    whole = whole_param_groups(local, pipeline.parameter_order, pipeline.pp_group)["param_groups"]
+    whole = whole_param_groups(local, pipeline.parameter_order, pipeline.pp_group, numbered=True)["param_groups"]
     numbered = [p for group in groups for p in group.get("params", [])]
     names = [name for group in whole for name in group["params"]]
     if numbered and isinstance(numbered[0], int):
