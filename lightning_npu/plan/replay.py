@@ -419,13 +419,24 @@ class _StepReplay:
             return
         t.free("unsharded_grads", self.retained_reduce)
         t.alloc("unsharded_grads", unit.padded * self.reduced, phase)
-        t.free("unsharded_grads", unit.exact * self.param)
+        t.free("unsharded_grads", unit.exact * self.unsharded_grad_bytes)
+        self.keep_reduced(unit, phase)
+        self.retained_reduce = unit.padded * self.reduced
+
+    @property
+    def unsharded_grad_bytes(self) -> float:
+        """Bytes per element of a unit's unsharded gradients when they are reduced: the working dtype's."""
+        return self.param
+
+    def keep_reduced(self, unit: _Unit, phase: str) -> None:
+        """Where a unit's reduced shard goes: added into the sharded gradients (accumulated, or offloaded to the
+        host: only briefly on the device), or new ones."""
+        t = self.timeline
         if self.spec.cpu_offload or self.gradients >= self.shard_total * self.master:  # offloaded, or accumulated
             t.moment("unsharded_grads", unit.shard * self.reduced, phase)
         else:
             t.alloc("gradients", unit.shard * self.master, phase)
             self.gradients += unit.shard * self.master
-        self.retained_reduce = unit.padded * self.reduced
 
     def backward(self) -> None:
         self.loss_backward()

@@ -175,23 +175,18 @@ class _RankReplay(_StepReplay):
             t.free("unsharded_grads", self.retained_reduce)
             self.retained_reduce = 0.0
 
-    def reduce(self, unit: _Unit, phase: str) -> None:
-        """Under the pipeline the step's gradients are new shards beside the previous step's (see the module
-        docstring); the unsharded ones were accumulated at the reduce dtype's width."""
-        t = self.timeline
-        if not unit.exact:
-            return
-        t.free("unsharded_grads", self.retained_reduce)
-        t.alloc("unsharded_grads", unit.padded * self.reduced, phase)
-        t.free("unsharded_grads", unit.exact * self.param)
-        if self.parts > 1 and self.accumulated != self.param:
-            t.free("unsharded_grads", unit.exact * (self.accumulated - self.param))
-        if self.spec.cpu_offload:  # the reduced shard goes to the host
-            t.moment("unsharded_grads", unit.shard * self.reduced, phase)
+    @property
+    def unsharded_grad_bytes(self) -> float:
+        """Accumulated over the microbatches at the reduce dtype's width (see the module docstring)."""
+        return self.accumulated
+
+    def keep_reduced(self, unit: _Unit, phase: str) -> None:
+        """The step's gradient shards are new, beside the previous step's until released (or on the host)."""
+        if self.spec.cpu_offload:
+            self.timeline.moment("unsharded_grads", unit.shard * self.reduced, phase)
         else:
-            t.alloc("gradients", unit.shard * self.master, phase)
+            self.timeline.alloc("gradients", unit.shard * self.master, phase)
             self.step_gradients += unit.shard * self.master
-        self.retained_reduce = unit.padded * self.reduced
 
     def release_gradients(self) -> None:
         """The loss's backward hands the step's shards over: Lightning's ``zero_grad`` after the training step drops
