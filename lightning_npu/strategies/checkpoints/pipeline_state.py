@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
