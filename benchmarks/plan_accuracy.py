@@ -175,6 +175,10 @@ CASES: dict[str, dict[str, Any]] = {
                               pp=2, microbatches=4),
     "pp2_tp2_1f1b": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=4, zero=3, ac=0.0, pp=2,
                          tp=2, sequence_parallel=False, microbatches=2),
+    # Sequence parallelism under the pipeline (measured after the planner's change for it): the stages exchange and
+    # receive each sequence's half, the checkpointed blocks keep their halves of the residual stream.
+    "pp2_tp2_sp_1f1b_ac05": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=4, zero=3, ac=0.5,
+                                 pp=2, tp=2, microbatches=4, holdout=True),
     # (the load-balancing loss sums the routing over stages, so it is off under a pipeline; the routing bias balances)
     "moe_pp2_ep2": dict(family="moe", model=dict(router_aux_loss_coef=0.0, router_bias_update_rate=0.01), seq=256,
                         batch=4, devices=4, zero=3, ac=0.0, pp=2, ep=2, microbatches=2),

@@ -76,7 +76,6 @@ def test_microbatch_rules_of_torchs_constructors_are_checked():
 
 @pytest.mark.parametrize("options, refused", [
     (dict(context_parallel_size=2), "context_parallel_size"),
-    (dict(tensor_parallel_size=2), "sequence_parallel=True"),
     (dict(pipeline_schedule="ZBVZeroBubble", activation_checkpointing_policy=["Block"]),
      "activation_checkpointing_policy"),
 ])
@@ -86,7 +85,7 @@ def test_what_pipeline_parallelism_cannot_run_with_is_refused_at_construction(op
 
 
 def test_pipeline_options_that_run():
-    options = FSDPOptions(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=False,
+    options = FSDPOptions(pipeline_parallel_size=2, tensor_parallel_size=2,
                           pipeline_schedule="Interleaved1F1B", activation_checkpointing_policy=["Block"])
     assert options.stages_per_rank == 2 and options.microbatches == 4  # default: one microbatch per stage
     assert options.layout(1, 8).sizes == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
@@ -395,7 +394,9 @@ def test_pipeline_trains_and_validates_with_the_losses_of_plain_sharding(pipelin
 @pytest.mark.slow
 def test_a_checkpoint_resumes_across_pipeline_layouts(pipeline_runs):
     """Plain npu_fsdp's sharded checkpoint after epoch 0 resumed under pp 2, and pp 2's under plain and under pp 2 x
-    tensor parallelism 2 (loss_parallel): the second epoch's losses and validation are plain's, within 1e-5.
+    tensor parallelism 2 (sequence parallelism and loss_parallel, npu_fsdp's defaults: the second stage receives
+    each sequence's halves and gives its rotary the whole sequence's positions): the second epoch's losses and
+    validation are plain's, within 1e-5.
     Parameter names and the optimizer's param groups are the whole model's in every layout."""
     for name in ("plain_to_pp2", "pp2_to_plain", "pp2_to_pp2_tp2"):
         _close(pipeline_runs, name, "plain", start=5)

@@ -138,7 +138,20 @@ def test_plan_pp_flags_print_the_schedule_the_bubble_and_each_rank(capsys):
     assert (f"pipeline 2 (Interleaved1F1B, 4 stages, 4 microbatches; bubble {bubble:.1f}% of the step, the"
             f" formula's {bubble:.1f}%)") in out
     assert "Each pipeline rank's total (GiB), rank 0 first:" in out
-    assert "note: sequence_parallel: false, as npu_fsdp needs under a pipeline" in out
+    assert "tensor parallel 2 (sequence parallel, loss parallel)" in out  # npu_fsdp's default, which pipelines
+
+
+def test_sequence_parallelism_splits_what_the_stages_exchange_over_the_tensor_parallel_ranks():
+    """Under sequence parallelism a stage sends its last block's residual stream as the block leaves it, split by
+    sequence: torch's receive buffers (one per microbatch) are 1 / tp of those without."""
+    from lightning_npu.plan import Parallelism
+
+    def buffers(sequence_parallel: bool) -> float:
+        spec = dataclasses.replace(_spec(size=2, microbatches=4),
+                                   parallel=Parallelism(tensor=4, sequence_parallel=sequence_parallel))
+        return estimate_ranks(spec)[1].items["pipeline"]
+
+    assert buffers(True) == pytest.approx(buffers(False) / 4) and buffers(True) > 0
 
 
 def test_a_pipelined_config_with_context_parallelism_is_refused_as_the_strategy_refuses_it(capsys):

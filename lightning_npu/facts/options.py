@@ -384,7 +384,8 @@ class FSDPOptions:
         "`\"ulysses\"` (all-to-all over heads; heads % (tp x cp) == 0; packed rows work) or `\"ring\"` (keys and"
         " values around the ranks; any head count; seq_len % (2 x cp) == 0)")
     sequence_parallel: bool = option(
-        True, check_flag, "under tensor parallelism, passed to the plan: norms and residuals split by sequence")
+        True, check_flag, "under tensor parallelism, passed to the plan: norms and residuals split by sequence (and"
+        " under a pipeline the activations its stages exchange)")
     loss_parallel: bool = option(
         True, check_flag, "under tensor parallelism, passed to the plan (vocabulary-sharded logits); the Trainer runs"
         " the steps and backward inside torch's `loss_parallel()` (Fabric: wrap your loss and `fabric.backward` in"
@@ -447,9 +448,6 @@ class FSDPOptions:
              f"pipeline_schedule={self.pipeline_schedule!r} computes each backward in two passes (input, then weight"
              " gradients), and torch 2.13 cannot recompute a checkpointed block's activations a second time; use"
              " 1F1B or Interleaved1F1B with activation checkpointing"),
-            ("sequence_parallel=True", self.tensor_parallel_size > 1 and self.sequence_parallel,
-             "the activations would cross to the next stage split by sequence, and a stage could not tell the"
-             " whole sequence's positions; set sequence_parallel=False"),
         ) if given]
         if refused:
             raise ValueError(

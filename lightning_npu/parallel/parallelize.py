@@ -20,7 +20,7 @@ from lightning_npu.parallel.context import ContextParallel, apply_context_parall
 from lightning_npu.parallel.expert import apply_experts, check_experts, shard_experts
 from lightning_npu.parallel.fsdp import apply_fsdp, fully_shard_options, resolve_module_classes, wrap_classes
 from lightning_npu.parallel.mesh import ParallelMesh
-from lightning_npu.parallel.pipeline import Pipeline, PipelineSplit, check_split, split
+from lightning_npu.parallel.pipeline import Pipeline, PipelineSplit, check_split, split, tell_split_inputs
 from lightning_npu.parallel.protocol import ParallelPlan, PipelineLayout, find_modules
 from lightning_npu.parallel.tensor import apply_tensor_parallel, tensor_parallel_parameters
 from lightning_npu.precision import mixed_precision_policy
@@ -48,6 +48,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, prec
     check_experts(experts, options.expert_parallel_size)
     if mesh.tp is not None:
         _tensor_parallel(model, mesh, options, plan, experts)
+        if split_ is not None and options.sequence_parallel:
+            tell_split_inputs(split_, mesh.layout.tp)
     if mesh.cp is not None:
         _context_parallel(model, mesh, options, plan)
     experts_apart = bool(experts) and (options.expert_parallel_size > 1 or mesh.tp is not None)

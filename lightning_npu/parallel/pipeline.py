@@ -22,7 +22,8 @@ the contract is in ``lightning_npu.parallel.protocol``). This module:
   pipeline (:meth:`Pipeline.outputs`). Every microbatch must have
   the shapes of the first (torch infers its P2P buffers from microbatch 0): an uneven split is refused in training
   on every rank before any exchange (evaluation pads the batch with unlabelled rows), and a new shape builds the
-  schedule again, which infers the shapes again.
+  schedule again, which infers the shapes again. Under sequence parallelism the stages exchange each sequence's part
+  (:func:`tell_split_inputs`);
 - leaves the point-to-point exchanges to torch's schedules, whose mixed send/receive batches hold at most one task of
   each kind per peer: HCCL's rule (``facts.hccl``), which the strict fake enforces and the launched runs check.
 
@@ -125,6 +126,16 @@ def split(module: nn.Module, layout: PipelineLayout, stage_ids: Sequence[int], n
     setattr(module, layout.blocks, KeptBlocks({index: container[index] for index in indices}))
     stages = {stage: _view(module, parts(stage), layout, blocks[stage]) for stage in stage_ids}
     return PipelineSplit(module, stages, num_stages, blocks)
+
+
+def tell_split_inputs(split_: PipelineSplit, parts: int) -> None:
+    """Under sequence parallelism a stage sends its last block's output as the block leaves it, split by sequence
+    over the ``parts`` tensor-parallel ranks, and each later stage receives its part. A pipelined module whose class
+    declares ``input_sequence_parts`` (the recipes' decoders: their rotary positions cover the whole sequence) gets
+    the count on each later stage's view; others see their input as the part it is."""
+    for stage, view in split_.stages.items():
+        if stage > 0 and hasattr(type(view), "input_sequence_parts"):
+            view.input_sequence_parts = parts
 
 
 _CONTRACT = "see 'Pipeline parallelism' in docs/parallelism.md"
@@ -456,4 +467,5 @@ def _no_local_backward_handoff(stages: Sequence[Any]) -> Iterator[None]:
             del stage.get_local_bwd_output, stage.set_local_bwd_input
 
 
-__all__ = ["IGNORE_INDEX", "KeptBlocks", "check_split", "inferring_shapes", "Pipeline", "PipelineSplit", "split"]
+__all__ = ["IGNORE_INDEX", "KeptBlocks", "check_split", "inferring_shapes", "Pipeline", "PipelineSplit", "split",
+           "tell_split_inputs"]

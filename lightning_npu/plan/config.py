@@ -89,12 +89,6 @@ def load_spec(
     init_args = _strategy(trainer) if path is not None else {}
     flags = {key: value for key, value in overrides.items() if value is not None}
     notes = []
-    pipelined = int(flags.get("pipeline_parallel_size", init_args.get("pipeline_parallel_size", 1)) or 1) > 1
-    if pipelined and "sequence_parallel" not in init_args:
-        # npu_fsdp runs a pipeline without sequence parallelism (its option check says why); a plan asked for one
-        # with --pp plans that, rather than refuse its own default.
-        flags["sequence_parallel"] = False
-        notes.append("sequence_parallel: false, as npu_fsdp needs under a pipeline")
     options = _options(init_args, flags, path)
     ac_policy = _class_names(options.activation_checkpointing_policy, "activation_checkpointing_policy", decoder)
     wrap = _class_names(options.auto_wrap_policy, "auto_wrap_policy", decoder)

@@ -114,9 +114,9 @@ class _RankReplay(_StepReplay):
 
     @property
     def stage_io(self) -> float:
-        """A microbatch's activations (or their gradients) between two stages: [samples, seq, dim], whole on every
-        tensor-parallel rank (the pipeline runs without sequence parallelism)."""
-        return self.act * self.spec.model.dim * self.tokens
+        """A microbatch's activations (or their gradients) between two stages: the residual stream [samples, seq,
+        dim], split by sequence over the tensor-parallel ranks under sequence parallelism."""
+        return self.residual
 
     def weight_pass_grads(self, stage: int) -> float:
         """What the zero-bubble schedules' input pass leaves for the weight pass: the gradient of each weight

@@ -272,6 +272,9 @@ class CausalDecoder(nn.Module):
 
     #: Set by npu_fsdp under context parallelism (``lightning_npu.parallel.context.ContextParallel``).
     context_parallel = None
+    #: Set by npu_fsdp on a later pipeline stage under sequence parallelism (``lightning_npu.parallel.pipeline``): the
+    #: stage receives the residual stream split by sequence into this many parts; its rotary positions cover them all.
+    input_sequence_parts = 1
 
     def __init__(self, config: Any, blocks: Iterable[nn.Module]) -> None:
         super().__init__()
@@ -428,6 +431,7 @@ class CausalDecoder(nn.Module):
                 "Add a batch dimension with tokens.unsqueeze(0)."
             )
         batch, seq = tokens.shape[:2]
+        seq *= self.input_sequence_parts  # a later pipeline stage's part of each sequence's hidden states
         cp = self.context_parallel
         full = seq if cp is None else seq * cp.size  # the whole sequence's length, of which tokens are a part
         if cp is not None and cache is not None:
