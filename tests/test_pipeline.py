@@ -376,11 +376,12 @@ def _close(runs: dict, name: str, reference: str, key: str = "losses", start: in
     ("moe_pp2", "moe_plain"),  # the routing bias moves by the tokens routed on each stage's MoE layers
     ("moe_pp2_ep2", "moe_plain2"),  # each stage's experts split over the 2 replicas, exchanged per microbatch
     ("qwen3_pp2", "qwen3_plain"), ("deepseek_pp2", "deepseek_plain"),  # q/k norms; MLA and DeepSeekMoE
+    ("deepseek_pp2_tp2", "deepseek_plain"),  # MLA's plan, sequence parallel: the stages exchange sequence halves
     ("user_pp2", "user_plain"),  # a user's LightningModule: its own parts, blocks of x alone, a keyword mask, loss
 ])
 def test_pipeline_trains_and_validates_with_the_losses_of_plain_sharding(pipeline_runs, name, reference):
-    """Every schedule, gradient accumulation, data parallelism, an MoE, Qwen3 and DeepSeek under pipeline_parallel_size 2
-    and a user's own LightningModule against plain npu_fsdp with as many data-parallel replicas, from the same first weights and rows (30 % of labels
+    """Every schedule, gradient accumulation, data parallelism, an MoE, Qwen3 and DeepSeek (also under tensor and
+    sequence parallelism) under pipeline_parallel_size 2 and a user's own LightningModule against plain npu_fsdp with as many data-parallel replicas, from the same first weights and rows (30 % of labels
     -100, so the microbatches hold unequal label counts), gradients clipped at 1.0 (the norm over every stage):
     per-step training losses and every epoch's validation loss (its last batch of 3 rows padded to the 4
     microbatches) within 1e-5; the loss falls. torch sent no point-to-point batch HCCL would refuse."""

@@ -24,6 +24,7 @@ launches:
 - ``--stage four`` (4 simulated NPUs): ``pp2_dp2``: pp 2 x 2 replicas as ``plain2``; ``moe_pp2_ep2``: the MoE under
   pp 2 x expert_parallel_size 2 (over the 2 replicas) as ``moe_plain2``; ``pp2_to_pp2_tp2``: ``pp2``'s checkpoint
   resumed under pp 2 x tensor_parallel_size 2 (sequence parallel: the stages exchange each sequence's halves);
+  ``deepseek_pp2_tp2``: the DeepSeek under pp 2 x tp 2 (one replica, as ``deepseek_plain``);
 - ``--stage back`` (1 simulated NPU): ``pp2_to_plain``: ``pp2``'s checkpoint resumed under plain npu_fsdp, which
   saves it again before its first step (``pp2_weights_plain``: pp 2's weights and optimizer state, written without
   the pipeline); ``pp2_full_to_plain``: ``pp2_full``'s file resumed under plain npu_fsdp.
@@ -350,6 +351,8 @@ def main() -> None:
             "moe_pp2_ep2": fit(out, "moe_pp2_ep2", devices=4, model="moe", epochs=1, expert_parallel_size=2, **pp2),
             "pp2_to_pp2_tp2": fit(out, "pp2_to_pp2_tp2", devices=4, resume=str(out / "pp2_epoch0"),
                                   tensor_parallel_size=2, **pp2),
+            "deepseek_pp2_tp2": fit(out, "deepseek_pp2_tp2", devices=4, model="deepseek", epochs=1,
+                                    tensor_parallel_size=2, **pp2),
         }
     if not dist.is_initialized() or dist.get_rank() == 0:
         (out / f"{args.stage}.json").write_text(json.dumps(results))
