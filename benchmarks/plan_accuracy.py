@@ -179,6 +179,12 @@ CASES: dict[str, dict[str, Any]] = {
     # receive each sequence's half, the checkpointed blocks keep their halves of the residual stream.
     "pp2_tp2_sp_1f1b_ac05": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=4, zero=3, ac=0.5,
                                  pp=2, tp=2, microbatches=4, holdout=True),
+    # Context parallelism inside the stages (measured after it ran under the pipeline): each rank's half of every
+    # sequence through its stage, the ring's or Ulysses' exchanges in the blocks.
+    "pp2_cp2_ring_1f1b": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=4, zero=3, ac=0.0,
+                              pp=2, cp=2, cp_algo="ring", microbatches=2, holdout=True),
+    "pp2_cp2_ulysses_ac05": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=4, zero=3,
+                                 ac=0.5, pp=2, cp=2, cp_algo="ulysses", microbatches=4, holdout=True),
     # (the load-balancing loss sums the routing over stages, so it is off under a pipeline; the routing bias balances)
     "moe_pp2_ep2": dict(family="moe", model=dict(router_aux_loss_coef=0.0, router_bias_update_rate=0.01), seq=256,
                         batch=4, devices=4, zero=3, ac=0.0, pp=2, ep=2, microbatches=2),

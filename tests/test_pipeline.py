@@ -75,7 +75,6 @@ def test_microbatch_rules_of_torchs_constructors_are_checked():
 
 
 @pytest.mark.parametrize("options, refused", [
-    (dict(context_parallel_size=2), "context_parallel_size"),
     (dict(pipeline_schedule="ZBVZeroBubble", activation_checkpointing_policy=["Block"]),
      "activation_checkpointing_policy"),
 ])
@@ -85,10 +84,10 @@ def test_what_pipeline_parallelism_cannot_run_with_is_refused_at_construction(op
 
 
 def test_pipeline_options_that_run():
-    options = FSDPOptions(pipeline_parallel_size=2, tensor_parallel_size=2,
+    options = FSDPOptions(pipeline_parallel_size=2, tensor_parallel_size=2, context_parallel_size=2,
                           pipeline_schedule="Interleaved1F1B", activation_checkpointing_policy=["Block"])
     assert options.stages_per_rank == 2 and options.microbatches == 4  # default: one microbatch per stage
-    assert options.layout(1, 8).sizes == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert options.layout(1, 16).sizes == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}
     with pytest.raises(ValueError, match="pipeline_schedule='Pipedream' is not one of"):
         FSDPOptions(pipeline_parallel_size=2, pipeline_schedule="Pipedream")
 
@@ -377,11 +376,14 @@ def _close(runs: dict, name: str, reference: str, key: str = "losses", start: in
     ("moe_pp2_ep2", "moe_plain2"),  # each stage's experts split over the 2 replicas, exchanged per microbatch
     ("qwen3_pp2", "qwen3_plain"), ("deepseek_pp2", "deepseek_plain"),  # q/k norms; MLA and DeepSeekMoE
     ("deepseek_pp2_tp2", "deepseek_plain"),  # MLA's plan, sequence parallel: the stages exchange sequence halves
+    # context parallelism inside the stages: each rank's loss its share of the group's labelled tokens' mean
+    ("pp2_cp2_ring", "plain_epoch"), ("pp2_cp2_ulysses", "plain_epoch"),
     ("user_pp2", "user_plain"),  # a user's LightningModule: its own parts, blocks of x alone, a keyword mask, loss
 ])
 def test_pipeline_trains_and_validates_with_the_losses_of_plain_sharding(pipeline_runs, name, reference):
     """Every schedule, gradient accumulation, data parallelism, an MoE, Qwen3 and DeepSeek (also under tensor and
-    sequence parallelism) under pipeline_parallel_size 2 and a user's own LightningModule against plain npu_fsdp with as many data-parallel replicas, from the same first weights and rows (30 % of labels
+    sequence parallelism), context parallelism (ring under ZBV, Ulysses) under pipeline_parallel_size 2 and a user's
+    own LightningModule against plain npu_fsdp with as many data-parallel replicas, from the same first weights and rows (30 % of labels
     -100, so the microbatches hold unequal label counts), gradients clipped at 1.0 (the norm over every stage):
     per-step training losses and every epoch's validation loss (its last batch of 3 rows padded to the 4
     microbatches) within 1e-5; the loss falls. torch sent no point-to-point batch HCCL would refuse."""

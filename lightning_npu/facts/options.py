@@ -441,8 +441,6 @@ class FSDPOptions:
                              f" {pp * per_rank} (pipeline_parallel_size={pp} x {per_rank} per rank): give one count"
                              " per stage")
         refused = [(name, reason) for name, given, reason in (
-            ("context_parallel_size", self.context_parallel_size > 1,
-             "its sequence exchanges run inside the stages, out of step with the pipeline's"),
             ("activation_checkpointing_policy", bool(self.activation_checkpointing_policy)
              and self.activation_checkpointing_ratio > 0 and pipeline.SCHEDULES[self.pipeline_schedule].splits_backward,
              f"pipeline_schedule={self.pipeline_schedule!r} computes each backward in two passes (input, then weight"

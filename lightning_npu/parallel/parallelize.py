@@ -51,7 +51,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, prec
         if split_ is not None and options.sequence_parallel:
             tell_split_inputs(split_, mesh.layout.tp)
     if mesh.cp is not None:
-        _context_parallel(model, mesh, options, plan)
+        _context_parallel(model, mesh, options, plan, split_)
     experts_apart = bool(experts) and (options.expert_parallel_size > 1 or mesh.tp is not None)
     if experts_apart:
         ep_mesh = mesh.experts["ep"] if options.expert_parallel_size > 1 else None
@@ -86,7 +86,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, prec
     if split_ is None:
         return None
     pipeline = Pipeline(split_, options.pipeline_schedule, options.microbatches, mesh.pp.get_group(), device,
-                        options.stages_per_rank, parameter_order=order)
+                        options.stages_per_rank, parameter_order=order,
+                        sequence_group=None if mesh.cp is None else mesh.cp.get_group())
     pipeline.install()
     return pipeline
 
@@ -159,9 +160,13 @@ def _tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions,
                    f"{' (plan: ' + ', '.join(planned) + ')' if planned else ''}")
 
 
-def _context_parallel(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: ParallelPlan) -> None:
-    given = apply_context_parallel(model, plan.context_parallel,
-                                   ContextParallel(mesh.cp.get_group(), options.context_parallel_algo))
+def _context_parallel(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: ParallelPlan,
+                      split_: Optional[PipelineSplit]) -> None:
+    context_parallel = ContextParallel(mesh.cp.get_group(), options.context_parallel_algo)
+    given = apply_context_parallel(model, plan.context_parallel, context_parallel)
+    if split_ is not None and getattr(split_.module, "context_parallel", None) is context_parallel:
+        for view in split_.stages.values():  # shallow copies of the pipelined module, made before it got it
+            view.context_parallel = context_parallel
     if not given:
         rank_zero_warn(
             f"npu_fsdp: context_parallel_size={mesh.layout.cp}, but the model's ParallelPlan names no"

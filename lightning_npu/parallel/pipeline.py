@@ -302,13 +302,17 @@ class Pipeline:
     """This rank's share of a pipeline: its stages (``torch.distributed.pipelining.PipelineStage``), the schedule, the
     loss; :meth:`run` returns the batch's loss on every rank of ``pp_group``. ``split_.module``: the pruned model,
     whose ``loss(output, labels, reduction)`` the last stage calls. ``parameter_order``: every parameter's name in the
-    whole model, in its order (what a checkpoint's param groups list, see ``checkpoints.optimizer_state``)."""
+    whole model, in its order (what a checkpoint's param groups list, see ``checkpoints.optimizer_state``).
+    ``sequence_group``: the context-parallel ranks, each holding a part of every sequence (None: none); the loss
+    is then this rank's share of the mean over the group's labelled tokens, as ``ContextParallel.token_mean`` gives
+    it without a pipeline."""
 
     def __init__(self, split_: PipelineSplit, schedule: str, microbatches: int, pp_group: Any, device: torch.device,
-                 per_rank: int, parameter_order: Sequence[str] = ()) -> None:
+                 per_rank: int, parameter_order: Sequence[str] = (), sequence_group: Any = None) -> None:
         from torch.distributed.pipelining import PipelineStage
 
         self.split = split_
+        self.sequence_group = sequence_group
         self.parameter_order = list(parameter_order)
         self.schedule_name = schedule
         self.microbatches = microbatches
@@ -358,7 +362,7 @@ class Pipeline:
         ``.grad`` (:class:`_StepGradients`); otherwise the forward only. ``kwargs`` that are None are left out."""
         kwargs = {name: value for name, value in kwargs.items() if value is not None}
         x, labels, kwargs = self._check_shapes(x, labels, kwargs)
-        self.loss.tokens = (labels != IGNORE_INDEX).sum().to(torch.float32).clamp_min(1)
+        self.loss.tokens = self._labelled_tokens(labels)
         losses: list[Tensor] = []
         if not torch.is_grad_enabled():
             try:
@@ -444,6 +448,15 @@ class Pipeline:
             self.schedule = self._build(with_loss=labels is not None)
         self._shapes = shapes
         return x, labels, kwargs
+
+    def _labelled_tokens(self, labels: Tensor) -> Tensor:
+        """What each microbatch's summed loss is divided by: the batch's labelled tokens, or under context
+        parallelism the group's over its size (each rank's loss its share: their mean is the mean over them all)."""
+        tokens = (labels != IGNORE_INDEX).sum().to(torch.float32)
+        if self.sequence_group is None:
+            return tokens.clamp_min(1)
+        dist.all_reduce(tokens, group=self.sequence_group)
+        return tokens.clamp_min(1) / dist.get_world_size(self.sequence_group)
 
     def _broadcast(self, value: Optional[Tensor]) -> Tensor:
         loss = torch.zeros((), device=self.device) if value is None else value.detach().to(self.device).reshape(())

@@ -118,11 +118,13 @@ class DecoderLM(LightningModule):
         self._initial_weights_loaded = False
         self._state_restored = False  # set by on_load_checkpoint: the weights (a LoRA run's adapters) are a checkpoint's
         self._step_before_batch = 0  # the optimizer steps taken before the current training batch
+        self._pipelined = False  # set by configure_model: npu_fsdp splits the model into pipeline stages
 
     def configure_model(self) -> None:
         trainer = compat.attached_trainer(self)
         options = getattr(trainer.strategy, "options", None) if trainer is not None else None
-        if isinstance(options, FSDPOptions) and options.pipeline_parallel_size > 1:
+        self._pipelined = isinstance(options, FSDPOptions) and options.pipeline_parallel_size > 1
+        if self._pipelined:
             # train.py checks this before workers start; a script building the module itself gets it here, on every
             # rank alike, before the split (where the load-balancing loss would fail in a second backward).
             problems = self.pipeline_problems()
@@ -183,13 +185,15 @@ class DecoderLM(LightningModule):
         Under context parallelism each rank computes its share on its part of every sequence (the strategy averages
         the shares: the mean over all labelled tokens however many each part holds)."""
         cp = self.context_parallel
+        if cp is not None:
+            batch = self._sequence_shard(batch)
         packing = {"cu_seqlens": batch.get("cu_seqlens"), "position_ids": batch.get("position_ids")}
-        if cp is None:  # the model's own loss: under pipeline parallelism only its last stage sees the logits
+        if cp is None or self._pipelined:
+            # The model's own loss: under pipeline parallelism only its last stage sees the logits, and with context
+            # parallelism the pipeline gives this rank's share of the mean, as token_mean does below.
             loss = local_tensor(self.model(batch["input_ids"], labels=batch["labels"], **packing))
         else:
-            batch = self._sequence_shard(batch)
-            logits = self.model(batch["input_ids"], cu_seqlens=packing["cu_seqlens"],
-                                position_ids=batch.get("position_ids"))
+            logits = self.model(batch["input_ids"], **packing)
             labels = batch["labels"]
             loss = cp.token_mean(local_tensor(self.model.loss(logits, labels, reduction="sum")), (labels != -100).sum())
         auxiliary = getattr(self.model, "auxiliary_loss", None)  # a family's extra training term (MoE: load balance)

@@ -24,7 +24,8 @@ launches:
 - ``--stage four`` (4 simulated NPUs): ``pp2_dp2``: pp 2 x 2 replicas as ``plain2``; ``moe_pp2_ep2``: the MoE under
   pp 2 x expert_parallel_size 2 (over the 2 replicas) as ``moe_plain2``; ``pp2_to_pp2_tp2``: ``pp2``'s checkpoint
   resumed under pp 2 x tensor_parallel_size 2 (sequence parallel: the stages exchange each sequence's halves);
-  ``deepseek_pp2_tp2``: the DeepSeek under pp 2 x tp 2 (one replica, as ``deepseek_plain``);
+  ``deepseek_pp2_tp2``: the DeepSeek under pp 2 x tp 2 (one replica, as ``deepseek_plain``); ``pp2_cp2_ring`` (ZBV)
+  and ``pp2_cp2_ulysses`` (1F1B): pp 2 x context_parallel_size 2 (one replica, as ``plain_epoch``);
 - ``--stage back`` (1 simulated NPU): ``pp2_to_plain``: ``pp2``'s checkpoint resumed under plain npu_fsdp, which
   saves it again before its first step (``pp2_weights_plain``: pp 2's weights and optimizer state, written without
   the pipeline); ``pp2_full_to_plain``: ``pp2_full``'s file resumed under plain npu_fsdp.
@@ -128,7 +129,8 @@ def fit(out: Path, name: str, *, devices: int, model: str = "llama", epochs: int
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True, gradient_clip_val=1.0, callbacks=callbacks, default_root_dir=out / name,
     )
-    replicas = devices // (options.get("pipeline_parallel_size", 1) * options.get("tensor_parallel_size", 1))
+    replicas = devices // (options.get("pipeline_parallel_size", 1) * options.get("tensor_parallel_size", 1)
+                           * options.get("context_parallel_size", 1))
     train = DataLoader(dataset(STEPS * ROWS * accumulate, seed=1), batch_size=ROWS // replicas)
     val = DataLoader(dataset(11 * replicas, seed=5), batch_size=4)  # each replica: 4, 4 and 3 rows
     stopped = None
@@ -353,6 +355,10 @@ def main() -> None:
                                   tensor_parallel_size=2, **pp2),
             "deepseek_pp2_tp2": fit(out, "deepseek_pp2_tp2", devices=4, model="deepseek", epochs=1,
                                     tensor_parallel_size=2, **pp2),
+            "pp2_cp2_ring": fit(out, "pp2_cp2_ring", devices=4, epochs=1, context_parallel_size=2,
+                                context_parallel_algo="ring", pipeline_schedule="ZBVZeroBubble",
+                                activation_checkpointing_policy=None, **pp2),
+            "pp2_cp2_ulysses": fit(out, "pp2_cp2_ulysses", devices=4, epochs=1, context_parallel_size=2, **pp2),
         }
     if not dist.is_initialized() or dist.get_rank() == 0:
         (out / f"{args.stage}.json").write_text(json.dumps(results))
