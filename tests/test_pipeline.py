@@ -447,16 +447,19 @@ def test_fabric_load_raw_of_a_full_file_gives_each_stage_its_tensors(pipeline_ru
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["predict_pp2", "predict_pp2_zbv"])
+@pytest.mark.parametrize("name", ["predict_pp2", "predict_pp2_zbv", "predict_cp2", "predict_pp2_cp2"])
 def test_predict_returns_the_last_stages_logits_on_every_rank(pipeline_runs, name):
-    """``trainer.predict`` whose ``predict_step`` calls the model without labels: under pp 2 (1F1B, and the V schedule,
-    whose last stage is on rank 0) every rank returns the batch's logits, those plain npu_fsdp gives, the last
-    batch of 3 rows too (padded to the 4 microbatches, cut back)."""
+    """``trainer.predict`` whose ``predict_step`` calls the module without labels: under pp 2 (1F1B, and the V
+    schedule, whose last stage is on rank 0) every rank returns the batch's logits, those plain npu_fsdp gives, the
+    last batch of 3 rows too (padded to the 4 microbatches, cut back). Under context parallelism (cp 2 Ulysses; pp 2 x
+    cp 2 ring) each rank runs its part of every sequence and the whole logits are gathered: before, the module gave
+    each rank's whole rows to the model as that rank's part, whose positions then ran to 64 for 32 tokens (refused
+    here by max_seq_len 32; with a longer max_seq_len, wrong logits)."""
     out = Path(pipeline_runs["out"])
     plain = torch.load(out / "predict_plain_rank0.pt")
     assert pipeline_runs[name]["batches"] == pipeline_runs["predict_plain"]["batches"] == [[4, 32, 2048], [4, 32, 2048],
                                                                                           [3, 32, 2048]]
-    for rank in range(2):
+    for rank in range(pipeline_runs[name]["ranks"]):
         torch.testing.assert_close(torch.load(out / f"{name}_rank{rank}.pt"), plain, rtol=0, atol=1e-5,
                                    msg=lambda m: f"{name} rank {rank}: {m}")
 

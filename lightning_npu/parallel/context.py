@@ -78,6 +78,16 @@ class ContextParallel:
             return chunks[self.rank]
         return torch.cat((chunks[self.rank], chunks[parts - 1 - self.rank]), dim=dim)
 
+    def gather(self, x: Tensor, dim: int = 1) -> Tensor:
+        """The whole of ``x`` along ``dim`` from every rank's part as :meth:`shard` cut it, in sequence order, on every
+        rank: outputs (logits to return from ``predict``); not differentiable."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        if self.algo == "ulysses":
+            return torch.cat(parts, dim=dim)
+        halves = [part.chunk(2, dim=dim) for part in parts]  # rank r holds chunks r and 2 cp - 1 - r
+        return torch.cat([head for head, _ in halves] + [tail for _, tail in reversed(halves)], dim=dim)
+
     def positions(self, seq_len: int, device: Optional[torch.device] = None) -> Tensor:
         """The global positions (int64) of the tokens :meth:`shard` gives this rank of a ``seq_len`` sequence."""
         return self.shard(torch.arange(seq_len, device=device), dim=0)

@@ -175,7 +175,14 @@ class DecoderLM(LightningModule):
         return flops
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        return self.model(input_ids)
+        """The logits [batch, seq, vocab] of ``input_ids`` [batch, seq] (a ``predict_step``'s call). Under context
+        parallelism each rank runs its part of every sequence and the logits are gathered whole on every rank (the
+        model called directly takes and gives this rank's part)."""
+        cp = self.context_parallel
+        if cp is None:
+            return self.model(input_ids)
+        logits = self.model(cp.shard(input_ids))
+        return cp.gather(logits.full_tensor() if hasattr(logits, "full_tensor") else logits)  # vocabulary-split: whole
 
     def _loss(self, batch: dict[str, Any]) -> Tensor:
         """Mean cross-entropy over the labelled tokens (-100 marks the others: prompts and padding in SFT rows), plus

@@ -19,13 +19,14 @@ launches:
   (the reference of ``pp2_dp2``); ``moe_plain2``: the MoE with 2 replicas (the reference of ``moe_pp2_ep2``); ``pp2_full``: ``pp2``'s first epoch, saving one full file
   (``state_dict_type="full"``), which ``pp2_full_to_pp2`` resumes; ``fabric_pp2``; ``moe_pp2``, ``qwen3_pp2``,
   ``deepseek_pp2``, ``user_pp2``; ``predict_pp2``, ``predict_pp2_zbv``: ``predict_plain`` under pp 2 (each rank's
-  logits to ``<name>_rank<r>.pt``); ``guard_pp2``: ``guard_plain``'s NaNs, where only the first stage sees them;
+  logits to ``<name>_rank<r>.pt``); ``predict_cp2``: ``predict_plain`` under cp 2 (Ulysses), no pipeline; ``guard_pp2``: ``guard_plain``'s NaNs, where only the first stage sees them;
   ``preempt_pp2``: SIGTERM to rank 1 alone, a save on preemption (``preempted``);
 - ``--stage four`` (4 simulated NPUs): ``pp2_dp2``: pp 2 x 2 replicas as ``plain2``; ``moe_pp2_ep2``: the MoE under
   pp 2 x expert_parallel_size 2 (over the 2 replicas) as ``moe_plain2``; ``pp2_to_pp2_tp2``: ``pp2``'s checkpoint
   resumed under pp 2 x tensor_parallel_size 2 (sequence parallel: the stages exchange each sequence's halves);
   ``deepseek_pp2_tp2``: the DeepSeek under pp 2 x tp 2 (one replica, as ``deepseek_plain``); ``pp2_cp2_ring`` (ZBV)
   and ``pp2_cp2_ulysses`` (1F1B): pp 2 x context_parallel_size 2 (one replica, as ``plain_epoch``);
+  ``predict_pp2_cp2``: ``predict_plain`` under pp 2 x cp 2 (ring);
 - ``--stage back`` (1 simulated NPU): ``pp2_to_plain``: ``pp2``'s checkpoint resumed under plain npu_fsdp, which
   saves it again before its first step (``pp2_weights_plain``: pp 2's weights and optimizer state, written without
   the pipeline); ``pp2_full_to_plain``: ``pp2_full``'s file resumed under plain npu_fsdp.
@@ -157,7 +158,7 @@ class Predicting(DecoderLM):
 
     def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         self.inference_mode_seen = torch.is_inference_mode_enabled()
-        return self.model(batch["input_ids"])
+        return self(batch["input_ids"])
 
 
 def predict(out: Path, name: str, *, devices: int, **options) -> dict:
@@ -337,6 +338,7 @@ def main() -> None:
                for model in ("moe", "qwen3", "deepseek", "user")},
             "predict_pp2": predict(out, "predict_pp2", devices=2, **pp2),
             "predict_pp2_zbv": predict(out, "predict_pp2_zbv", devices=2, pipeline_schedule="ZBVZeroBubble", **pp2),
+            "predict_cp2": predict(out, "predict_cp2", devices=2, context_parallel_size=2),
             "guard_pp2": guarded(out, "guard_pp2", devices=2, **pp2),
             "preempt_pp2": preempted(out, "preempt_pp2", devices=2, **pp2),
         }
@@ -359,6 +361,8 @@ def main() -> None:
                                 context_parallel_algo="ring", pipeline_schedule="ZBVZeroBubble",
                                 activation_checkpointing_policy=None, **pp2),
             "pp2_cp2_ulysses": fit(out, "pp2_cp2_ulysses", devices=4, epochs=1, context_parallel_size=2, **pp2),
+            "predict_pp2_cp2": predict(out, "predict_pp2_cp2", devices=4, context_parallel_size=2,
+                                       context_parallel_algo="ring", **pp2),
         }
     if not dist.is_initialized() or dist.get_rank() == 0:
         (out / f"{args.stage}.json").write_text(json.dumps(results))
