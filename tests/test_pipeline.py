@@ -410,8 +410,10 @@ def test_a_checkpoint_resumes_across_pipeline_layouts(pipeline_runs):
 def test_a_full_checkpoint_under_pp_holds_every_stage_and_resumes_under_pp_and_plain(pipeline_runs):
     """``state_dict_type="full"`` under pp 2: one file after epoch 0 with the whole model in its parameter order and
     the optimizer's state numbered as plain numbers it, what consolidating pp 2's sharded checkpoint gives (the same
-    run); resumed under pp 2 and under plain, the second epoch is plain's. Catches a file of rank 0's stage only,
-    and a load that broadcasts rank 0's tensors to the other stage (wrong weights, or a hang)."""
+    run); resumed under pp 2 and under plain, the second epoch is plain's; pp 2 x 2 replicas writes such a file
+    too, which resumes its run.
+    Catches a file of rank 0's stage only, and a load that broadcasts rank 0's tensors to the other stage (wrong
+    weights, or a hang)."""
     from lightning_npu.strategies.checkpoints.offline import read_sharded
 
     plain = pipeline_runs["plain"]
@@ -428,6 +430,14 @@ def test_a_full_checkpoint_under_pp_holds_every_stage_and_resumes_under_pp_and_p
     (full_optimizer,), (sharded_optimizer,) = full["optimizer_states"], sharded["optimizer_states"]
     assert full_optimizer["param_groups"] == sharded_optimizer["param_groups"]
     torch.testing.assert_close(full_optimizer["state"], sharded_optimizer["state"], rtol=0, atol=1e-6)
+    # pp 2 x 2 replicas: its second stage sent to rank 0 tensor by tensor from rank 2 while rank 3, which holds the
+    # same stage, makes each whole with it. The file holds what pp 2's does, and resumed it continues the run as if
+    # it had not stopped.
+    replicated = torch.load(out / "pp2_dp2_full_epoch0", weights_only=False)
+    assert list(replicated["state_dict"]) == list(full["state_dict"])
+    assert replicated["optimizer_states"][0]["param_groups"] == full_optimizer["param_groups"]
+    _close(pipeline_runs, "pp2_dp2_full_to_pp2_dp2", "pp2_dp2", start=5)
+    _close(pipeline_runs, "pp2_dp2_full_to_pp2_dp2", "pp2_dp2", "val", start=1)
 
 
 @pytest.mark.slow

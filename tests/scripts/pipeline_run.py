@@ -21,7 +21,9 @@ launches:
   ``deepseek_pp2``, ``user_pp2``; ``predict_pp2``, ``predict_pp2_zbv``: ``predict_plain`` under pp 2 (each rank's
   logits to ``<name>_rank<r>.pt``); ``predict_cp2``: ``predict_plain`` under cp 2 (Ulysses), no pipeline; ``guard_pp2``: ``guard_plain``'s NaNs, where only the first stage sees them;
   ``preempt_pp2``: SIGTERM to rank 1 alone, a save on preemption (``preempted``);
-- ``--stage four`` (4 simulated NPUs): ``pp2_dp2``: pp 2 x 2 replicas as ``plain2``; ``moe_pp2_ep2``: the MoE under
+- ``--stage four`` (4 simulated NPUs): ``pp2_dp2``: pp 2 x 2 replicas as ``plain2``; ``pp2_dp2_full``: its first
+  epoch saving one full file (the pipeline without global rank 0 sends its stage from its replica-0 rank), which
+  ``pp2_dp2_full_to_pp2_dp2`` resumes; ``moe_pp2_ep2``: the MoE under
   pp 2 x expert_parallel_size 2 (over the 2 replicas) as ``moe_plain2``; ``pp2_to_pp2_tp2``: ``pp2``'s checkpoint
   resumed under pp 2 x tensor_parallel_size 2 (sequence parallel: the stages exchange each sequence's halves);
   ``deepseek_pp2_tp2``: the DeepSeek under pp 2 x tp 2 (one replica, as ``deepseek_plain``); ``pp2_cp2_ring`` (ZBV)
@@ -352,6 +354,10 @@ def main() -> None:
     else:
         results = {
             "pp2_dp2": fit(out, "pp2_dp2", devices=4, **pp2),
+            "pp2_dp2_full": fit(out, "pp2_dp2_full", devices=4, save=True, state_dict_type="full",
+                                callbacks=[StopAfterEpoch()], **pp2),
+            "pp2_dp2_full_to_pp2_dp2": fit(out, "pp2_dp2_full_to_pp2_dp2", devices=4,
+                                           resume=str(out / "pp2_dp2_full_epoch0"), **pp2),
             "moe_pp2_ep2": fit(out, "moe_pp2_ep2", devices=4, model="moe", epochs=1, expert_parallel_size=2, **pp2),
             "pp2_to_pp2_tp2": fit(out, "pp2_to_pp2_tp2", devices=4, resume=str(out / "pp2_epoch0"),
                                   tensor_parallel_size=2, **pp2),

@@ -7,16 +7,19 @@ stages would exchange each other's tensors (same shapes: wrong weights, silently
 So under pipeline parallelism:
 
 - saving: every rank of a stage makes each of its tensors whole (the stage's FSDP / tensor-parallel collectives); the
-  ranks of the pipeline that holds global rank 0 keep them on the host and send them to global rank 0, which writes
-  one file of the whole model, in its parameter order, its optimizer state numbered as without the pipeline;
+  ranks of the pipeline that holds global rank 0 send them there one at a time, each as soon as it is whole (global
+  rank 0 holds the whole model once on the host, the others one tensor at a time), and global rank 0 writes one file
+  of the whole model, in its parameter order, its optimizer state numbered as without the pipeline;
 - loading: every rank reads the file (memory-mapped) and takes its stages' tensors, each sharded from the rank's own
   copy (no broadcast); an optimizer state numbered by index is named by the whole model's param groups first.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -98,30 +101,69 @@ def local_optimizer_state(saved: dict[str, Any], module: nn.Module, optimizer: O
 
 def _onto_rank0(state: dict[str, Any], pipeline: Any) -> Optional[list[dict[str, Any]]]:
     """Each rank's ``state`` with every tensor whole and on the host, from the ranks of the pipeline that holds
-    global rank 0, gathered there (a list by pipeline rank); None elsewhere. Every rank of a stage takes part in
-    making its tensors whole (collectives over the stage's meshes), in the same order."""
-    keep = 0 in dist.get_process_group_ranks(pipeline.pp_group)
-    whole = _whole(state, keep)
-    if not keep:
+    global rank 0, on global rank 0 (a list by pipeline rank); None elsewhere. Every rank of a stage takes part in
+    making its tensors whole (collectives over the stage's meshes), in the same order; the other pipeline ranks send
+    each to global rank 0 as soon as it is whole, and global rank 0 receives every rank's in pipeline order."""
+    ranks = dist.get_process_group_ranks(pipeline.pp_group)
+    if 0 not in ranks:
+        _whole(state, lambda tensor: None)
         return None
-    parts: Optional[list] = [None] * dist.get_world_size(pipeline.pp_group) if dist.get_rank() == 0 else None
-    dist.gather_object(whole, parts, dst=0, group=pipeline.pp_group)
-    return parts
+    # What global rank 0 rebuilds each rank's state from: its structure, each tensor's shape and dtype.
+    layouts: Optional[list] = [None] * len(ranks) if dist.get_rank() == 0 else None
+    dist.gather_object(_layout(state), layouts, dst=0, group=pipeline.pp_group)
+    if dist.get_rank() != 0:
+        device = pipeline.device
+        _whole(state, lambda tensor: dist.send(tensor.to(device or tensor.device).contiguous(), dst=0,
+                                               group=pipeline.pp_group))
+        return None
+    return [_whole(state, lambda tensor: tensor.cpu()) if sender == 0 else _received(layout, sender, pipeline)
+            for sender, layout in zip(ranks, layouts)]
 
 
-def _whole(value: Any, keep: bool) -> Any:
-    """``value`` with each DTensor made whole (a collective) and each tensor on the host where ``keep``; tensors
-    dropped (None) elsewhere."""
+@dataclass(frozen=True)
+class _Meta:
+    """A tensor's (whole) shape and dtype, standing in for it in the layout a rank sends global rank 0 first."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+def _layout(value: Any) -> Any:
+    """``value`` with each tensor replaced by its whole shape and dtype (no collective: a DTensor knows its shape)."""
+    if isinstance(value, Tensor):
+        return _Meta(tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return {key: _layout(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_layout(item) for item in value)
+    return value
+
+
+def _whole(value: Any, take: Any) -> Any:
+    """``value`` with each tensor made whole (a DTensor's collective, in traversal order) and replaced by
+    ``take(tensor)``."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, Tensor):
-        value = value.full_tensor() if isinstance(value, DTensor) else value
-        return value.detach().cpu() if keep else None
+        return take((value.full_tensor() if isinstance(value, DTensor) else value).detach())
     if isinstance(value, dict):
-        return {key: _whole(item, keep) for key, item in value.items()}
+        return {key: _whole(item, take) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_whole(item, keep) for item in value)
+        return type(value)(_whole(item, take) for item in value)
     return value
+
+
+def _received(layout: Any, sender: int, pipeline: Any) -> Any:
+    """The state ``sender`` sends tensor by tensor (``_onto_rank0``), rebuilt on the host from its ``layout``."""
+    if isinstance(layout, _Meta):
+        buffer = torch.empty(layout.shape, dtype=layout.dtype, device=pipeline.device)
+        dist.recv(buffer, src=sender, group=pipeline.pp_group)
+        return buffer.cpu()
+    if isinstance(layout, dict):
+        return {key: _received(item, sender, pipeline) for key, item in layout.items()}
+    if isinstance(layout, (list, tuple)):
+        return type(layout)(_received(item, sender, pipeline) for item in layout)
+    return layout
 
 
 __all__ = ["full_model_state", "full_optimizer_state", "load_local_model_state", "local_optimizer_state"]
