@@ -252,6 +252,20 @@ def test_the_losss_backward_adds_the_steps_gradients_times_what_it_brings():
     torch.testing.assert_close(earlier.grad, torch.full((2,), 4.0))
 
 
+def test_a_short_evaluation_batch_is_padded_with_unlabelled_rows_only_where_labels_can_say_so(monkeypatch):
+    """The last evaluation batch of 3 rows and 4 microbatches: integer labels get a padding row of -100 (no loss);
+    float labels (a regression loss) would count -100 as a target, silently, so the batch is refused with the fix."""
+    from lightning_npu.parallel.pipeline import Pipeline
+
+    pipeline = Pipeline.__new__(Pipeline)  # the decision alone: no stages, no process group
+    pipeline.microbatches, pipeline._shapes, pipeline._with_loss = 4, None, True
+    with torch.no_grad():
+        x, labels, _ = pipeline._check_shapes(torch.zeros(3, 5), torch.ones(3, 5, dtype=torch.int64), {})
+        assert x.shape == (4, 5) and labels[3].tolist() == [-100] * 5 and labels[:3].eq(1).all()
+        with pytest.raises(ValueError, match=r"its labels are torch.float32: .*divide by it, or drop_last=True"):
+            pipeline._check_shapes(torch.zeros(3, 5), torch.zeros(3), {})
+
+
 def test_the_strict_fake_refuses_the_p2p_batch_hccl_refuses_and_passes_the_rest(monkeypatch):
     """Importing torch_npu aliases ``batch_isend_irecv`` to its own; under the fake that one refuses two sends (or two
     receives) to one peer before any exchange, as HcclBatchSendRecv does, and hands a send and a receive per peer

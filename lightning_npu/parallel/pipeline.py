@@ -435,6 +435,14 @@ class Pipeline:
                     f"a batch of {rows} rows does not split into pipeline_microbatches={self.microbatches} equal"
                     " microbatches: make the batch size a multiple of it (and the last batch whole: drop_last=True)"
                 )
+            if labels is not None and (labels.is_floating_point() or labels.is_complex()):
+                raise ValueError(
+                    f"an evaluation batch of {rows} rows does not split into pipeline_microbatches={self.microbatches}"
+                    f" equal microbatches, and its labels are {labels.dtype}: the pipeline pads such a batch with rows"
+                    f" of label {IGNORE_INDEX}, which marks no loss only among integer labels (a regression target of"
+                    f" {IGNORE_INDEX} would count); give the evaluation loader a batch size and a dataset size that"
+                    " divide by it, or drop_last=True"
+                )
             missing = self.microbatches - rows % self.microbatches
             x, *values = (torch.cat([t, t[-1:].expand(missing, *t.shape[1:])]) for t in (x, *kwargs.values()))
             kwargs = dict(zip(kwargs, values))
