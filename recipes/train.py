@@ -28,10 +28,10 @@ from typing import Any, Optional
 if __package__ in (None, ""):
     import script_path  # noqa: F401  (run as a file: makes `recipes` importable, see script_path.py)
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 
 from lightning_npu import GracefulPreemption, NonFiniteLossGuard, TokenThroughputMonitor  # importing the plugin registers accelerator="npu" and npu_*
@@ -64,15 +64,20 @@ class RunSummary(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        loss = outputs["loss"].detach()
+        loss = outputs["loss"].detach() * trainer.accumulate_grad_batches  # Lightning's is / accumulate_grad_batches
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.last_loss = loss
 
-    @rank_zero_only
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.first_loss is None:
             return
-        print(f"train loss: first {float(self.first_loss):.4f} -> last {float(self.last_loss):.4f}")
+        # Each rank's loss is its replica's, or under context parallelism its share: the step's is their mean (a
+        # collective, so every rank takes part).
+        first, last = trainer.strategy.reduce(torch.stack([self.first_loss, self.last_loss]).float(),
+                                              reduce_op="mean").tolist()
+        if trainer.global_rank != 0:
+            return
+        print(f"train loss: first {first:.4f} -> last {last:.4f}")
         checkpoint = trainer.checkpoint_callback
         path = getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")
         if path:

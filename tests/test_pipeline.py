@@ -421,6 +421,20 @@ def test_a_checkpoint_resumes_across_pipeline_layouts(pipeline_runs):
 
 
 @pytest.mark.slow
+def test_a_lora_run_trains_under_pp_and_resumes_from_its_adapters(pipeline_runs):
+    """LoRA on every projection of the first weights (the base frozen, from init_from): under pp 2 the losses of
+    plain npu_fsdp; pp 2's sharded checkpoint of adapters resumed under pp 2, and plain's full file of adapters
+    resumed under plain, continue as the uninterrupted run. Before, a stage's load checked its adapters against the
+    whole model's (missing: the other stage's), and a full file of adapters failed the raw load's check against
+    every base weight."""
+    _close(pipeline_runs, "lora_pp2", "lora_plain")
+    _close(pipeline_runs, "lora_pp2", "lora_plain", "val")
+    for name in ("lora_pp2_to_pp2", "lora_full_to_plain"):
+        _close(pipeline_runs, name, "lora_plain", start=5)
+        _close(pipeline_runs, name, "lora_plain", "val", start=1)
+
+
+@pytest.mark.slow
 def test_a_full_checkpoint_under_pp_holds_every_stage_and_resumes_under_pp_and_plain(pipeline_runs):
     """``state_dict_type="full"`` under pp 2: one file after epoch 0 with the whole model in its parameter order and
     the optimizer's state numbered as plain numbers it, what consolidating pp 2's sharded checkpoint gives (the same

@@ -67,3 +67,29 @@ def test_init_from_is_read_on_rank_zero_only_and_reaches_every_shard(tmp_path):
     assert first["equal"] is True and first["keys"] == len(LLaMA(LLaMAConfig.from_preset("tiny")).state_dict())
     assert first["mismatch"] == second["mismatch"]
     assert first["mismatch"].startswith("init_from=") and "n_layers=1" in first["mismatch"]
+
+
+def test_the_run_summary_prints_the_steps_losses_not_lightnings_accumulation_share(tmp_path, capsys):
+    """Lightning hands ``on_train_batch_end`` the loss divided by ``accumulate_grad_batches``; the recipe's summary
+    printed that (half the loss at 2 batches a step) as the run's first and last loss."""
+    from lightning.pytorch import LightningModule
+    from torch.utils.data import DataLoader
+
+    from recipes.train import RunSummary
+
+    class Constant(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def training_step(self, batch, batch_idx):
+            return self.w * 0 + 3.0 + batch_idx  # 3.0 on the first batch, 6.0 on the last (batch 3)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    trainer = Trainer(accelerator="cpu", max_steps=2, accumulate_grad_batches=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=tmp_path, callbacks=[RunSummary()])
+    trainer.fit(Constant(), DataLoader(torch.zeros(4, 1), batch_size=1))
+    assert "train loss: first 3.0000 -> last 6.0000" in capsys.readouterr().out

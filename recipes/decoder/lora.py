@@ -40,7 +40,7 @@ weights they were trained against.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Collection, Mapping, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -319,10 +319,14 @@ def active_adapter_params(model_config: Any, config: LoRAConfig) -> int:
 
 
 def check_adapter_state(
-    state_dict: Mapping[str, Tensor], model_config: Any, config: LoRAConfig, *, source: str
+    state_dict: Mapping[str, Tensor], model_config: Any, config: LoRAConfig, *, source: str,
+    held: Optional[Collection[str]] = None,
 ) -> None:
-    """Raise ``ValueError`` unless ``state_dict`` holds exactly the adapters of ``config`` with their shapes."""
+    """Raise ``ValueError`` unless ``state_dict`` holds exactly the adapters of ``config`` with their shapes; with
+    ``held``, exactly those of them a model holds (a pipeline stage holds its blocks' only)."""
     shapes = adapter_shapes(model_config, config)
+    if held is not None:
+        shapes = {name: shape for name, shape in shapes.items() if name in held}
     missing = sorted(set(shapes) - set(state_dict))
     unknown = sorted(set(state_dict) - set(shapes))
     if missing or unknown:

@@ -302,9 +302,10 @@ class DecoderLM(LightningModule):
         exactly this run's adapters; the base weights are left alone."""
         if self.lora is None:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
-        if strict:
+        if strict:  # the adapters this model holds: under pipeline parallelism, its stages'
+            held = None if self.model is None else {name for name, _ in self.model.named_parameters()}
             check_adapter_state(_without_prefix(state_dict, "model."), self.config, self.lora,
-                                source="The checkpoint being resumed")
+                                source="The checkpoint being resumed", held=held)
         return super().load_state_dict(state_dict, strict=False, assign=assign)
 
     def configure_optimizers(self) -> dict[str, Any]:

@@ -66,9 +66,9 @@ class Losses(Callback):
         self.losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
 
 
-def module(family: str = "moe", init_from: str | None = None, **config) -> DecoderLM:
+def module(family: str = "moe", init_from: str | None = None, lora: dict | None = None, **config) -> DecoderLM:
     return DecoderLM(family=family, preset="tiny", config={**FAMILIES[family][0], **config}, learning_rate=3e-3,
-                     warmup_steps=2, init_from=init_from)
+                     warmup_steps=2, init_from=init_from, lora=lora)
 
 
 def save_first_weights(path: Path, family: str = "moe", **config) -> str:

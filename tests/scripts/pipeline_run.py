@@ -12,15 +12,17 @@ launches:
   the recipes' (a sequence classifier with its own projection, residual blocks of ``x`` alone, pooling under a
   keyword mask, head and loss: tests/scripts/pipeline_user_model.py) for one epoch; ``predict_plain``:
   ``trainer.predict`` of the first weights (logits to ``predict_plain_rank0.pt``); ``guard_plain``: NaNs injected
-  under the non-finite-loss guard (``guarded``);
+  under the non-finite-loss guard (``guarded``); ``lora_plain``: LoRA adapters on the first weights, saving a full
+  file after epoch 0, which ``lora_full_to_plain`` resumes;
 - ``--stage two`` (2 simulated NPUs): ``pp2`` (1F1B, 4 microbatches) as ``plain``, a sharded checkpoint after epoch
   0; ``pp2_gpipe``, ``pp2_interleaved`` (2 stages a rank), ``pp2_zbv`` (V schedule) for epoch 0;
   ``pp2_accumulate``; ``plain_to_pp2``: ``plain``'s checkpoint resumed under pp 2; ``plain2``: plain with 2 replicas
   (the reference of ``pp2_dp2``); ``moe_plain2``: the MoE with 2 replicas (the reference of ``moe_pp2_ep2``); ``pp2_full``: ``pp2``'s first epoch, saving one full file
   (``state_dict_type="full"``), which ``pp2_full_to_pp2`` resumes; ``fabric_pp2``; ``moe_pp2``, ``qwen3_pp2``,
   ``deepseek_pp2``, ``user_pp2``; ``predict_pp2``, ``predict_pp2_zbv``: ``predict_plain`` under pp 2 (each rank's
-  logits to ``<name>_rank<r>.pt``); ``predict_cp2``: ``predict_plain`` under cp 2 (Ulysses), no pipeline; ``guard_pp2``: ``guard_plain``'s NaNs, where only the first stage sees them;
-  ``preempt_pp2``: SIGTERM to rank 1 alone, a save on preemption (``preempted``);
+  logits to ``<name>_rank<r>.pt``); ``predict_cp2``: ``predict_plain`` under cp 2 (Ulysses), no pipeline;
+  ``guard_pp2``: ``guard_plain``'s NaNs, where only the first stage sees them; ``preempt_pp2``: SIGTERM to rank 1 alone, a save on preemption (``preempted``); ``lora_pp2``: ``lora_plain``
+  under pp 2, a sharded checkpoint after epoch 0, which ``lora_pp2_to_pp2`` resumes;
 - ``--stage four`` (4 simulated NPUs): ``pp2_dp2``: pp 2 x 2 replicas as ``plain2``; ``pp2_dp2_full``: its first
   epoch saving one full file (the pipeline without global rank 0 sends its stage from its replica-0 rank), which
   ``pp2_dp2_full_to_pp2_dp2`` resumes; ``moe_pp2_ep2``: the MoE under
@@ -63,6 +65,7 @@ from tests.scripts.pipeline_user_model import Classify, Sequences
 from tests.scripts.trainer_run import SaveAfterFirstEpoch
 
 SEQ, ROWS, STEPS = 32, 8, 5  # 8 rows of 32 tokens a step (all replicas together), 5 steps an epoch
+LORA = dict(rank=4, alpha=8, dropout=0.0, targets=["q", "k", "v", "o", "gate", "up", "down"])
 #: Each model: (family, config fields over the tiny preset, its block). The MoE one balances its experts by the
 #: routing bias (moved after each step by the tokens every replica routed), without the load-balancing loss.
 MODELS = {"llama": ("llama", dict(n_layers=4, max_seq_len=SEQ), "TransformerBlock"),
@@ -118,9 +121,11 @@ def fit(out: Path, name: str, *, devices: int, model: str = "llama", epochs: int
     seed_everything(1234)
     if model == "user":  # a user's own LightningModule (tests/scripts/pipeline_user_model.py), built in __init__
         lm, dataset, block = Classify(), Sequences, "Residual"
-    else:
-        family, config, block = MODELS[model]
-        lm, dataset = module(family, str(out / f"init_{model}.ckpt"), **config), Rows
+    else:  # "lora": adapters on every projection of the LLaMA's first weights, the base frozen
+        base = "llama" if model == "lora" else model
+        family, config, block = MODELS[base]
+        lora = LORA if model == "lora" else None
+        lm, dataset = module(family, str(out / f"init_{base}.ckpt"), lora=lora, **config), Rows
     strategy = lightning_npu.NPUFSDPStrategy(**{**recompute(block), "timeout": 300, **options})
     losses = Losses()
     callbacks = [losses, *callbacks]
@@ -317,6 +322,9 @@ def main() -> None:
             "fabric_plain": fabric_fit(out, 1),
             "predict_plain": predict(out, "predict_plain", devices=1),
             "guard_plain": guarded(out, "guard_plain", devices=1),
+            "lora_plain": fit(out, "lora_plain", devices=1, model="lora", save=True, state_dict_type="full"),
+            "lora_full_to_plain": fit(out, "lora_full_to_plain", devices=1, model="lora",
+                                      resume=str(out / "lora_plain_epoch0")),
             **{f"{model}_plain": fit(out, f"{model}_plain", devices=1, model=model, epochs=1)
                for model in ("moe", "qwen3", "deepseek", "user")},
         }
@@ -343,6 +351,9 @@ def main() -> None:
             "predict_cp2": predict(out, "predict_cp2", devices=2, context_parallel_size=2),
             "guard_pp2": guarded(out, "guard_pp2", devices=2, **pp2),
             "preempt_pp2": preempted(out, "preempt_pp2", devices=2, **pp2),
+            "lora_pp2": fit(out, "lora_pp2", devices=2, model="lora", save=True, **pp2),
+            "lora_pp2_to_pp2": fit(out, "lora_pp2_to_pp2", devices=2, model="lora",
+                                   resume=str(out / "lora_pp2_epoch0"), **pp2),
         }
     elif args.stage == "back":
         # pp 2's checkpoint resumed under plain, saved again before its first step (``pp2_weights_plain``): the same

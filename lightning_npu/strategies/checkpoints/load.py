@@ -87,6 +87,19 @@ def _load_sharded(path: Path, module_key: str, module: nn.Module, optimizers: di
     return torch.load(path / META_FILENAME, weights_only=weights_only)
 
 
+def _what_it_holds(module: nn.Module, saved: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """The tensors of a full file's model state ``saved`` that ``module``'s own ``state_dict()`` names: a
+    LightningModule may leave some out of its checkpoints (a LoRA run's frozen base, which comes from elsewhere).
+    With ``strict`` the file must hold exactly those, KeyError otherwise."""
+    expected = set(module.state_dict())
+    missing, unexpected = sorted(expected - set(saved)), sorted(set(saved) - expected)
+    if strict and (missing or unexpected):
+        raise KeyError(f"the checkpoint's model state lacks {missing[:5]} ({len(missing)} of the model's tensors) and"
+                       f" holds {unexpected[:5]} ({len(unexpected)}) the model does not, so it was written for another"
+                       " model; load the checkpoint of this model, or set strict loading off to load what matches")
+    return {name: value for name, value in saved.items() if name in expected}
+
+
 def _saved_prefixes(keys: Any) -> set[str]:
     """Every dotted prefix of the checkpoint's flattened keys (``optimizer_0.state.net.0.weight.exp_avg`` gives
     ``optimizer_0``, ``optimizer_0.state``, ...)."""
@@ -121,7 +134,7 @@ def _load_full(path: Path, module_key: str, module: nn.Module, optimizers: dict[
 
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     if pipeline is None:
-        load_raw_module_state(checkpoint.pop(module_key), module, strict=strict)
+        load_raw_module_state(_what_it_holds(module, checkpoint.pop(module_key), strict), module, strict=False)
     else:
         load_local_model_state(module, checkpoint.pop(module_key), strict=strict)
     if from_list:  # a Trainer checkpoint: the optimizers' states in a list, in the optimizers' order

@@ -58,11 +58,12 @@ def full_optimizer_state(module: nn.Module, optimizer: Optimizer, pipeline: Any)
 
 def load_local_model_state(module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
     """Load this rank's stages' share of the whole model's full ``state_dict`` (every rank holds it) into
-    ``module``; with ``strict``, a tensor of these stages the file lacks is a KeyError (tensors of other stages are
-    expected in it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    ``module``: what its own ``state_dict()`` names (a LightningModule may leave some tensors out, as a LoRA run's
+    frozen base); with ``strict``, one of them the file lacks is a KeyError (tensors of other stages are expected
+    in it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    names = list(get_model_state_dict(module))  # the local (sharded) view: names only, nothing gathered
+    names = list(module.state_dict())  # the local (sharded) view: names only, nothing gathered
     missing = [name for name in names if name not in state_dict]
     if missing and strict:
         raise KeyError(f"the checkpoint holds no {missing[:5]} ({len(missing)} of this pipeline stage's tensors), so"
