@@ -171,6 +171,9 @@ CASES: dict[str, dict[str, Any]] = {
                                     precision="bf16-mixed"),
     "pp2_zbv_m4": dict(model=dict(dim=256, ffn_hidden_dim=688, n_layers=6), seq=256, batch=4, devices=2, zero=3, ac=0.0,
                        pp=2, pp_schedule="ZBVZeroBubble", microbatches=4),
+    # DualPipeV (measured after the planner modelled its order): ZBV's stages, full backwards beside split ones.
+    "pp2_dualpipev_m4": dict(model=dict(dim=256, ffn_hidden_dim=688, n_layers=6), seq=256, batch=4, devices=2, zero=3,
+                             ac=0.0, pp=2, pp_schedule="DualPipeV", microbatches=4, holdout=True),
     "pp2_dp2_1f1b_ac05": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=4, zero=3, ac=0.5,
                               pp=2, microbatches=4),
     "pp2_tp2_1f1b": dict(model=dict(dim=256, ffn_hidden_dim=688), seq=256, batch=4, devices=4, zero=3, ac=0.0, pp=2,

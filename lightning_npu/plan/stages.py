@@ -15,7 +15,9 @@ torch 2.13's order of forwards and backwards per microbatch and stage), on the F
   the stage's output (held for the backward: on the last stage the fp32 logits, beside the final norm's tensors and
   cross-entropy's log-softmax);
 - torch allocates every microbatch's receive buffer at the first step and keeps them: the activations a stage
-  receives (all but the first stage) and the gradients it receives (all but the last);
+  receives (all but the first stage) and the gradients it receives (all but the last); on a V's last rank, where
+  stages p - 1 and p run together, the first hands its output to the second as that buffer (replacing it), so the
+  output it holds for its backward is counted once, as the buffer;
 - each neighbour the rank sends to holds a point-to-point communicator with two ``P2P_HCCL_BUFFSIZE`` buffers, and
   the loss broadcast and the clipping norm's all-reduce open one over the pipeline ranks.
 """
@@ -50,6 +52,8 @@ class _RankReplay(_StepReplay):
         held = sorted(i for blocks in self.stage_blocks.values() for i in blocks)
         self.checkpointed = {held[i] for i in evenly_spaced(len(held), spec.ac_ratio)} if spec.ac_ratio else set()
         self.last_stage = pipeline.num_stages - 1
+        #: The stages whose next stage runs on this rank too (a V's middle), which hand it their output directly.
+        self.hands_on = {stage for stage in self.stage_ids if stage + 1 in self.stage_ids}
         units, self.train = (_rank_units(spec, self.stage_blocks, self.last_stage, trainable)
                              for trainable in (False, True))
         self.root, self.blocks, self.experts = units.root, units.blocks, units.experts
@@ -140,7 +144,8 @@ class _RankReplay(_StepReplay):
             self.loss_forward(phase)
             t.alloc("logits", self.logits_fp32, phase + " logits held")  # the stage's output, kept for its backward
         else:  # the stage's output, sent on and held for the backward
-            t.alloc("activations", self.stage_io, phase + " output")
+            if stage not in self.hands_on:  # (handed on, it replaces the next stage's receive buffer: counted there)
+                t.alloc("activations", self.stage_io, phase + " output")
             t.free("temporaries", self.residual)
 
     def stage_backward(self, stage: int, microbatch: int, first: bool, last: bool) -> None:
@@ -153,7 +158,8 @@ class _RankReplay(_StepReplay):
             t.free("logits", self.logits_fp32)
         else:
             t.alloc("temporaries", self.residual, phase)  # the received gradient flows back as the stream's
-            t.free("activations", self.stage_io)
+            if stage not in self.hands_on:
+                t.free("activations", self.stage_io)
         for i in reversed(self.stage_blocks[stage]):
             self.block_backward(i, f"{phase} layer {i}", new_grads=first, last=last)
         if stage == 0:
