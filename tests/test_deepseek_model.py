@@ -341,3 +341,18 @@ def test_lora_flops_take_the_weight_gradient_off_every_weight_pass_the_mtp_depth
 
     adapters = active_adapter_params(config, LoRAConfig.from_value(lora))
     assert full - adapted == 2 * runs - 6 * adapters
+
+
+@pytest.mark.parametrize("config_class", [transformers.DeepseekV3Config, transformers.DeepseekV2Config])
+def test_keys_a_config_json_leaves_out_are_read_as_transformers_defaults(config_class):
+    """A config.json without the routing's scale or groups runs in transformers with its config class's defaults
+    (V3: 2.5, 8 groups, top 4). The recipe read 1.0, 1 and 1: logits 2.5 off and greedy decoding another text, and
+    an export wrote them back. Every key the recipe takes a default for is checked against transformers'."""
+    whole = config_class(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, kv_lora_rank=16,
+                         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, vocab_size=128,
+                         num_experts_per_tok=2, max_position_embeddings=64).to_dict()
+    for key in deepseek_hf.HF_DEFAULTS[whole["model_type"]]:
+        trimmed = {name: value for name, value in whole.items() if name != key}
+        assert transformers.AutoConfig.for_model(**trimmed).to_dict().get(key) == whole[key], key
+        assert deepseek_hf.config_from_hf(trimmed) == deepseek_hf.config_from_hf(whole), key

@@ -397,3 +397,31 @@ def test_convert_runs_as_a_script_from_any_directory(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "r.ckpt").is_file()
+
+
+def test_a_config_json_without_a_key_the_recipe_needs_names_it():
+    """A Mixtral config.json without rms_norm_eps stopped convert.py with a bare ``KeyError: 'rms_norm_eps'``."""
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, vocab_size=64).to_dict()
+    del config["rms_norm_eps"]
+    with pytest.raises(checkpoint_layout.CheckpointError, match="config.json: no 'rms_norm_eps', which the recipe"
+                                                                 " reads to build a mixtral model; add it"):
+        hf_checkpoint.config_from_hf(config)
+
+
+def test_a_top_level_original_max_position_embeddings_is_read_as_transformers_reads_it():
+    """transformers takes a top-level original_max_position_embeddings over rope_parameters' own; the recipe read
+    only rope_parameters' (logits 4.1 off where they disagreed). Used where it alone is given, refused where the
+    two disagree."""
+    from recipes.models.llama.hf import rope_from_hf
+
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0}
+    _, scaling = rope_from_hf({"rope_parameters": llama3, "original_max_position_embeddings": 16})
+    assert scaling["original_max_position_embeddings"] == 16
+    with pytest.raises(checkpoint_layout.CheckpointError, match="original_max_position_embeddings=16 at the top"
+                                                                 " level but 64 in rope_parameters"):
+        rope_from_hf({"rope_parameters": {**llama3, "original_max_position_embeddings": 64},
+                      "original_max_position_embeddings": 16})

@@ -99,7 +99,13 @@ def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json")
             f"{source}: model_type={hf_config.get('model_type')!r}; the recipe's model families convert"
             f" {families.hf_model_types()} (recipes/families.py)."
         )
-    return family.hf.config_from_hf(hf_config, source=source)
+    try:
+        return family.hf.config_from_hf(hf_config, source=source)
+    except KeyError as error:  # a key the family reads without a default
+        raise CheckpointError(
+            f"{source}: no {error.args[0]!r}, which the recipe reads to build a {hf_config['model_type']} model; add it"
+            " to config.json with the value the checkpoint was trained with"
+        ) from None
 
 
 def hf_config_dict(config: Any, *, dtype: torch.dtype, extra: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:

@@ -165,6 +165,17 @@ def _rope_from_hf(hf_config: Mapping[str, Any], source: str) -> tuple[float, Opt
     return theta, {key: value for key, value in rope.items() if key in YARN_KEYS}
 
 
+#: What transformers 5.25's ``DeepseekV3Config`` / ``DeepseekV2Config`` give the keys of the routing and MLA that a
+#: config.json may leave out: transformers runs a file without them with these, so the recipe reads them the same.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "n_shared_experts": 1,
+                    "q_lora_rank": 1536, "first_k_dense_replace": 3, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+                    "rope_interleave": True},
+    "deepseek_v2": {"n_group": None, "topk_group": None, "routed_scaling_factor": 1.0, "n_shared_experts": 2,
+                    "q_lora_rank": 1536, "first_k_dense_replace": 0, "rms_norm_eps": 1e-6, "topk_method": "greedy"},
+}
+
+
 def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json") -> DeepSeekConfig:
     """``DeepSeekConfig`` from the fields of an HF ``config.json`` (``mtp_layers`` 0: the weights say how many,
     ``config_from_weights``); what transformers' model would run differently
@@ -183,9 +194,14 @@ def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json")
     if (hf_config.get("num_key_value_heads") or heads) != heads:
         raise CheckpointError(f"{source}: num_key_value_heads={hf_config['num_key_value_heads']} !="
                               f" num_attention_heads={heads}; MLA up-projects one key/value head per query head.")
-    n_group, topk_group = hf_config.get("n_group") or 1, hf_config.get("topk_group") or 1
+    defaults = HF_DEFAULTS[arch]
+
+    def read(key: str) -> Any:  # a key the file leaves out is what transformers' config class gives it
+        return hf_config[key] if key in hf_config else defaults[key]
+
+    n_group, topk_group = read("n_group") or 1, read("topk_group") or 1
     if arch == "deepseek_v2":
-        method = hf_config.get("topk_method", "greedy")
+        method = read("topk_method")
         if method not in ("greedy", "group_limited_greedy"):
             raise CheckpointError(f"{source}: topk_method={method!r}; DeepSeek-V2 routes by 'greedy' or"
                                   " 'group_limited_greedy'.")
@@ -197,26 +213,26 @@ def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json")
             architecture=arch,
             **{field: value for field, value in hf_decoder_fields(hf_config).items()
                if field not in ("n_kv_heads", "head_dim")},  # MLA: one key/value head per query head, three head dims
-            q_lora_rank=hf_config.get("q_lora_rank"),
+            q_lora_rank=read("q_lora_rank"),
             kv_lora_rank=hf_config["kv_lora_rank"],
             qk_nope_head_dim=hf_config["qk_nope_head_dim"],
             qk_rope_head_dim=hf_config["qk_rope_head_dim"],
             v_head_dim=hf_config["v_head_dim"],
             ffn_hidden_dim=hf_config["intermediate_size"],
             n_experts=hf_config.get("n_routed_experts", hf_config.get("num_local_experts")),
-            n_shared_experts=hf_config.get("n_shared_experts") or 0,
+            n_shared_experts=read("n_shared_experts") or 0,
             expert_hidden_dim=hf_config["moe_intermediate_size"],
             top_k=hf_config["num_experts_per_tok"],
             n_group=n_group,
             topk_group=topk_group,
-            first_k_dense=hf_config.get("first_k_dense_replace") or 0,
-            norm_topk_prob=bool(hf_config.get("norm_topk_prob", True)) if arch == "deepseek_v3" else False,
-            routed_scaling_factor=float(hf_config.get("routed_scaling_factor", 1.0)),
+            first_k_dense=read("first_k_dense_replace") or 0,
+            norm_topk_prob=bool(read("norm_topk_prob")) if arch == "deepseek_v3" else False,
+            routed_scaling_factor=float(read("routed_scaling_factor")),
             max_seq_len=hf_config["max_position_embeddings"],
-            norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+            norm_eps=read("rms_norm_eps"),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            rope_interleave=bool(hf_config.get("rope_interleave", True)) if arch == "deepseek_v3" else True,
+            rope_interleave=bool(read("rope_interleave")) if arch == "deepseek_v3" else True,
         )
     except ValueError as error:
         raise CheckpointError(f"{source}: {error}") from None

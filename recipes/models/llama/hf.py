@@ -97,6 +97,14 @@ def rope_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json") -
             f"{source}: rope_type={rope_type!r}; the recipe implements plain rotary embeddings (rope_type 'default') "
             f"and LLaMA-3.1's {ROPE_SCALING_TYPE!r} scaling."
         )
+    top = hf_config.get("original_max_position_embeddings")  # transformers reads it before rope_parameters' own
+    if top is not None:
+        if rope.setdefault("original_max_position_embeddings", top) != top:
+            raise CheckpointError(
+                f"{source}: original_max_position_embeddings={top} at the top level but"
+                f" {rope['original_max_position_embeddings']} in rope_parameters; transformers takes the top-level"
+                " one, so make the two agree (or drop one)"
+            )
     try:
         return theta, normalise_rope_scaling({key: rope[key] for key in ROPE_SCALING_KEYS if key in rope})
     except ValueError as error:
