@@ -425,3 +425,12 @@ def test_a_top_level_original_max_position_embeddings_is_read_as_transformers_re
                                                                  " level but 64 in rope_parameters"):
         rope_from_hf({"rope_parameters": {**llama3, "original_max_position_embeddings": 64},
                       "original_max_position_embeddings": 16})
+
+
+def test_hidden_act_swish_is_the_silu_of_the_swiglu_mlp():
+    """transformers runs ``hidden_act: swish`` as SiLU; the recipe refused it."""
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         vocab_size=VOCAB, hidden_act="swish").to_dict()
+    assert hf_checkpoint.config_from_hf(config) == hf_checkpoint.config_from_hf({**config, "hidden_act": "silu"})
+    with pytest.raises(checkpoint_layout.CheckpointError, match="hidden_act='gelu'"):
+        hf_checkpoint.config_from_hf({**config, "hidden_act": "gelu"})

@@ -44,6 +44,9 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 # --------------------------------------------------------------------------------------------------
 
 
+#: The ``hidden_act`` names transformers runs as the SiLU of the recipes' SwiGLU MLPs (its ACT2FN maps both to it).
+SWIGLU_ACTIVATIONS = ("silu", "swish")
+
 def hf_feed_forward_names(ours: str, theirs: str) -> dict[str, tuple[str, ...]]:
     """The name map of a ``FeedForward`` at ``ours`` (``"layers.0.feed_forward."``) whose HF MLP is at ``theirs``
     (``"model.layers.0.mlp."``): gate, up and down projections, one HF tensor each."""

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from recipes.decoder.checkpoint_layout import CheckpointError
-from recipes.decoder.hf_checkpoint import (HF_EMBEDDING, HF_HEAD, hf_decoder_entries, hf_decoder_fields,
-                                           hf_feed_forward_names)
+from recipes.decoder.hf_checkpoint import (HF_EMBEDDING, HF_HEAD, SWIGLU_ACTIVATIONS, hf_decoder_entries,
+                                           hf_decoder_fields, hf_feed_forward_names)
 from recipes.decoder.lora_config import EXPERT_TARGETS
 from recipes.models.deepseek.config import ARCHITECTURES, YARN_KEYS, DeepSeekConfig
 from recipes.models.moe import hf as moe_hf
@@ -185,7 +185,7 @@ def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json")
     arch = hf_config.get("model_type")
     if arch not in MODEL_TYPES:
         raise CheckpointError(f"{source}: model_type={arch!r}; the DeepSeek family reads {list(MODEL_TYPES)}.")
-    if hf_config.get("hidden_act", "silu") != "silu":
+    if hf_config.get("hidden_act", "silu") not in SWIGLU_ACTIVATIONS:
         raise CheckpointError(f"{source}: hidden_act={hf_config['hidden_act']!r}; the recipe's MLPs are SwiGLU (silu).")
     for flag in ("attention_bias", "mlp_bias"):
         if hf_config.get(flag):

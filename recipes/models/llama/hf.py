@@ -11,7 +11,8 @@ import torch
 
 from recipes.decoder.checkpoint_layout import CheckpointError
 from recipes.decoder.hf_checkpoint import (
-    HF_EMBEDDING, HF_HEAD, hf_attention_names, hf_decoder_entries, hf_decoder_fields, hf_feed_forward_names,
+    HF_EMBEDDING, HF_HEAD, SWIGLU_ACTIVATIONS, hf_attention_names, hf_decoder_entries, hf_decoder_fields,
+    hf_feed_forward_names,
 )
 from recipes.models.llama.config import ROPE_SCALING_KEYS, ROPE_SCALING_TYPE, LLaMAConfig, normalise_rope_scaling
 
@@ -55,7 +56,7 @@ def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json")
     model_type = hf_config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise CheckpointError(f"{source}: model_type={model_type!r}; the LLaMA family reads {list(MODEL_TYPES)}.")
-    if hf_config.get("hidden_act", "silu") != "silu":
+    if hf_config.get("hidden_act", "silu") not in SWIGLU_ACTIVATIONS:
         raise CheckpointError(f"{source}: hidden_act={hf_config['hidden_act']!r}; the recipe's MLP is SwiGLU (silu).")
     for flag in ("attention_bias", "mlp_bias"):
         if hf_config.get(flag):

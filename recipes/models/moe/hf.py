@@ -20,7 +20,8 @@ from torch import Tensor
 
 from recipes.decoder.checkpoint_layout import CheckpointError
 from recipes.decoder.hf_checkpoint import (
-    HF_EMBEDDING, HF_HEAD, hf_attention_names, hf_decoder_entries, hf_decoder_fields, hf_feed_forward_names,
+    HF_EMBEDDING, HF_HEAD, SWIGLU_ACTIVATIONS, hf_attention_names, hf_decoder_entries, hf_decoder_fields,
+    hf_feed_forward_names,
 )
 from recipes.models.moe.config import MoEConfig
 
@@ -145,7 +146,7 @@ def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json")
 
 
 def _refuse_unsupported(hf_config: Mapping[str, Any], arch: str, source: str) -> None:
-    if hf_config.get("hidden_act", "silu") != "silu":
+    if hf_config.get("hidden_act", "silu") not in SWIGLU_ACTIVATIONS:
         raise CheckpointError(f"{source}: hidden_act={hf_config['hidden_act']!r}; the recipe's MLPs are SwiGLU (silu).")
     if arch == "mixtral" and hf_config.get("sliding_window") is not None:
         raise CheckpointError(

@@ -10,7 +10,8 @@ import torch
 
 from recipes.decoder.checkpoint_layout import CheckpointError
 from recipes.decoder.hf_checkpoint import (
-    HF_EMBEDDING, HF_HEAD, hf_attention_names, hf_decoder_entries, hf_decoder_fields, hf_feed_forward_names,
+    HF_EMBEDDING, HF_HEAD, SWIGLU_ACTIVATIONS, hf_attention_names, hf_decoder_entries, hf_decoder_fields,
+    hf_feed_forward_names,
 )
 from recipes.models.llama.hf import PEFT_TARGETS, rope_from_hf, rope_to_hf
 from recipes.models.qwen.config import ARCHITECTURES, QwenConfig
@@ -57,7 +58,7 @@ def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json")
     arch = hf_config.get("model_type")
     if arch not in MODEL_TYPES:
         raise CheckpointError(f"{source}: model_type={arch!r}; the Qwen family reads {list(MODEL_TYPES)}.")
-    if hf_config.get("hidden_act", "silu") != "silu":
+    if hf_config.get("hidden_act", "silu") not in SWIGLU_ACTIVATIONS:
         raise CheckpointError(f"{source}: hidden_act={hf_config['hidden_act']!r}; the recipe's MLP is SwiGLU (silu).")
     if arch == "qwen3" and hf_config.get("attention_bias"):
         raise CheckpointError(
