@@ -150,3 +150,14 @@ def test_lora_exports_a_peft_adapter_and_a_merged_model_with_the_recipe_logits(t
     base, adapters = with_random_adapters(ours, lora, seed=5, std=0.2)
     assert all(torch.equal(ours.state_dict()[k], v) for k, v in base.items() if k.endswith("bias"))  # frozen, kept
     assert_lora_exports_give_the_recipe_logits(tmp_path, base_dir, ours, lora, adapters, tokens())
+
+
+def test_a_qwen3_config_json_without_head_dim_takes_transformers_default():
+    """transformers' Qwen3Config gives head_dim 128 where the file has none; the recipe took hidden / heads, and the
+    weights then failed to load with an error that blamed the config.json."""
+    from recipes.models.qwen import hf as qwen_hf
+
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64).to_dict()
+    del config["head_dim"]
+    assert qwen_hf.config_from_hf(config).head_dim == transformers.AutoConfig.for_model(**config).head_dim == 128

@@ -51,6 +51,9 @@ def sliding_layers(hf_config: Mapping[str, Any]) -> list[int]:
     return list(range(hf_config.get("max_window_layers", 28), n_layers))
 
 
+#: transformers' ``Qwen3Config`` head width where a config.json gives none (Qwen2's is hidden / heads).
+QWEN3_HF_HEAD_DIM = 128
+
 def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json") -> QwenConfig:
     """``QwenConfig`` from the fields of an HF ``config.json``; what the recipe's model cannot hold exactly
     (sliding-window layers, Qwen3's ``attention_bias`` (which includes the output projection's), activations
@@ -75,10 +78,13 @@ def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json")
             " trained without it, as the released Qwen2.5 and Qwen3 models were."
         )
     rope_theta, rope_scaling = rope_from_hf(hf_config, source=source)
+    fields = hf_decoder_fields(hf_config)
+    if arch == "qwen3" and "head_dim" not in hf_config:
+        fields["head_dim"] = QWEN3_HF_HEAD_DIM
     try:
         return QwenConfig(
             architecture=arch,
-            **hf_decoder_fields(hf_config),
+            **fields,
             ffn_hidden_dim=hf_config["intermediate_size"],
             max_seq_len=hf_config.get("max_position_embeddings", 32768),
             norm_eps=hf_config.get("rms_norm_eps", 1e-6),
