@@ -409,6 +409,11 @@ class TextDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             worker_init_fn=_ignore_termination if self.num_workers > 0 else None,
+            # Workers forked from a forkserver, not from the rank: a rank runs threads (gloo's, the queues' feeders
+            # of the other loader's workers), and Python 3.11 can deadlock a child forked while one of them holds the
+            # interpreter's thread-state lock (seen: a worker stuck in PyOS_AfterFork_Child, its rank's batch never
+            # came, and the other rank waited in a collective).
+            multiprocessing_context="forkserver" if self.num_workers > 0 else None,
             collate_fn=self.collate_fn,
         )
 
