@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,15 +39,19 @@ def _start(root, *extra):
 
 def _wait_for_training(proc, marker="step 10/"):
     seen = []
-    deadline = time.monotonic() + 180
-    for line in proc.stdout:
-        seen.append(line)
-        if marker in line:
-            return seen
-        if time.monotonic() > deadline:
-            break
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise AssertionError("training never reached step 10:\n" + "".join(seen[-40:]))
+    # A run that prints nothing more (hung) would block the read forever: killed at the deadline, it ends the read.
+    watchdog = threading.Timer(180, os.killpg, args=(proc.pid, signal.SIGKILL))
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if marker in line:
+                return seen
+    finally:
+        watchdog.cancel()
+    if _group_alive(proc.pid):
+        os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError("training never reached step 10 in 180 s:\n" + "".join(seen[-40:]))
 
 
 def _signal_and_wait(proc, target, signum):
