@@ -43,8 +43,8 @@ from lightning_npu.precision import precision_name
 from lightning_npu.strategies import initial_state
 from lightning_npu.strategies.backward_sync import RestoresBackwardSync, gradients_unsynced
 from lightning_npu.strategies.checkpoints.layout import directory_error, is_sharded_checkpoint
-from lightning_npu.strategies.checkpoints.load import load_into
-from lightning_npu.strategies.checkpoints.pipeline_state import full_model_state, load_local_model_state
+from lightning_npu.strategies.checkpoints.load import load_into, load_local_model_state
+from lightning_npu.strategies.checkpoints.pipeline_state import full_model_state
 from lightning_npu.strategies.checkpoints.save import (
     CheckpointWriter,
     optimizer_state_dict,

@@ -17,7 +17,7 @@ from lightning_npu.compat import (
 )
 from lightning_npu.strategies.checkpoints.layout import DCP_METADATA_FILENAME, META_FILENAME, is_sharded_checkpoint
 from lightning_npu.strategies.checkpoints.optimizer_state import from_full_state, keyed_by_name
-from lightning_npu.strategies.checkpoints.pipeline_state import load_local_model_state, local_optimizer_state
+from lightning_npu.strategies.checkpoints.pipeline_state import local_optimizer_state
 
 
 def load_into(
@@ -87,14 +87,28 @@ def _load_sharded(path: Path, module_key: str, module: nn.Module, optimizers: di
     return torch.load(path / META_FILENAME, weights_only=weights_only)
 
 
-def _what_it_holds(module: nn.Module, saved: dict[str, Any], strict: bool) -> dict[str, Any]:
-    """The tensors of a full file's model state ``saved`` that ``module``'s own ``state_dict()`` names: a
-    LightningModule may leave some out of its checkpoints (a LoRA run's frozen base, which comes from elsewhere).
-    With ``strict`` the file must hold exactly those, KeyError otherwise."""
+def load_local_model_state(module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
+    """Load this rank's pipeline stages' share of the whole model's full ``state_dict`` (every rank holds it) into
+    ``module``, each rank sharding from its own copy (:func:`_what_it_holds`; tensors of other stages are expected
+    in the file)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    local = _what_it_holds(module, state_dict, strict, whole_model=False)
+    set_model_state_dict(module, local, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _what_it_holds(module: nn.Module, saved: dict[str, Any], strict: bool, whole_model: bool = True) -> dict[str, Any]:
+    """The tensors of a full file's model state ``saved`` that ``module``'s own ``state_dict()`` names (its local,
+    sharded view: names only, nothing gathered): a LightningModule may leave some out of its checkpoints (a LoRA
+    run's frozen base, which comes from elsewhere). With ``strict`` the file must hold each of them and, for the
+    ``whole_model`` (not one pipeline stage, whose file holds the other stages' too), nothing else; KeyError
+    otherwise."""
     expected = set(module.state_dict())
-    missing, unexpected = sorted(expected - set(saved)), sorted(set(saved) - expected)
+    missing = sorted(expected - set(saved))
+    unexpected = sorted(set(saved) - expected) if whole_model else []
     if strict and (missing or unexpected):
-        raise KeyError(f"the checkpoint's model state lacks {missing[:5]} ({len(missing)} of the model's tensors) and"
+        scope = "the model" if whole_model else "this pipeline stage"
+        raise KeyError(f"the checkpoint's model state lacks {missing[:5]} ({len(missing)} of {scope}'s tensors) and"
                        f" holds {unexpected[:5]} ({len(unexpected)}) the model does not, so it was written for another"
                        " model; load the checkpoint of this model, or set strict loading off to load what matches")
     return {name: value for name, value in saved.items() if name in expected}

@@ -56,23 +56,6 @@ def full_optimizer_state(module: nn.Module, optimizer: Optimizer, pipeline: Any)
             "param_groups": state["param_groups"]}
 
 
-def load_local_model_state(module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
-    """Load this rank's stages' share of the whole model's full ``state_dict`` (every rank holds it) into
-    ``module``: what its own ``state_dict()`` names (a LightningModule may leave some tensors out, as a LoRA run's
-    frozen base); with ``strict``, one of them the file lacks is a KeyError (tensors of other stages are expected
-    in it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    names = list(module.state_dict())  # the local (sharded) view: names only, nothing gathered
-    missing = [name for name in names if name not in state_dict]
-    if missing and strict:
-        raise KeyError(f"the checkpoint holds no {missing[:5]} ({len(missing)} of this pipeline stage's tensors), so"
-                       " it was written for another model; load the checkpoint of this model, or set strict loading"
-                       " off to load only what it holds")
-    local = {name: state_dict[name] for name in names if name in state_dict}
-    set_model_state_dict(module, local, options=StateDictOptions(full_state_dict=True, strict=False))
-
-
 def local_optimizer_state(saved: dict[str, Any], module: nn.Module, optimizer: Optimizer,
                           pipeline: Any) -> dict[str, Any]:
     """A full checkpoint's optimizer state (numbered over the whole model, or keyed by name) cut to this rank's
@@ -129,42 +112,39 @@ class _Meta:
     dtype: Any
 
 
+def _each(value: Any, leaf: type, fn: Any) -> Any:
+    """``value`` (nested dicts, lists and tuples) with each ``leaf`` replaced by ``fn(leaf)``, in traversal order:
+    the order every rank makes tensors whole in, and a sender sends and global rank 0 receives them in."""
+    if isinstance(value, leaf):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: _each(item, leaf, fn) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_each(item, leaf, fn) for item in value)
+    return value
+
+
 def _layout(value: Any) -> Any:
     """``value`` with each tensor replaced by its whole shape and dtype (no collective: a DTensor knows its shape)."""
-    if isinstance(value, Tensor):
-        return _Meta(tuple(value.shape), value.dtype)
-    if isinstance(value, dict):
-        return {key: _layout(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_layout(item) for item in value)
-    return value
+    return _each(value, Tensor, lambda tensor: _Meta(tuple(tensor.shape), tensor.dtype))
 
 
 def _whole(value: Any, take: Any) -> Any:
-    """``value`` with each tensor made whole (a DTensor's collective, in traversal order) and replaced by
-    ``take(tensor)``."""
+    """``value`` with each tensor made whole (a DTensor's collective) and replaced by ``take(tensor)``."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(value, Tensor):
-        return take((value.full_tensor() if isinstance(value, DTensor) else value).detach())
-    if isinstance(value, dict):
-        return {key: _whole(item, take) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_whole(item, take) for item in value)
-    return value
+    return _each(value, Tensor, lambda tensor: take(
+        (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()))
 
 
 def _received(layout: Any, sender: int, pipeline: Any) -> Any:
     """The state ``sender`` sends tensor by tensor (``_onto_rank0``), rebuilt on the host from its ``layout``."""
-    if isinstance(layout, _Meta):
-        buffer = torch.empty(layout.shape, dtype=layout.dtype, device=pipeline.device)
+    def receive(meta: _Meta) -> Tensor:
+        buffer = torch.empty(meta.shape, dtype=meta.dtype, device=pipeline.device)
         dist.recv(buffer, src=sender, group=pipeline.pp_group)
         return buffer.cpu()
-    if isinstance(layout, dict):
-        return {key: _received(item, sender, pipeline) for key, item in layout.items()}
-    if isinstance(layout, (list, tuple)):
-        return type(layout)(_received(item, sender, pipeline) for item in layout)
-    return layout
+
+    return _each(layout, _Meta, receive)
 
 
-__all__ = ["full_model_state", "full_optimizer_state", "load_local_model_state", "local_optimizer_state"]
+__all__ = ["full_model_state", "full_optimizer_state", "local_optimizer_state"]
