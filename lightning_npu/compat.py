@@ -129,6 +129,9 @@ CHECK_STRATEGY_AND_FALLBACK = "_check_strategy_and_fallback"
 CHECK_AND_INIT_PRECISION = "_check_and_init_precision"
 #: The first check of the arguments, where Lightning refuses a precision it does not know.
 CHECK_CONFIG = "_check_config_and_set_final_flags"
+#: The connector's choice for ``accelerator="auto"`` (tpu, mps, cuda, else cpu), which ``connectors.py`` extends to
+#: the NPUs (a static method on both connectors).
+CHOOSE_AUTO_ACCELERATOR = "_choose_auto_accelerator"
 
 #: The training loop's per-batch broadcast of Lightning's SIGTERM flag, which ``preemption.py`` skips for NPU strategies.
 BROADCAST_SIGTERM = "_broadcast_sigterm_tensor"
@@ -167,6 +170,7 @@ OVERRIDDEN = (
 ACCESSED = (
     *(Fenced(owner, method) for owner in (_TRAINER_CONNECTOR, _FABRIC_CONNECTOR)
       for method in (CHOOSE_STRATEGY, CHECK_STRATEGY_AND_FALLBACK, CHECK_AND_INIT_PRECISION, CHECK_CONFIG)),
+    *(Fenced(owner, CHOOSE_AUTO_ACCELERATOR) for owner in (_TRAINER_CONNECTOR, _FABRIC_CONNECTOR)),
     *(Fenced(_TRAINER_CONNECTOR, trainer, instance=True) for _, trainer, _ in _CONNECTOR_FIELDS),
     *(Fenced(_FABRIC_CONNECTOR, fabric, instance=True) for _, _, fabric in _CONNECTOR_FIELDS),
     *(Fenced(owner, "_ddp_kwargs", instance=True) for owner in (_TRAINER_DDP, _FABRIC_DDP)),
