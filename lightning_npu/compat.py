@@ -132,6 +132,9 @@ CHECK_CONFIG = "_check_config_and_set_final_flags"
 #: The connector's choice for ``accelerator="auto"`` (tpu, mps, cuda, else cpu), which ``connectors.py`` extends to
 #: the NPUs (a static method on both connectors).
 CHOOSE_AUTO_ACCELERATOR = "_choose_auto_accelerator"
+#: Connector method choosing the cluster environment (TorchElastic -> SLURM -> LSF -> MPI), which
+#: ``lightning_patches/cluster.py`` wraps to try the Ascend ones in their places.
+CHOOSE_CLUSTER_ENVIRONMENT = "_choose_and_init_cluster_environment"
 
 #: The training loop's per-batch broadcast of Lightning's SIGTERM flag, which ``preemption.py`` skips for NPU strategies.
 BROADCAST_SIGTERM = "_broadcast_sigterm_tensor"
@@ -169,8 +172,10 @@ OVERRIDDEN = (
 #: Everything else, read or written through the accessors below.
 ACCESSED = (
     *(Fenced(owner, method) for owner in (_TRAINER_CONNECTOR, _FABRIC_CONNECTOR)
-      for method in (CHOOSE_STRATEGY, CHECK_STRATEGY_AND_FALLBACK, CHECK_AND_INIT_PRECISION, CHECK_CONFIG)),
+      for method in (CHOOSE_STRATEGY, CHECK_STRATEGY_AND_FALLBACK, CHECK_AND_INIT_PRECISION, CHECK_CONFIG,
+                     CHOOSE_CLUSTER_ENVIRONMENT)),
     *(Fenced(owner, CHOOSE_AUTO_ACCELERATOR) for owner in (_TRAINER_CONNECTOR, _FABRIC_CONNECTOR)),
+    *(Fenced(owner, "_cluster_environment_flag", instance=True) for owner in (_TRAINER_CONNECTOR, _FABRIC_CONNECTOR)),
     *(Fenced(_TRAINER_CONNECTOR, trainer, instance=True) for _, trainer, _ in _CONNECTOR_FIELDS),
     *(Fenced(_FABRIC_CONNECTOR, fabric, instance=True) for _, _, fabric in _CONNECTOR_FIELDS),
     *(Fenced(owner, "_ddp_kwargs", instance=True) for owner in (_TRAINER_DDP, _FABRIC_DDP)),
@@ -320,6 +325,11 @@ class ConnectorState:
 def connector_state(connector: Any) -> ConnectorState:
     column = 1 if isinstance(connector, TrainerConnector) else 2
     return ConnectorState(**{field[0]: getattr(connector, field[column]) for field in _CONNECTOR_FIELDS})
+
+
+def cluster_environment_given(connector: Any) -> Any:
+    """The cluster environment the user passed in ``plugins=`` (or a strategy carried), else None or a string."""
+    return connector._cluster_environment_flag
 
 
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:
