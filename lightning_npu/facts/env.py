@@ -101,3 +101,9 @@ OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
 #: Every name above.
 NAMES = tuple(value for name, value in sorted(globals().items()) if name.isupper() and isinstance(value, str))
+
+# ------------------------------------------------------------------------------------------ progress output
+#: torchrun's global rank of a process, read by ``progress.py`` where no process group exists yet (rank 0 prints).
+RANK = "RANK"
+#: ``dumb``: a terminal that cannot redraw a line; ``progress.py`` prints plain lines there, as to a log.
+TERM = "TERM"

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import Tensor
 
+from lightning_npu.progress import progress_over
 from recipes.decoder.checkpoint_layout import (
     CheckpointError,
     PathLike,
@@ -223,22 +224,26 @@ def is_hf_directory(path: PathLike) -> bool:
 
 def load_hf_state_dict(hf_dir: PathLike) -> dict[str, Tensor]:
     """Every tensor of an HF directory: ``model.safetensors``, ``pytorch_model.bin``, or their sharded
-    forms (``*.index.json`` + shards), on the CPU, names as stored."""
+    forms (``*.index.json`` + shards), on the CPU, names as stored; each file shown as it is read, on rank 0."""
     hf_dir = existing_path(hf_dir, "Hugging Face directory")
+    state_dict: dict[str, Tensor] = {}
+    for name in progress_over(_weight_files(hf_dir), f"read {hf_dir}"):
+        state_dict.update(_load_weight_file(hf_dir / name))
+    return state_dict
+
+
+def _weight_files(hf_dir: Path) -> list[str]:
     for index_name in _HF_INDEX_FILES:
         index_path = hf_dir / index_name
         if index_path.is_file():
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-            state_dict: dict[str, Tensor] = {}
-            for shard in sorted(set(weight_map.values())):
-                shard_path = hf_dir / shard
-                if not shard_path.is_file():
-                    raise CheckpointError(f"{index_path} lists shard {shard!r}, which is missing from {hf_dir}.")
-                state_dict.update(_load_weight_file(shard_path))
-            return state_dict
+            shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+            missing = [shard for shard in shards if not (hf_dir / shard).is_file()]
+            if missing:
+                raise CheckpointError(f"{index_path} lists shard {missing[0]!r}, which is missing from {hf_dir}.")
+            return shards
     for name in _HF_WEIGHT_FILES:
         if (hf_dir / name).is_file():
-            return _load_weight_file(hf_dir / name)
+            return [name]
     raise CheckpointError(
         f"{hf_dir} has no weights: expected one of {list(_HF_WEIGHT_FILES + _HF_INDEX_FILES)}. "
         "Download the full model (e.g. `huggingface-cli download <repo> --local-dir DIR`)."
@@ -294,14 +299,12 @@ def save_hf_checkpoint(
         shards[-1][name] = tensor
         size += nbytes
     metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], out_dir / "model.safetensors", metadata=metadata)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, start=1):
-            file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, out_dir / file_name, metadata=metadata)
-            weight_map.update(dict.fromkeys(shard, file_name))
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    for file_name, shard in progress_over(zip(names, shards), f"write {out_dir}", name=lambda item: item[0]):
+        save_file(shard, out_dir / file_name, metadata=metadata)
+    if len(shards) > 1:
+        weight_map = {name: file_name for file_name, shard in zip(names, shards) for name in shard}
         total = sum(t.numel() * t.element_size() for t in hf_state_dict.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
