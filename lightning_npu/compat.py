@@ -85,6 +85,8 @@ _TRAINER_DDP = "lightning.pytorch.strategies:DDPStrategy"
 _FABRIC_DDP = "lightning.fabric.strategies:DDPStrategy"
 _TRAINER_FSDP2 = "lightning.pytorch.strategies:ModelParallelStrategy"
 _FABRIC_FSDP2 = "lightning.fabric.strategies:ModelParallelStrategy"
+_TRAINER_FSDP1 = "lightning.pytorch.strategies:FSDPStrategy"
+_FABRIC_FSDP1 = "lightning.fabric.strategies:FSDPStrategy"
 _FSDP2_MODULE = "torch.distributed.fsdp:FSDPModule"
 _FSDP2_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState"
 _FSDP2_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup"
@@ -184,6 +186,13 @@ ACCESSED = (
     *(Fenced(owner, name, instance=True) for owner in (_TRAINER_FSDP2, _FABRIC_FSDP2)
       for name in ("_device_mesh", "_save_distributed_checkpoint")),
     Fenced(_TRAINER_FSDP2, "_launcher", instance=True),
+    # What Lightning's own sharded strategies were given (``strategies/from_lightning.py`` maps them to npu_fsdp).
+    *(Fenced(owner, name, instance=True) for owner in (_TRAINER_FSDP1, _FABRIC_FSDP1)
+      for name in ("_activation_checkpointing_kwargs", "_state_dict_type", "_timeout", "_process_group_backend")),
+    Fenced(_FABRIC_FSDP1, "_fsdp_kwargs", instance=True),
+    *(Fenced(owner, name, instance=True) for owner in (_TRAINER_FSDP2, _FABRIC_FSDP2)
+      for name in ("_data_parallel_size", "_tensor_parallel_size")),
+    Fenced("torch.distributed.fsdp.wrap:ModuleWrapPolicy", "_module_classes", instance=True),
     *(Fenced(owner, "_setup_distributed") for owner in (_TRAINER_FSDP2, _FABRIC_FSDP2)),
     Fenced(_FABRIC_FSDP2, "_backward_sync_control", instance=True),
     Fenced("lightning.pytorch:LightningModule", "_device_mesh", instance=True),
@@ -330,6 +339,37 @@ def connector_state(connector: Any) -> ConnectorState:
 def cluster_environment_given(connector: Any) -> Any:
     """The cluster environment the user passed in ``plugins=`` (or a strategy carried), else None or a string."""
     return connector._cluster_environment_flag
+
+
+def set_connector_strategy(connector: Any, strategy: Any) -> None:
+    """Replace the ``strategy=`` flag a Trainer or Fabric connector was given (before it builds the strategy)."""
+    connector._strategy_flag = strategy
+
+
+def fsdp1_kwargs(strategy: Any) -> dict[str, Any]:
+    """The ``FullyShardedDataParallel`` keyword arguments a Lightning ``FSDPStrategy`` (Trainer or Fabric) keeps:
+    ``auto_wrap_policy``, ``device_mesh``, ``use_orig_params`` and whatever else it was given."""
+    return strategy._fsdp_kwargs if hasattr(strategy, "_fsdp_kwargs") else strategy.kwargs
+
+
+def fsdp1_activation_checkpointing(strategy: Any) -> dict[str, Any]:
+    """A Lightning ``FSDPStrategy``'s activation checkpointing: ``{}``, ``{"auto_wrap_policy": policy}`` or
+    ``{"check_fn": fn}`` (the deprecated ``activation_checkpointing=`` classes, kept in ``fn``'s closure)."""
+    return strategy._activation_checkpointing_kwargs
+
+
+def fsdp1_state_dict_type(strategy: Any) -> str:
+    return strategy._state_dict_type
+
+
+def model_parallel_sizes(strategy: Any) -> tuple[Any, Any]:
+    """A Lightning ``ModelParallelStrategy``'s ``(data_parallel_size, tensor_parallel_size)``, each an int or "auto"."""
+    return strategy._data_parallel_size, strategy._tensor_parallel_size
+
+
+def wrap_policy_classes(policy: Any) -> set[type]:
+    """The module classes a torch ``ModuleWrapPolicy`` wraps."""
+    return set(policy._module_classes)
 
 
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:

@@ -6,8 +6,9 @@ Each is wrapped so it behaves as before for every other accelerator:
 
 - ``_choose_strategy``: with ``accelerator="npu"`` and no strategy, pick ``npu_single`` (Lightning would put a
   one-device run on the CPU) or ``npu_ddp`` (Lightning's ``ddp`` enters a CUDA stream).
-- ``_check_strategy_and_fallback``: reject Lightning's own strategies with the NPU accelerator, naming the NPU one to use;
-  reject precision settings NPUs cannot run before any worker starts.
+- ``_check_strategy_and_fallback``: turn Lightning's ``FSDPStrategy`` / ``"fsdp"`` / ``ModelParallelStrategy`` into
+  ``npu_fsdp`` (``strategies/from_lightning.py``), reject its other strategies with the NPU accelerator, naming the
+  NPU one to use; reject precision settings NPUs cannot run before any worker starts.
 - ``_check_and_init_precision``: build autocast for the runtime's device type (Lightning builds CUDA autocast
   for unknown accelerators, which does nothing on an NPU, and drops fp16 loss scaling), with the sharded
   loss scaler under npu_fsdp.
@@ -38,6 +39,7 @@ from lightning_npu.facts.env import SIMULATE_ENV
 from lightning_npu.runtime import get_runtime, is_available
 from lightning_npu.runtime.base import torch_grad_scaler
 from lightning_npu.strategies import NPU_STRATEGY_TYPES, SHARDED_STRATEGY_TYPES, STRATEGIES
+from lightning_npu.strategies.from_lightning import as_npu_fsdp, lightning_strategy_name
 
 _PATCHED = "_lightning_npu_patched"
 
@@ -57,12 +59,17 @@ def validate(connector: Any) -> None:
     if not is_npu(state.accelerator):
         return
     flag, precision = state.strategy, state.precision
+    trainer = isinstance(connector, compat.TrainerConnector)
+    if lightning_strategy_name(flag, trainer) is not None:
+        flag = as_npu_fsdp(flag, trainer=trainer, num_nodes=state.num_nodes,
+                           devices_per_node=len(state.parallel_devices), precision=precision)
+        compat.set_connector_strategy(connector, flag)
     if not (flag in STRATEGIES if isinstance(flag, str) else isinstance(flag, NPU_STRATEGY_TYPES)):
         shown = flag if isinstance(flag, str) else type(flag).__name__
         raise ValueError(
             f"strategy={shown!r} cannot run on accelerator='npu': Lightning's own strategies assume CUDA"
-            " (streams, NCCL, FSDP1 APIs NPUs lack). Use strategy='npu_single', 'npu_ddp' or 'npu_fsdp'"
-            " (or leave strategy='auto')."
+            " (streams, NCCL, FSDP1 APIs NPUs lack); only its FSDPStrategy / 'fsdp' / ModelParallelStrategy run"
+            " (as npu_fsdp). Use strategy='npu_single', 'npu_ddp' or 'npu_fsdp' (or leave strategy='auto')."
         )
     if not precision.startswith("bf16"):
         check_precision(precision)
