@@ -209,7 +209,15 @@ def errors_block(root: Path = REPO) -> str:
 BLOCKS: dict[str, tuple[str, Callable[[], str]]] = {
     "options": ("docs/strategies.md", options_block),
     "errors": ("docs/troubleshooting.md", errors_block),
+    "lightning-strategies": ("docs/porting.md", lambda: _from_lightning().porting_table()),
 }
+
+
+def _from_lightning():
+    """``lightning_npu.strategies.from_lightning``, imported only to write its table (it imports Lightning)."""
+    import importlib
+
+    return importlib.import_module("lightning_npu.strategies.from_lightning")
 
 
 def markers(name: str) -> tuple[str, str]:
