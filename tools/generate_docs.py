@@ -51,7 +51,7 @@ ROOMS = {
     "lightning_npu/doctor": "lightning-npu doctor",
     "lightning_npu/selftest": "lightning-npu selftest",
     "lightning_npu": "Other plugin modules",
-    "recipes/decoder": "Recipes: the shared decoder (data, SFT data, LoRA, checkpoints, HF conversion)",
+    "recipes/decoder": "Recipes: the shared decoder (data, SFT data, LoRA, checkpoints, HF conversion, MoE layers, rotary)",
     "recipes/models/llama": "Recipes: LLaMA family",
     "recipes/models/qwen": "Recipes: Qwen family",
     "recipes/models/deepseek": "Recipes: DeepSeek family",
