@@ -425,7 +425,7 @@ def test_a_top_level_original_max_position_embeddings_is_read_as_transformers_re
     """transformers takes a top-level original_max_position_embeddings over rope_parameters' own; the recipe read
     only rope_parameters' (logits 4.1 off where they disagreed). Used where it alone is given, refused where the
     two disagree."""
-    from recipes.models.llama.hf import rope_from_hf
+    from recipes.decoder.hf_checkpoint import rope_from_hf
 
     llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0}

@@ -29,6 +29,7 @@ from recipes.decoder.checkpoint_layout import (
     tokenizer_from_metadata,
 )
 from recipes import families
+from recipes.decoder.rope_scaling import ROPE_SCALING_KEYS, ROPE_SCALING_TYPE, normalise_rope_scaling
 from recipes.decoder.tokenizer import has_tokenizer, load_tokenizer
 
 # Buffers that old HF checkpoints saved and that the recipe recomputes.
@@ -47,6 +48,14 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 #: The ``hidden_act`` names transformers runs as the SiLU of the recipes' SwiGLU MLPs (its ACT2FN maps both to it).
 SWIGLU_ACTIVATIONS = ("silu", "swish")
+#: LoRA target -> the HF decoder layer submodule PEFT adapts for the shared ``Attention`` (its ``target_modules``
+#: name is the last part).
+PEFT_ATTENTION_TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                          "o": "self_attn.o_proj"}
+#: The same for a layer of the shared ``Attention`` and SwiGLU ``FeedForward`` (LLaMA's, Qwen's dense layers).
+PEFT_DECODER_TARGETS = {**PEFT_ATTENTION_TARGETS, "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+# transformers' rotary base when config.json names none (modeling_rope_utils.py).
+DEFAULT_HF_ROPE_THETA = 10000.0
 
 def hf_feed_forward_names(ours: str, theirs: str) -> dict[str, tuple[str, ...]]:
     """The name map of a ``FeedForward`` at ``ours`` (``"layers.0.feed_forward."``) whose HF MLP is at ``theirs``
@@ -72,6 +81,48 @@ def hf_attention_names(ours: str, theirs: str, *, qkv_bias: bool = False,
         for norm in ("q_norm", "k_norm"):
             names[f"{ours}{norm}.weight"] = (f"{theirs}{norm}.weight",)
     return names
+
+
+def rope_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json") -> tuple[float, Optional[dict[str, Any]]]:
+    """(rope_theta, rope_scaling) of an HF ``config.json``: transformers 5 writes ``rope_parameters`` (theta and
+    the scaling in one mapping), older ones ``rope_theta`` and ``rope_scaling`` (``type`` before ``rope_type``),
+    which is what Meta's LLaMA-3.1/3.2 downloads carry (the scaling: ``rope_scaling.py``'s rule); transformers 5 converts those at load, and so does this."""
+    rope = dict(hf_config.get("rope_parameters") or {})
+    legacy = dict(hf_config.get("rope_scaling") or {})
+    if not rope:
+        rope = dict(legacy)
+        if "type" in rope:
+            rope.setdefault("rope_type", rope.pop("type"))
+    theta = float(rope.pop("rope_theta", hf_config.get("rope_theta", DEFAULT_HF_ROPE_THETA)))
+    rope_type = rope.pop("rope_type", "default")
+    if rope_type == "default":
+        return theta, None
+    if rope_type != ROPE_SCALING_TYPE:
+        raise CheckpointError(
+            f"{source}: rope_type={rope_type!r}; the recipe implements plain rotary embeddings (rope_type 'default') "
+            f"and LLaMA-3.1's {ROPE_SCALING_TYPE!r} scaling."
+        )
+    top = hf_config.get("original_max_position_embeddings")  # transformers reads it before rope_parameters' own
+    if top is not None:
+        if rope.setdefault("original_max_position_embeddings", top) != top:
+            raise CheckpointError(
+                f"{source}: original_max_position_embeddings={top} at the top level but"
+                f" {rope['original_max_position_embeddings']} in rope_parameters; transformers takes the top-level"
+                " one, so make the two agree (or drop one)"
+            )
+    try:
+        return theta, normalise_rope_scaling({key: rope[key] for key in ROPE_SCALING_KEYS if key in rope},
+                                             "rope_parameters")
+    except ValueError as error:
+        raise CheckpointError(f"{source}: {error}") from None
+
+
+def rope_to_hf(config: Any) -> dict[str, Any]:
+    """The config.json entries of the rotary embedding of ``config`` (``rope_theta``, ``rope_scaling``): ``rope_parameters`` (transformers 5) and the
+    ``rope_theta`` / ``rope_scaling`` pair older transformers read."""
+    scaling = dict(config.rope_scaling) if config.rope_scaling is not None else None
+    parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": config.rope_theta}
+    return {"rope_theta": config.rope_theta, "rope_scaling": scaling, "rope_parameters": parameters}
 
 
 def hf_decoder_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
