@@ -6,7 +6,7 @@ counting the processes that ended in a signal.
     python benchmarks/clean_exit.py --before-root /tmp/before         # the same runs on that tree too
     python benchmarks/clean_exit.py --runs 5 --ways launch --json /tmp/r.json    # a quick look
 
-Ways (``tests/scripts/clean_exit_run.py``, npu_ddp, a logged all-reduce per step, nothing destroyed by the script):
+Ways (``tests/strategies/scripts/clean_exit_run.py``, npu_ddp, a logged all-reduce per step, nothing destroyed by the script):
 
 - ``run``: ``lightning-npu run --devices 2 script.py`` (torchrun starts both ranks; a no-argument ``Fabric()``);
 - ``launch``: ``python script.py --launch``: ``Fabric(accelerator="npu", devices=2).launch()`` (Lightning starts

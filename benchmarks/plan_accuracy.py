@@ -280,7 +280,7 @@ def worker(case: dict[str, Any], out: Path) -> None:
         module.lora = LoRAConfig.from_value(case["lora"])
         module.on_fit_start = lambda: None  # nothing to load
         if any(target.startswith("expert_") for target in module.lora.targets):
-            # Built here with its values (as tests/scripts/expert_lora_ep_run.py builds it), not on the meta device
+            # Built here with its values (as tests/recipes/models/scripts/expert_lora_ep_run.py builds it), not on the meta device
             # inside fit: npu_fsdp would reset the stacked adapters' meta parameters once sharded, and their
             # per-expert initialisation iterates a DTensor along its sharded dim, which DTensor refuses.
             module.configure_model()

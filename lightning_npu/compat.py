@@ -6,7 +6,7 @@ FSDP2 has setters but no getters for its gradient-sync flags. Every such name is
 resolved when this module is imported: a Lightning or torch release that renamed one makes ``import`` fail
 here with an ImportError naming each missing name, the supported versions and the installed ones, instead of
 a bare AttributeError deep inside a run. The rest of the package uses only the names and small accessors
-below (``tests/test_compat.py`` checks that no other module spells a Lightning or torch private name).
+below (``tests/package/test_compat.py`` checks that no other module spells a Lightning or torch private name).
 
 The supported versions are the ``torch`` / ``lightning`` ranges of ``pyproject.toml`` (read from the source
 checkout, else from the installed package metadata, which is built from it).

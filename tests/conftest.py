@@ -86,32 +86,32 @@ def trained_tiny_run(_trained_tiny_run):
 
 @PREFETCHED.fixture(seconds=140)
 def layout_parity_runs(tmp_path_factory):
-    """``tests/scripts/layout_parity_run.py``'s three launches (2, 4, 2 simulated NPUs): MoE, Qwen3 and DeepSeek
+    """``tests/parallel/scripts/layout_parity_run.py``'s three launches (2, 4, 2 simulated NPUs): MoE, Qwen3 and DeepSeek
     under tensor and expert parallelism, and plain npu_fsdp with as many data-parallel replicas, from one
     checkpoint of first weights per model. Returns each run's losses (tensors) and its whole record."""
     import torch
 
-    from tests.helpers import SCRIPTS, read_json, run_python
+    from tests.helpers import read_json, room_scripts, run_python
 
     out = tmp_path_factory.mktemp("layout_parity")
     for stage, devices in (("plain", 2), ("mesh", 4), ("resume", 2)):
-        run_python([str(SCRIPTS / "layout_parity_run.py"), "--out", str(out), "--stage", stage], simulate=devices,
-                   timeout=2400)
+        run_python([str(room_scripts("parallel") / "layout_parity_run.py"), "--out", str(out), "--stage", stage],
+                   simulate=devices, timeout=2400)
     result = {name: run for stage in ("plain", "mesh", "resume") for name, run in read_json(out / f"{stage}.json").items()}
     return {name: torch.tensor(run["losses"]) for name, run in result.items()}, result
 
 
 @PREFETCHED.fixture(seconds=80)
 def pipeline_runs(tmp_path_factory):
-    """``tests/scripts/pipeline_run.py``'s four launches (1, 2, 4, 1 simulated NPUs): pipeline parallelism under the
+    """``tests/parallel/scripts/pipeline_run.py``'s four launches (1, 2, 4, 1 simulated NPUs): pipeline parallelism under the
     Trainer and Fabric against plain npu_fsdp with as many data-parallel replicas. Returns each run's record, and
     under "out" the directory the launches wrote (their checkpoints and predictions)."""
-    from tests.helpers import SCRIPTS, read_json, run_python
+    from tests.helpers import read_json, room_scripts, run_python
 
     out = tmp_path_factory.mktemp("pipeline")
     stages = (("one", 1), ("two", 2), ("four", 4), ("back", 1))
     for stage, devices in stages:
-        run_python([str(SCRIPTS / "pipeline_run.py"), "--out", str(out), "--stage", stage], simulate=devices,
-                   timeout=1800)
+        run_python([str(room_scripts("parallel") / "pipeline_run.py"), "--out", str(out), "--stage", stage],
+                   simulate=devices, timeout=1800)
     runs = {name: run for stage, _ in stages for name, run in read_json(out / f"{stage}.json").items()}
     return {**runs, "out": str(out)}  # "out": the launches' directory (checkpoints, predictions)

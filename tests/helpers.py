@@ -15,7 +15,6 @@ from typing import Any, Optional
 from tests.warm_python import WarmPython, lower_priority
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
 #: Each subprocess gets this long; a hung collective must not stall the suite.
 SUBPROCESS_TIMEOUT_S = 240
 #: The warm interpreters run_python forks its processes from (started on first use).
@@ -78,6 +77,11 @@ def run_python(args: list[str], *, simulate: Optional[int] = 2, env: Optional[di
     if proc.returncode != 0:
         raise AssertionError(f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}")
     return proc
+
+
+def room_scripts(room: str) -> Path:
+    """The worker scripts of the tests of ``tests/<room>/`` (run as processes: ``run_python([str(path), ...])``)."""
+    return REPO / "tests" / room / "scripts"
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ Each block sits between two HTML comments in its page, ``<!-- generated: NAME ..
 Usage::
 
     python tools/generate_docs.py            # rewrites the blocks
-    python tools/generate_docs.py --check    # exit status 1 if a block is stale (tests/test_docs.py checks it)
+    python tools/generate_docs.py --check    # exit status 1 if a block is stale (tests/docs/test_docs.py checks it)
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ The estimate replays one training step as the allocations and frees FSDP2, autog
 training steps on the CPU (PyTorch reference kernels, 1 to 8 simulated devices, ZeRO-2/3, checkpointing,
 fp32/bf16, tensor and context parallelism): within 5%, except gradient accumulation (6.7% low; probably the
 unsharded gradients npu_fsdp keeps between non-stepping micro-batches). The ``fused`` activation counts (the NPU default) follow from which tensors
-each torch_npu backward takes (``npu_*_backward`` signatures, checked in tests/test_plan.py) and have not been
+each torch_npu backward takes (``npu_*_backward`` signatures, checked in tests/plan/test_plan.py) and have not been
 measured on an NPU. Nothing here imports torch.
 
 Exit status: 0 when the configured zero_stage fits, 1 when it does not, 2 for a configuration it cannot plan.

@@ -14,5 +14,5 @@ torch-free tools (``lightning-npu plan`` and ``doctor``) and the training code c
 - ``optim8bit``: which tensors AdamW8bit keeps 8-bit (from shape and shard count) and the bytes its state takes.
 - ``devices``: device ids -- torch_npu's reading of ``ASCEND_RT_VISIBLE_DEVICES`` and a ``devices=`` value.
 
-Modules here import only the standard library and each other (``tests/test_facts.py`` checks it).
+Modules here import only the standard library and each other (``tests/facts/test_facts.py`` checks it).
 """

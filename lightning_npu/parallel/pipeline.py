@@ -27,7 +27,7 @@ the contract is in ``lightning_npu.parallel.protocol``). This module:
 - leaves the point-to-point exchanges to torch's schedules, whose mixed send/receive batches hold at most one task of
   each kind per peer: HCCL's rule (``facts.hccl``), which the strict fake enforces and the launched runs check.
 
-Measured on gloo (tests/test_pipeline.py): every schedule gives the unpipelined model's losses and gradients; FSDP2
+Measured on gloo (tests/parallel/test_pipeline.py): every schedule gives the unpipelined model's losses and gradients; FSDP2
 under PP: torch turns gradient sync off for every microbatch and reduce-scatters once per unit per step, so each
 stage's unsharded gradients live for the whole step; its blocks keep their parameters gathered from forward to
 the end of the step (``reshard_after_forward=False``, torchtitan's choice under PP: one all-gather per unit per step

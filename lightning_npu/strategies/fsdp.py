@@ -59,7 +59,7 @@ from lightning_npu.strategies.rebind import ReplacedParameters
 from lightning_npu.strategies.sync_batchnorm import host_sync_batchnorm
 
 # Lightning warns that any strategy overriding model_sharded_context cannot support `trainer.init_module()`;
-# npu_fsdp shards and initialises models built there like any other (tests/test_compatibility.py).
+# npu_fsdp shards and initialises models built there like any other (tests/strategies/test_compatibility.py).
 warnings.filterwarnings("ignore", message=r"`trainer.init_module` cannot fully support .* `NPUFSDPStrategy`")
 
 

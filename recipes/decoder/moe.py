@@ -8,7 +8,7 @@ Why here, in ``recipes/decoder/``, and not in a family's folder or a ``recipes/m
 is already the one place for what several families share (the trunk of ``transformer.py`` these layers plug into,
 ``layers.py``, LoRA, the checkpoint layout, HF conversion); a second shared folder would give "where does shared
 model code go" two answers. A family folder (``recipes/models/<family>/``) holds only what is that family's, and
-imports ``recipes.decoder`` and ``lightning_npu``, never another family's folder (``tests/test_import_graph.py``).
+imports ``recipes.decoder`` and ``lightning_npu``, never another family's folder (``tests/package/test_import_graph.py``).
 
 The experts of a layer are stacked, one parameter per projection (``w_gate_up`` [E, 2F, dim], ``w_down``
 [E, dim, F], Hugging Face 5's layout), so FSDP2 shards two large tensors per layer rather than 3 x E small ones,

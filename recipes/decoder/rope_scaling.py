@@ -1,7 +1,7 @@
 """Rotary scaling as a config holds it: LLaMA-3.1's "llama3" rule, which the LLaMA-3 and Qwen families' configs
 take as ``rope_scaling`` (the tables it gives: ``rotary.py``). Torch-free: the planner reads the configs that use it.
 Shared here (``recipes/decoder/``, beside the trunk) rather than in the LLaMA folder: a family folder imports no
-other family's (``tests/test_import_graph.py``)."""
+other family's (``tests/package/test_import_graph.py``)."""
 
 from __future__ import annotations
 

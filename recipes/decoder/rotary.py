@@ -1,7 +1,7 @@
 """The rotary tables of a config with ``head_dim``, ``rope_theta``, ``max_seq_len`` and ``rope_scaling`` (None, or
 LLaMA-3.1's "llama3" rule as ``rope_scaling.py`` stores it): the LLaMA-3 and Qwen families' ``rotary_cos_sin``.
 Shared here (``recipes/decoder/``, beside the trunk that applies them) rather than in the LLaMA folder: a family
-folder imports no other family's (``tests/test_import_graph.py``)."""
+folder imports no other family's (``tests/package/test_import_graph.py``)."""
 
 from __future__ import annotations
 

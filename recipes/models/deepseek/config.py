@@ -307,7 +307,7 @@ _V3_YARN = dict(factor=40.0, original_max_position_embeddings=4096, beta_fast=32
 # The tiny preset runs on a laptop CPU: the vocabulary of the tokenizer in recipes/assets/tokenizer (2048 entries),
 # MLA with a query low rank, 8 routed experts + 1 shared, 2 of 4 groups, the first layer dense.
 # Real sizes: the facts sheet's table (docs: model-families-facts.md section 4), unverified field by field against
-# the downloads; tests/test_deepseek_model.py checks that transformers' model of each shape has exactly
+# the downloads; tests/recipes/models/test_deepseek.py checks that transformers' model of each shape has exactly
 # num_params() parameters. convert.py from-hf reads a downloaded config.json.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(

@@ -125,7 +125,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 #   * vocab_size 128256, n_kv_heads 8 and rope_theta 500000: transformers' Mllama text-model defaults
 #     (transformers/models/mllama/configuration_mllama.py), the LLaMA-3.1 text decoder. Verified there.
 #   * dim 4096 / 32 layers / 32 heads / ffn 14336 / norm_eps 1e-5 for 8B: the published 8B shape; its parameter
-#     count, 8,030,261,248, is what a transformers LlamaForCausalLM of this shape holds (tests/test_llama3.py
+#     count, 8,030,261,248, is what a transformers LlamaForCausalLM of this shape holds (tests/recipes/models/test_llama3.py
 #     builds it on the meta device), and matches Meta's "8B". The per-field values: unverified here.
 #   * 3.1 scaling factor 8, low 1, high 4, original length 8192, and max_seq_len 131072: third-party copy,
 #     unverified (Lightning-AI/litgpt litgpt/config.py).

@@ -206,7 +206,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         top_k=2, expert_hidden_dim=96, max_seq_len=256, router_aux_loss_coef=0.001,
     ),
     # Real sizes. The shapes are those of the models' published config.json files as remembered here (nothing is
-    # downloaded), unverified field by field; what is checked (tests/test_moe_model.py): transformers' model of
+    # downloaded), unverified field by field; what is checked (tests/recipes/models/test_moe.py): transformers' model of
     # each shape has exactly num_params() parameters, and the totals and active counts are the published ones
     # (Mixtral-8x7B: 46.7B total, 12.9B active; Qwen3-30B-A3B: 30.5B total, 3.3B active). convert.py from-hf
     # reads the downloaded config.json, and init_from refuses a preset that differs from it, naming both.

@@ -100,7 +100,7 @@ class QwenConfig(ConfigDict):
 # The tiny preset runs on a laptop CPU: the vocabulary of the tokenizer in recipes/assets/tokenizer (2048 entries),
 # grouped-query attention, Qwen3's q/k norms and a head_dim (48) that is not dim / n_heads (32).
 # Real sizes: the shapes of the facts sheet's table (docs: model-families-facts.md section 4, from MindSpeed-LLM's
-# scripts), unverified field by field against the downloads; tests/test_qwen_model.py checks that transformers'
+# scripts), unverified field by field against the downloads; tests/recipes/models/test_qwen.py checks that transformers'
 # model of each shape has exactly num_params() parameters and that it is the published size. convert.py from-hf
 # reads a downloaded config.json, and init_from refuses a preset that differs from it, naming both.
 PRESETS: dict[str, dict[str, Any]] = {

@@ -1,0 +1,97 @@
+"""The recipe's LightningModule: schedule, optimizer groups, hyper-parameters that make checkpoints self-describing."""
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from recipes.decoder.module import DecoderLM, warmup_cosine
+from recipes.models.llama.config import LLaMAConfig
+from recipes.models.llama.model import LLaMA
+from tests.helpers import read_json, room_scripts, run_python
+
+SCRIPTS = room_scripts("recipes")
+
+
+def test_warmup_then_cosine_to_the_floor():
+    schedule = warmup_cosine(warmup_steps=10, total_steps=110, min_ratio=0.1)
+    assert schedule(0) == pytest.approx(0.1)  # (0 + 1) / 10
+    assert schedule(9) == pytest.approx(1.0)
+    assert schedule(10) == pytest.approx(1.0)
+    assert schedule(60) == pytest.approx(0.1 + 0.9 * 0.5)  # half way down the cosine
+    assert schedule(110) == pytest.approx(0.1)
+    assert schedule(500) == pytest.approx(0.1)
+
+
+def test_no_weight_decay_on_norms_and_biases(tmp_path):
+    module = DecoderLM(preset="tiny", weight_decay=0.05)
+    module.configure_model()
+    trainer = Trainer(accelerator="cpu", max_steps=100, logger=False, default_root_dir=tmp_path)
+    module.trainer = trainer
+    optimizer = module.configure_optimizers()["optimizer"]
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+    norm_ids = {id(p) for name, p in module.model.named_parameters() if "norm" in name}
+    assert norm_ids and norm_ids <= {id(p) for p in no_decay["params"]}
+    assert all(p.ndim >= 2 for p in decay["params"])
+    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == module.config.num_params()
+
+
+def test_checkpoint_hparams_describe_the_architecture():
+    module = DecoderLM(preset="tiny", config={"n_layers": 2})
+    assert module.hparams["config"]["n_layers"] == 2
+    assert DecoderLM(**module.hparams).config == module.config  # reloading from hparams rebuilds the same model
+
+
+def test_bad_schedule_settings_are_rejected():
+    with pytest.raises(ValueError, match="min_lr_ratio=1.5 must lie in"):
+        DecoderLM(min_lr_ratio=1.5)
+    with pytest.raises(ValueError, match="warmup_steps=-1"):
+        DecoderLM(warmup_steps=-1)
+
+
+def test_loss_of_a_batch_is_next_token_cross_entropy():
+    torch.manual_seed(0)
+    module = DecoderLM(preset="tiny")
+    module.configure_model()
+    batch = {"input_ids": torch.randint(0, 2048, (2, 16))}
+    batch["labels"] = torch.roll(batch["input_ids"], -1, dims=1)
+    expected = torch.nn.functional.cross_entropy(module(batch["input_ids"]).reshape(-1, 2048), batch["labels"].reshape(-1))
+    assert module._loss(batch).item() == pytest.approx(expected.item())
+
+
+@pytest.mark.slow
+def test_init_from_is_read_on_rank_zero_only_and_reaches_every_shard(tmp_path):
+    """Catches every rank reading the full checkpoint (rank 1 is given a path that does not exist), a shard
+    that does not receive rank 0's weights, and a config mismatch seen by rank 0 alone (rank 1 would hang)."""
+    run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                str(SCRIPTS / "init_from_run.py"), str(tmp_path)], simulate=None)
+    first, second = (read_json(tmp_path / f"rank{rank}.json") for rank in (0, 1))
+    assert first["equal"] is True and first["keys"] == len(LLaMA(LLaMAConfig.from_preset("tiny")).state_dict())
+    assert first["mismatch"] == second["mismatch"]
+    assert first["mismatch"].startswith("init_from=") and "n_layers=1" in first["mismatch"]
+
+
+def test_the_run_summary_prints_the_steps_losses_not_lightnings_accumulation_share(tmp_path, capsys):
+    """Lightning hands ``on_train_batch_end`` the loss divided by ``accumulate_grad_batches``; the recipe's summary
+    printed that (half the loss at 2 batches a step) as the run's first and last loss."""
+    from lightning.pytorch import LightningModule
+    from torch.utils.data import DataLoader
+
+    from recipes.train import RunSummary
+
+    class Constant(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def training_step(self, batch, batch_idx):
+            return self.w * 0 + 3.0 + batch_idx  # 3.0 on the first batch, 6.0 on the last (batch 3)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    trainer = Trainer(accelerator="cpu", max_steps=2, accumulate_grad_batches=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=tmp_path, callbacks=[RunSummary()])
+    trainer.fit(Constant(), DataLoader(torch.zeros(4, 1), batch_size=1))
+    assert "train loss: first 3.0000 -> last 6.0000" in capsys.readouterr().out
