@@ -141,7 +141,8 @@ def test_generated_blocks_are_current():
 
 def test_the_error_catalogue_reads_an_error_helper_in_the_callers_words(tmp_path):
     """``raise self.fail(field, value, why, fix)``: the row is the error the helper returns (class and message) with
-    the caller's arguments in place of the helper's parameter names, not a row for an error named ``self.fail``."""
+    the caller's arguments in place of the helper's parameter names, not a row for an error named ``self.fail``; a
+    message kept in a local (``fix = "..."``) reads as its text, not as a missing fix."""
     module = tmp_path / "lightning_npu" / "table.py"
     module.parent.mkdir()
     module.write_text(textwrap.dedent('''
@@ -151,11 +152,16 @@ def test_the_error_catalogue_reads_an_error_helper_in_the_callers_words(tmp_path
 
             def read(self, version):
                 raise self.fail("version", version, "is not a version this reads", "give the file the scheduler wrote")
+
+            def check(self, ranks):
+                fix = "use the table written for this job"
+                raise SettingError(Problem(f"ranks={ranks}", fix))
     '''))
-    (row,) = raised(tmp_path)
-    assert (row.error, row.cause, row.fix, row.where) == (
-        "SettingError", "table: version={version} is not a version this reads", "Give the file the scheduler wrote",
-        "lightning_npu/table.py:read")
+    rows = [(row.error, row.cause, row.fix, row.where) for row in raised(tmp_path)]
+    assert rows == [
+        ("SettingError", "table: version={version} is not a version this reads", "Give the file the scheduler wrote",
+         "lightning_npu/table.py:read"),
+        ("SettingError", "ranks={ranks}", "Use the table written for this job", "lightning_npu/table.py:check")]
     names_of_errors = {item.error for item in raised()}
     assert all(re.fullmatch(r"[A-Za-z_][\w.]*", name) and not name.startswith("self.") for name in names_of_errors), \
         sorted(names_of_errors)

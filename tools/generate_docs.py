@@ -161,10 +161,10 @@ def raised(root: Path = REPO) -> list[Raised]:
             exc = node.exc
             if not isinstance(exc, ast.Call) or not exc.args:
                 continue
-            bound: dict[str, ast.AST] = {}
+            bound = _locals(function)  # a message kept in a local (fix = "...") reads as its text
             helper = helpers.get(_called_name(exc.func))
             if helper is not None:  # raise self.fail(...): the error its helper returns, in the caller's words
-                bound = _bind(helper, exc)
+                bound = _bind(helper, exc, bound)
                 exc = helper.body[-1].value
             error = ast.unparse(exc.func)
             argument = exc.args[0]
@@ -179,7 +179,7 @@ def raised(root: Path = REPO) -> list[Raised]:
                 if message is None or error in ("SystemExit", "AttributeError"):
                     continue
                 cause, fix = _split(message)
-            found.append(Raised(_room(rel), error, cause.strip(), fix.strip(), f"{rel}:{function}"))
+            found.append(Raised(_room(rel), error, cause.strip(), fix.strip(), f"{rel}:{function.name if function else '<module>'}"))
     return found
 
 
@@ -206,24 +206,35 @@ def _error_helpers(module: ast.Module) -> dict[str, ast.FunctionDef]:
     return helpers
 
 
-def _bind(helper: ast.FunctionDef, call: ast.Call) -> dict[str, ast.AST]:
-    """The helper's parameter names mapped to what ``call`` passes them (``self`` left out)."""
+def _bind(helper: ast.FunctionDef, call: ast.Call, caller: dict[str, ast.AST]) -> dict[str, ast.AST]:
+    """The helper's parameter names mapped to what ``call`` passes them (``self`` left out), an argument that is one
+    of the caller's locals read through ``caller``."""
     names = [arg.arg for arg in helper.args.args if arg.arg != "self"]
-    bound = dict(zip(names, call.args))
-    bound.update({keyword.arg: keyword.value for keyword in call.keywords if keyword.arg})
-    return bound
+    passed = dict(zip(names, call.args))
+    passed.update({keyword.arg: keyword.value for keyword in call.keywords if keyword.arg})
+    return {name: caller.get(value.id, value) if isinstance(value, ast.Name) else value
+            for name, value in passed.items()}
 
 
 def _raises(module: ast.Module):
-    """(enclosing function name, raise node) for every raise in ``module``."""
+    """(enclosing function, raise node) for every raise in ``module``; the function is None at module level."""
     def walk(node, function):
         for child in ast.iter_child_nodes(node):
-            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            inner = child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
             if isinstance(child, ast.Raise) and child.exc is not None:
                 yield function, child
-            yield from walk(child, name)
+            yield from walk(child, inner)
 
-    yield from walk(module, "<module>")
+    yield from walk(module, None)
+
+
+def _locals(function: Optional[ast.AST]) -> dict[str, ast.AST]:
+    """The names ``function`` assigns a string exactly once (``fix = "use ..."``), with the expression it is given."""
+    assigned: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(function) if function is not None else ():
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            assigned.setdefault(node.targets[0].id, []).append(node.value)
+    return {name: values[0] for name, values in assigned.items() if len(values) == 1 and _text(values[0], {}) is not None}
 
 
 def _cell(text: str) -> str:
