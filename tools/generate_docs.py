@@ -89,22 +89,32 @@ def _shown(node: ast.AST) -> str:
     return "{…}"
 
 
-def _text(node: ast.AST, constants: dict[str, str]) -> Optional[str]:
-    """The message a string expression builds, with placeholders for the values; None if it is not a string."""
+def _text(node: ast.AST, constants: dict[str, str], bound: Optional[dict[str, ast.AST]] = None) -> Optional[str]:
+    """The message a string expression builds, with placeholders for the values; None if it is not a string.
+
+    ``bound`` maps a helper's parameter names to the expressions a ``raise helper(...)`` passes (its messages read the
+    caller's words, not the parameter's name).
+    """
+    bound = bound or {}
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
+    if isinstance(node, ast.Name) and node.id in bound:
+        return _text(bound[node.id], constants)
     if isinstance(node, ast.JoinedStr):
         parts = []
         for value in node.values:
             if isinstance(value, ast.Constant):
                 parts.append(str(value.value))
+            elif isinstance(value.value, ast.Name) and value.value.id in bound:
+                argument = bound[value.value.id]
+                parts.append(_text(argument, constants) or _shown(argument))
             elif isinstance(value.value, ast.Name) and value.value.id in constants:
                 parts.append(constants[value.value.id])
             else:
                 parts.append(_shown(value.value))
         return "".join(parts)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        left, right = _text(node.left, constants), _text(node.right, constants)
+        left, right = _text(node.left, constants, bound), _text(node.right, constants, bound)
         if left is not None or right is not None:
             return (left if left is not None else "{…}") + (right if right is not None else "{…}")
     if isinstance(node, ast.Name) and node.id in constants:
@@ -146,15 +156,21 @@ def raised(root: Path = REPO) -> list[Raised]:
     constants = _constants(modules)
     for path, module in zip(paths, modules):
         rel = path.relative_to(root).as_posix()
+        helpers = _error_helpers(module)
         for function, node in _raises(module):
             exc = node.exc
             if not isinstance(exc, ast.Call) or not exc.args:
                 continue
+            bound = _locals(function)  # a message kept in a local (fix = "...") reads as its text
+            helper = helpers.get(_called_name(exc.func))
+            if helper is not None:  # raise self.fail(...): the error its helper returns, in the caller's words
+                bound = _bind(helper, exc, bound)
+                exc = helper.body[-1].value
             error = ast.unparse(exc.func)
             argument = exc.args[0]
             if isinstance(argument, ast.Call) and ast.unparse(argument.func) == "Problem":  # SettingError(Problem(...))
-                cause = _text(argument.args[0], constants) if argument.args else None
-                fix = (_text(argument.args[1], constants) if len(argument.args) > 1 else None) or ""
+                cause = _text(argument.args[0], constants, bound) if argument.args else None
+                fix = (_text(argument.args[1], constants, bound) if len(argument.args) > 1 else None) or ""
                 if cause is None:
                     continue
                 fix = fix[:1].upper() + fix[1:]
@@ -163,20 +179,62 @@ def raised(root: Path = REPO) -> list[Raised]:
                 if message is None or error in ("SystemExit", "AttributeError"):
                     continue
                 cause, fix = _split(message)
-            found.append(Raised(_room(rel), error, cause.strip(), fix.strip(), f"{rel}:{function}"))
+            found.append(Raised(_room(rel), error, cause.strip(), fix.strip(), f"{rel}:{function.name if function else '<module>'}"))
     return found
 
 
+def _called_name(func: ast.AST) -> str:
+    """``fail`` for ``fail(...)`` and ``self.fail(...)``; "" for any other callee."""
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
+        return func.attr
+    return ""
+
+
+def _error_helpers(module: ast.Module) -> dict[str, ast.FunctionDef]:
+    """The functions and methods of ``module`` whose last statement returns an error built as ``E(Problem(...))``."""
+    helpers = {}
+    for node in ast.walk(module):
+        if not isinstance(node, ast.FunctionDef) or not node.body:
+            continue
+        last = node.body[-1]
+        value = last.value if isinstance(last, ast.Return) else None
+        if (isinstance(value, ast.Call) and value.args and isinstance(value.args[0], ast.Call)
+                and ast.unparse(value.args[0].func) == "Problem"):
+            helpers[node.name] = node
+    return helpers
+
+
+def _bind(helper: ast.FunctionDef, call: ast.Call, caller: dict[str, ast.AST]) -> dict[str, ast.AST]:
+    """The helper's parameter names mapped to what ``call`` passes them (``self`` left out), an argument that is one
+    of the caller's locals read through ``caller``."""
+    names = [arg.arg for arg in helper.args.args if arg.arg != "self"]
+    passed = dict(zip(names, call.args))
+    passed.update({keyword.arg: keyword.value for keyword in call.keywords if keyword.arg})
+    return {name: caller.get(value.id, value) if isinstance(value, ast.Name) else value
+            for name, value in passed.items()}
+
+
 def _raises(module: ast.Module):
-    """(enclosing function name, raise node) for every raise in ``module``."""
+    """(enclosing function, raise node) for every raise in ``module``; the function is None at module level."""
     def walk(node, function):
         for child in ast.iter_child_nodes(node):
-            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            inner = child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
             if isinstance(child, ast.Raise) and child.exc is not None:
                 yield function, child
-            yield from walk(child, name)
+            yield from walk(child, inner)
 
-    yield from walk(module, "<module>")
+    yield from walk(module, None)
+
+
+def _locals(function: Optional[ast.AST]) -> dict[str, ast.AST]:
+    """The names ``function`` assigns a string exactly once (``fix = "use ..."``), with the expression it is given."""
+    assigned: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(function) if function is not None else ():
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            assigned.setdefault(node.targets[0].id, []).append(node.value)
+    return {name: values[0] for name, values in assigned.items() if len(values) == 1 and _text(values[0], {}) is not None}
 
 
 def _cell(text: str) -> str:

@@ -22,7 +22,7 @@ from lightning_npu.cluster.environments import AscendOperatorEnvironment, ModelA
 from lightning_npu.doctor import rules
 from lightning_npu.facts import env as names
 from lightning_npu.facts.problem import SettingError
-from tests.helpers import REPO, SUBPROCESS_TIMEOUT_S, free_port, read_json, room_scripts
+from tests.helpers import REPO, free_port, outputs_of, read_json, room_scripts
 
 SCRIPTS = room_scripts("cluster")
 SCRIPT = "tests/cluster/scripts/cluster_train.py"
@@ -343,16 +343,7 @@ def _start_all(commands: list[list[str]], envs: list[dict[str, str]], simulate: 
     base[names.SIMULATE_ENV] = str(simulate)
     procs = [subprocess.Popen(command, cwd=REPO, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for command, env in zip(commands, envs)]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=SUBPROCESS_TIMEOUT_S)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [proc.returncode for proc in procs], outputs
+    return outputs_of(procs)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import pytest
 import yaml
 
 from tests.helpers import REPO
-from tools.generate_docs import BLOCKS, stale
+from tools.generate_docs import BLOCKS, raised, stale
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
@@ -136,6 +137,34 @@ def test_yaml_blocks_parse(block):
 def test_generated_blocks_are_current():
     """The options table and the error catalogue are what ``python tools/generate_docs.py`` writes now."""
     assert BLOCKS and not stale(), f"stale: {stale()}; run python tools/generate_docs.py"
+
+
+def test_the_error_catalogue_reads_an_error_helper_in_the_callers_words(tmp_path):
+    """``raise self.fail(field, value, why, fix)``: the row is the error the helper returns (class and message) with
+    the caller's arguments in place of the helper's parameter names, not a row for an error named ``self.fail``; a
+    message kept in a local (``fix = "..."``) reads as its text, not as a missing fix."""
+    module = tmp_path / "lightning_npu" / "table.py"
+    module.parent.mkdir()
+    module.write_text(textwrap.dedent('''
+        class Reader:
+            def fail(self, field, value, why, fix):
+                return SettingError(Problem(f"table: {field}={value!r} {why}", fix))
+
+            def read(self, version):
+                raise self.fail("version", version, "is not a version this reads", "give the file the scheduler wrote")
+
+            def check(self, ranks):
+                fix = "use the table written for this job"
+                raise SettingError(Problem(f"ranks={ranks}", fix))
+    '''))
+    rows = [(row.error, row.cause, row.fix, row.where) for row in raised(tmp_path)]
+    assert rows == [
+        ("SettingError", "table: version={version} is not a version this reads", "Give the file the scheduler wrote",
+         "lightning_npu/table.py:read"),
+        ("SettingError", "ranks={ranks}", "Use the table written for this job", "lightning_npu/table.py:check")]
+    names_of_errors = {item.error for item in raised()}
+    assert all(re.fullmatch(r"[A-Za-z_][\w.]*", name) and not name.startswith("self.") for name in names_of_errors), \
+        sorted(names_of_errors)
 
 
 def test_the_readme_commands_are_what_ci_runs_and_the_tests_train():

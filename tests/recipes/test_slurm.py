@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, SUBPROCESS_TIMEOUT_S, read_json, room_scripts, run_python
+from tests.helpers import REPO, outputs_of, read_json, room_scripts, run_python
 
 SCRIPT = str(room_scripts("strategies") / "trainer_run.py")
 #: Every SLURM variable a process started by ``srun --nodes 1 --ntasks-per-node 2`` reads here.
@@ -53,16 +53,7 @@ def _srun(args, *, job_id, restart_count, bin_dir):
                               stderr=subprocess.STDOUT, text=True,
                               env={**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)})
              for rank in range(TASKS)]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=SUBPROCESS_TIMEOUT_S)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [proc.returncode for proc in procs], outputs
+    return outputs_of(procs)
 
 
 @pytest.mark.slow
