@@ -10,6 +10,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
+from lightning.fabric.utilities.rank_zero import rank_zero_only  # noqa: E402
 
 import lightning_npu  # noqa: E402,F401 -- registers the accelerator and strategies
 from lightning_npu import runtime
@@ -55,6 +56,16 @@ def simulate(monkeypatch):
     yield enable
     monkeypatch.delenv("LIGHTNING_NPU_SIMULATE", raising=False)
     runtime.reset()
+
+
+@pytest.fixture(autouse=True)
+def _rank_zero_as_found():
+    """Lightning's ``rank_zero_only.rank`` is one process-wide value that a cluster environment's ``set_global_rank``
+    (or a strategy's setup) overwrites; a test that builds one for rank 1 would otherwise silence every
+    ``rank_zero_warn`` / ``rank_zero_info`` of the tests after it."""
+    rank = rank_zero_only.rank
+    yield
+    rank_zero_only.rank = rank
 
 
 @pytest.fixture(autouse=True)
