@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from recipes.decoder.data import DEFAULT_TOKENIZER
+from recipes.decoder.checkpoint_layout import read_model_tensors
+from recipes.decoder.lora import is_adapter_name
 from recipes.decoder.lora_config import LoRAConfig
 from recipes.models.llama.config import LLaMAConfig
 from recipes.models.llama.model import LLaMA
@@ -24,7 +26,7 @@ from recipes.posttrain.preference_data import PreferenceDataModule, collate_pref
 from recipes.decoder.sft_data import BadSampleError
 from tests.helpers import REPO, SCRIPTS, run_python
 from tests.hf_models import random_hf_model, with_random_adapters
-from tests.recipe_runs import logged_losses
+from tests.recipe_runs import last_checkpoint, logged_losses
 from tests.test_recipe_e2e import STRATEGY, _assert_fails_before_workers
 
 TRAIN_DPO = str(REPO / "recipes/posttrain/train_dpo.py")
@@ -199,23 +201,69 @@ def dpo_case(tmp_path_factory):
     return root, json.loads((root / "trl.json").read_text())
 
 
+def _train_dpo(root: Path, case: Path, npus: int, *extra: str):
+    """``train_dpo.py fit`` of tiny_dpo.yaml on the case's model and rows, every step logged, into ``root``."""
+    return run_python([TRAIN_DPO, "fit", "--config", TINY_DPO, "--model.config", json.dumps(_SHAPE),
+                       "--model.init_from", str(case / "hf"), "--data.path", str(case / "rows.jsonl"),
+                       "--data.cache_dir", str(root / "cache"), "--trainer.devices", str(npus),
+                       "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+                       "--trainer.default_root_dir", str(root / "run"), *extra], simulate=npus)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("npus", [1, 2])
 def test_dpo_per_step_losses_equal_trl_dpo_trainer(tmp_path, dpo_case, npus):
     """Catches any difference from TRL in the tokens (EOS, the prompt split, truncation), the log-probs (the shift,
     the mask), the reference, the loss and its mean over the data-parallel ranks, and the optimizer step."""
-    root, trl_losses = dpo_case
-    run_python([TRAIN_DPO, "fit", "--config", TINY_DPO, "--model.config", json.dumps(_SHAPE),
-                "--model.init_from", str(root / "hf"), "--data.path", str(root / "rows.jsonl"), "--data.shuffle",
-                "false", "--data.batch_size", str(_BATCH // npus), "--data.val_fraction", "0", "--data.cache_dir",
-                str(tmp_path / "cache"), "--trainer.devices", str(npus), "--trainer.max_steps", str(_STEPS),
-                "--trainer.log_every_n_steps", "1", "--trainer.gradient_clip_val", "null",
-                "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
-                "--trainer.default_root_dir", str(tmp_path / "run")], simulate=npus)
+    case, trl_losses = dpo_case
+    _train_dpo(tmp_path, case, npus, "--data.shuffle", "false", "--data.batch_size", str(_BATCH // npus),
+               "--data.val_fraction", "0", "--trainer.max_steps", str(_STEPS), "--trainer.gradient_clip_val", "null",
+               "--trainer.limit_val_batches", "0")
     ours = logged_losses(tmp_path / "run", 0)
     assert len(trl_losses) == _STEPS and sorted(ours) == list(range(_STEPS))
     assert max(abs(loss - math.log(2)) for loss in trl_losses) > 3e-3  # the policy moved off its reference
     assert max(abs(ours[step] - trl_losses[step]) for step in range(_STEPS)) < 1e-4, (ours, trl_losses)
+
+
+@pytest.mark.slow
+def test_dpo_resumed_mid_epoch_reproduces_uninterrupted_losses(tmp_path, dpo_case):
+    """Every rank killed at the start of step 6, then resumed from last.ckpt (step 4): the shuffled data position,
+    the LR schedule, the policy, its optimizer and the frozen reference copy (from the checkpoint) all come back, so
+    steps 4 to 7 repeat the uninterrupted run's losses."""
+    case, _ = dpo_case
+    schedule = ["--data.batch_size", "2", "--data.val_fraction", "0.1", "--trainer.max_steps", "8",
+                "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "1", "--model.learning_rate",
+                "1e-3"]
+    _train_dpo(tmp_path / "full", case, 2, *schedule)
+    with pytest.raises(AssertionError, match="exited 3"):
+        _train_dpo(tmp_path / "crashed", case, 2, *schedule,
+                   "--trainer.callbacks+=tests.scripts.crash_at_step.CrashAtStep", "--trainer.callbacks.step=6")
+    _train_dpo(tmp_path / "crashed", case, 2, *schedule, "--ckpt_path",
+               str(last_checkpoint(tmp_path / "crashed" / "run", 0)))
+    full, resumed = logged_losses(tmp_path / "full" / "run", 0), logged_losses(tmp_path / "crashed" / "run", 1)
+    assert sorted(full) == list(range(8)) and sorted(resumed) == list(range(4, 8))
+    assert max(abs(full[step] - math.log(2)) for step in range(4, 8)) > 1e-2  # the policy is off its reference
+    assert [resumed[step] for step in range(4, 8)] == pytest.approx([full[step] for step in range(4, 8)], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_dpo_takes_the_base_as_reference_and_checkpoints_the_adapters_only(tmp_path, dpo_case):
+    """Under LoRA the reference is the policy with its adapters off: at the first step (B = 0) the policy is its
+    reference (loss log 2, zero rewards), the adapters then move it, and the checkpoint holds no second model."""
+    import csv
+
+    case, _ = dpo_case
+    _train_dpo(tmp_path, case, 2, "--model.lora", "{rank: 4, alpha: 8, dropout: 0.0, targets: [q, v, down]}",
+               "--model.learning_rate", "1e-2", "--data.batch_size", "2", "--data.val_fraction", "0",
+               "--trainer.max_steps", "6", "--trainer.limit_val_batches", "0")
+    losses = logged_losses(tmp_path / "run", 0)
+    with open(tmp_path / "run" / "lightning_logs" / "version_0" / "metrics.csv") as metrics:
+        first = next(row for row in csv.DictReader(metrics) if row.get("train_loss"))
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)
+    assert float(first["rewards/chosen"]) == float(first["rewards/rejected"]) == 0.0
+    assert abs(losses[5] - math.log(2)) > 1e-3
+    _, state = read_model_tensors(last_checkpoint(tmp_path / "run", 0))
+    assert state and all(is_adapter_name(name) for name in state), sorted(state)[:5]
 
 
 @pytest.mark.slow
