@@ -177,7 +177,8 @@ def check_context_parallel(model: DecoderLM, data: TextDataModule, trainer: Trai
     options = getattr(trainer.strategy, "options", None)
     if isinstance(options, FSDPOptions):
         # The objective's own limits (a post-training module's), else its model config's.
-        refusal = getattr(model, "context_parallel_refusal", None) or getattr(model.config, "context_parallel_refusal", None)
+        refusal = (getattr(model, "context_parallel_refusal", None)
+                   or getattr(model.config, "context_parallel_refusal", None))
         reason = refusal() if refusal is not None and options.context_parallel_size > 1 else None
         if reason is not None:
             raise ValueError(f"context_parallel_size={options.context_parallel_size}: {reason}")

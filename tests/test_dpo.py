@@ -55,7 +55,7 @@ def _write_rows(path: Path, rows: list[dict]) -> Path:
 
 def _our_rows(tmp_path: Path, rows: list[dict], tokenizer: str, max_length: int = 64) -> list[dict]:
     data = PreferenceDataModule(path=str(_write_rows(tmp_path / "rows.jsonl", rows)), tokenizer=tokenizer,
-                                max_length=max_length, batch_size=1, cache_dir=str(tmp_path / "cache"))
+                                seq_len=max_length, batch_size=1, cache_dir=str(tmp_path / "cache"))
     data.setup()
     return [data.train_dataset[i] for i in range(len(data.train_dataset))]
 

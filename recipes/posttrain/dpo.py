@@ -69,7 +69,9 @@ class DPOLM(DecoderLM):
         if reference == "adapters_off" and self.lora is None:
             raise ValueError("reference='adapters_off' needs model.lora: without adapters the policy is not its own"
                              " reference; use reference='copy' (or 'auto')")
-        self.reference_kind = ("adapters_off" if self.lora is not None else "copy") if reference == "auto" else reference
+        if reference == "auto":
+            reference = "adapters_off" if self.lora is not None else "copy"
+        self.reference_kind = reference
         self.reference: Optional[nn.Module] = None
 
     def configure_model(self) -> None:

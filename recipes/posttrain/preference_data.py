@@ -20,10 +20,10 @@ Tokens, per row:
     shorten the prompt.
 
 Batches (``collate_preferences``): ``input_ids`` [2B, T], the B chosen sequences then the B rejected ones, each
-``prompt + completion`` cut to its first ``max_length`` tokens and right-padded (pad token, else EOS) to the batch's
-longest; ``completion_mask`` [2B, T], 1 on completion tokens. Rows whose prompt alone fills ``max_length`` are left out
-(nothing of their completions would remain). Sharding, shuffling and the exact mid-epoch resume are the text
-pipeline's (:class:`recipes.decoder.data.TextDataModule`), over the rows.
+``prompt + completion`` cut to its first ``seq_len`` tokens (TRL's ``max_length``) and right-padded (pad token, else
+EOS) to the batch's longest; ``completion_mask`` [2B, T], 1 on completion tokens. Rows whose prompt alone fills
+``seq_len`` are left out (nothing of their completions would remain). Sharding, shuffling and the exact mid-epoch
+resume are the text pipeline's (:class:`recipes.decoder.data.TextDataModule`), over the rows.
 """
 
 from __future__ import annotations
@@ -141,15 +141,15 @@ def _encode_rows(batch: dict[str, list], tokenizer: Any) -> dict[str, list]:
 
 # ------------------------------------------------------------------------------------------ batches
 class PreferencePairs(Dataset):
-    """The tokenised rows whose prompt is shorter than ``max_length`` (``num_dropped`` counts the others); an item is
+    """The tokenised rows whose prompt is shorter than ``seq_len`` (``num_dropped`` counts the others); an item is
     ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (lists of ints). ``num_blocks``: the rows, the name the text
     pipeline's sampler bookkeeping reads."""
 
-    def __init__(self, tokens: Any, max_length: int) -> None:
+    def __init__(self, tokens: Any, seq_len: int) -> None:
         self.tokens = tokens.with_format("numpy")
         lengths = np.asarray(tokens["lengths"]).reshape(-1, 3)
         self.num_samples = len(lengths)
-        self.kept = np.flatnonzero(lengths[:, 0] < max_length).tolist()
+        self.kept = np.flatnonzero(lengths[:, 0] < seq_len).tolist()
         self.num_dropped = self.num_samples - len(self.kept)
         self.num_tokens = int(lengths[self.kept].sum())
 
@@ -169,7 +169,8 @@ class PreferencePairs(Dataset):
 
 def collate_preferences(rows: list[dict[str, list[int]]], *, pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
     """``input_ids`` and ``completion_mask`` LongTensor[2 * len(rows), T]: the chosen sequences, then the rejected
-    ones, each cut to ``max_length`` tokens and right-padded with ``pad_id`` to the longest (see the module docstring)."""
+    ones, each cut to ``max_length`` tokens and right-padded with ``pad_id`` to the longest (see the module
+    docstring)."""
     sequences, masks = [], []
     for completion in ("chosen_ids", "rejected_ids"):
         for row in rows:
@@ -194,7 +195,8 @@ class PreferenceDataModule(TextDataModule):
     Args:
         path: a JSON / JSON Lines / Parquet file, a directory of them, or a ``save_to_disk`` directory of rows.
         tokenizer: local directory of a Hugging Face tokenizer (its chat template renders conversational rows).
-        max_length: tokens per sequence (prompt + completion), TRL's ``max_length``; longer ones keep their start.
+        seq_len: tokens per sequence at most (prompt + completion), TRL's ``max_length``; longer ones keep their
+            start.
         batch_size: preference rows per rank per step.
         val_fraction: fraction of rows held out for validation, in ``[0, 1)``; 0 disables validation.
         num_workers: DataLoader worker processes per rank.
@@ -211,7 +213,7 @@ class PreferenceDataModule(TextDataModule):
         self,
         path: str,
         tokenizer: str = DEFAULT_TOKENIZER,
-        max_length: int = 1024,
+        seq_len: int = 1024,
         batch_size: int = 8,
         val_fraction: float = 0.0,
         num_workers: int = 0,
@@ -221,27 +223,26 @@ class PreferenceDataModule(TextDataModule):
         max_samples: int | None = None,
         tokenize_num_proc: int | None = None,
     ) -> None:
-        super().__init__(path=path, tokenizer=tokenizer, text_column="chosen", seq_len=max_length,
+        super().__init__(path=path, tokenizer=tokenizer, text_column="chosen", seq_len=seq_len,
                          batch_size=batch_size, val_fraction=val_fraction, num_workers=num_workers, seed=seed,
                          cache_dir=cache_dir, max_documents=max_samples, tokenize_num_proc=tokenize_num_proc)
         if self._format == "text":
             raise ValueError(f"preference data at {path!r} is plain text; give prompt / chosen / rejected rows as"
                              " JSON / JSON Lines, Parquet or a save_to_disk directory")
-        self.max_length = max_length
         self.shuffle = shuffle
         pad = self.tokenizer.pad_token_id
-        self.collate_fn = functools.partial(collate_preferences, max_length=max_length,
+        self.collate_fn = functools.partial(collate_preferences, max_length=seq_len,
                                             pad_id=int(pad if pad is not None else self.tokenizer.eos_token_id))
 
     @property
     def tokens_per_batch(self) -> int:
         """Input tokens in one batch on one rank at most (a chosen and a rejected sequence per row)."""
-        return 2 * self.batch_size * self.max_length
+        return 2 * self.batch_size * self.seq_len
 
     @property
     def cache_path(self) -> Path:
         """The token cache's folder: keyed by the data files, the tokenizer (files and chat template), the split
-        settings and the tokenisation's version; not by ``max_length`` (applied in ``setup``)."""
+        settings and the tokenisation's version; not by ``seq_len`` (applied in ``setup``)."""
         key = _fingerprint("preference", _CACHE_FORMAT, _source_fingerprint(self._format, self.path, self._data_files),
                            _hash_tokenizer_files(self.tokenizer_path), self.tokenizer.chat_template,
                            self.val_fraction, self.seed, self.max_documents)
@@ -249,24 +250,24 @@ class PreferenceDataModule(TextDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Load the cached rows (tokenising here if ``prepare_data`` did not run) and leave out those whose prompt
-        fills ``max_length``; logs the counts once."""
+        fills ``seq_len``; logs the counts once."""
         if self.train_dataset is not None:
             return
         train_tokens, val_tokens = self._tokenized_splits()
-        splits = [PreferencePairs(tokens, self.max_length) if tokens is not None else None
+        splits = [PreferencePairs(tokens, self.seq_len) if tokens is not None else None
                   for tokens in (train_tokens, val_tokens)]
         for name, split in zip(("training", "validation"), splits):
             if split is not None and split.num_blocks == 0:
-                raise ValueError(f"No {name} row of {self.path!r} has a prompt shorter than max_length="
-                                 f"{self.max_length} ({split.num_dropped} of {split.num_samples} left out); raise"
-                                 " max_length")
+                raise ValueError(f"No {name} row of {self.path!r} has a prompt shorter than seq_len="
+                                 f"{self.seq_len} ({split.num_dropped} of {split.num_samples} left out); raise"
+                                 " seq_len")
         self.train_dataset, self.val_dataset = splits  # type: ignore[assignment]
         _, world = self._rank_and_world()
         self._check_enough_blocks(world)
         for name, split in zip(("train", "validation"), splits):
             if split is not None:
                 rank_zero_info(f"PreferenceDataModule: {split.num_blocks} {name} rows ({split.num_tokens} tokens);"
-                               f" {split.num_dropped} left out, their prompt filling max_length={self.max_length}")
+                               f" {split.num_dropped} left out, their prompt filling seq_len={self.seq_len}")
 
     def train_dataloader(self) -> Any:
         loader = super().train_dataloader()
