@@ -176,7 +176,9 @@ def check_context_parallel(model: DecoderLM, data: TextDataModule, trainer: Trai
     one), its heads and the sequence length, before workers start."""
     options = getattr(trainer.strategy, "options", None)
     if isinstance(options, FSDPOptions):
-        refusal = getattr(model.config, "context_parallel_refusal", None)  # a model config's own limits
+        # The objective's own limits (a post-training module's), else its model config's.
+        refusal = (getattr(model, "context_parallel_refusal", None)
+                   or getattr(model.config, "context_parallel_refusal", None))
         reason = refusal() if refusal is not None and options.context_parallel_size > 1 else None
         if reason is not None:
             raise ValueError(f"context_parallel_size={options.context_parallel_size}: {reason}")
@@ -298,7 +300,8 @@ def configures_data(argv: list[str]) -> bool:
     return False
 
 
-def main(args: Optional[list[str]] = None) -> Any:
+def main(args: Optional[list[str]] = None, model_class: type[DecoderLM] = DecoderLM) -> Any:
+    """The command line of ``model_class``, ``DecoderLM`` or a subclass of it (an objective: ``recipes/posttrain``)."""
     argv = list(sys.argv[1:] if args is None else args)
     # The data class is a choice (text or SFT): LightningCLI then requires a data section. A run that gives none gets
     # the text data here; a default class in the parser would instead hand its defaults (path, val_fraction, ...) to
@@ -310,7 +313,7 @@ def main(args: Optional[list[str]] = None) -> Any:
     if argv[:1] == ["prepare"]:
         return prepare(argv[1:])
     return RecipeCLI(
-        DecoderLM,
+        model_class,
         TextDataModule,
         subclass_mode_data=True,  # SFTDataModule too; a data: section without class_path is a TextDataModule
         trainer_defaults={"callbacks": [TokenThroughputMonitor(), RunSummary(), ModelCheckpoint(save_last=True),
