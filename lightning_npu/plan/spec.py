@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_npu.facts import options, precisions
+from lightning_npu.facts import options, parallel_rules, precisions
+from lightning_npu.facts import pipeline as schedules
 from lightning_npu.facts.chips import (
     ATLAS_TRAINING_DEVICES_PER_SERVER,
     CHIP_MEMORY_GIB,
@@ -20,6 +21,7 @@ from lightning_npu.facts.chips import (
 )
 from lightning_npu.facts.precisions import PRECISION_DTYPES, PrecisionDtypes
 from lightning_npu.plan.decoder import DecoderProfile
+from lightning_npu.facts.parallel_rules import BatchShapes
 from lightning_npu.plan.shape import ModelShape, Parallelism, Pipelining, PlanError, check_positive_ints, checked
 
 GIB = 1024**3
@@ -114,10 +116,9 @@ class PlanSpec:
     device_memory_gib: float = CHIP_MEMORY_GIB[DEFAULT_PLAN_CHIP]
     chip: str = DEFAULT_PLAN_CHIP
     profile: Optional[DecoderProfile] = None
-    #: Tensor and context parallelism (npu_fsdp's mesh beside FSDP); the default is plain sharding.
-    parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
-    #: Pipeline parallelism: each rank holds its stages' blocks; the estimate is the fullest rank's.
-    pipeline: Pipelining = dataclasses.field(default_factory=Pipelining)
+    #: npu_fsdp's options: the planner reads its tensor, context and pipeline parallelism from them (``parallel``,
+    #: ``pipeline``); the defaults are plain sharding.
+    options: options.FSDPOptions = dataclasses.field(default_factory=options.FSDPOptions)
     #: P2P_HCCL_BUFFSIZE (MB, taken as MiB): the buffer each pipeline neighbour's point-to-point communicator holds
     #: twice.
     p2p_buffsize_mb: float = DEFAULT_P2P_BUFFSIZE_MB
@@ -159,39 +160,36 @@ class PlanSpec:
                 " server (two or four from the same half, 0-3 or 4-7); use 1, 2, 4 or 8 devices per node"
             )
 
+    @property
+    def parallel(self) -> Parallelism:
+        """Tensor and context parallelism (npu_fsdp's mesh beside FSDP)."""
+        return Parallelism(self.options)
+
+    @property
+    def pipeline(self) -> Pipelining:
+        """Pipeline parallelism: each rank holds its stages' blocks; the estimate is the fullest rank's."""
+        return Pipelining(self.options)
+
     def _check_parallelism(self) -> None:
         """The mesh npu_fsdp would build (the strategy's own checks: tp inside a node, tp x cp dividing the world),
-        the model's shapes against it (the recipe's: heads, kv heads, ffn and vocabulary by tp; heads by tp x cp
-        for Ulysses; the sequence by 2 x cp for ring), and the profile split accordingly."""
-        parallel = self.parallel
-        if self.pipeline.size > 1:
-            self._check_pipeline()
-        if parallel == Parallelism() and self.profile.parallel == parallel and self.pipeline.size == 1:
+        the model's shapes and the micro-batch against it (``facts.parallel_rules``, which the recipe's pre-launch
+        checks and the runtime read too), and the profile split accordingly."""
+        parallel, pipeline = self.parallel, self.pipeline
+        shapes = self.profile.parallel_shapes()
+        batch = BatchShapes(seq_len=self.seq_len, batch_size=self.micro_batch)
+        if pipeline.size > 1:
+            checked(schedules.actions, pipeline.schedule, 0, pipeline.size, pipeline.parts, pipeline.per_rank)  # modelled
+            checked(parallel_rules.check_pipeline, self.options, shapes, batch)
+        if not parallel.splits and not self.profile.parallel.splits and pipeline.size == 1:
             return
         layout = checked(options.MeshLayout.for_run, num_nodes=self.nodes, devices_per_node=self.devices,
                           sharding=self.sharding, tensor_parallel_size=parallel.tensor,
-                          context_parallel_size=parallel.context, pipeline_parallel_size=self.pipeline.size)
+                          context_parallel_size=parallel.context, pipeline_parallel_size=pipeline.size)
         if self.profile.expert_parallel_size > 1:
             checked(options.check_expert_parallel_size, self.profile.expert_parallel_size, layout, self.sharding)
-        checked(options.check_context_parallel_shapes, parallel.context, parallel.context_algo,
-                 heads=self.model.n_heads, seq_len=self.seq_len, tp=parallel.tensor)
-        object.__setattr__(self, "profile", self.profile.with_parallelism(parallel, seq_len=self.seq_len))
-
-    def _check_pipeline(self) -> None:
-        """What the recipes' pipeline split needs: blocks for every stage, an untied head, a micro-batch that splits
-        into the schedule's microbatches."""
-        self.pipeline.stage_blocks(self.model.n_layers)
-        if self.profile.tie_embeddings:
-            raise PlanError(f"pipeline_parallel_size={self.pipeline.size}: {self.profile.name} ties its embedding to"
-                            " its head, which sit on the first and the last stage; untie them (tie_embeddings: false)"
-                            " or plan without a pipeline")
-        if self.profile.mtp_depths:
-            raise PlanError(f"pipeline_parallel_size={self.pipeline.size}: {self.profile.name} trains"
-                            f" {self.profile.mtp_depths} multi-token-prediction depth(s), which the recipe does not"
-                            " split into stages; plan with mtp_layers: 0 or without a pipeline")
-        if self.micro_batch % self.pipeline.parts:
-            raise PlanError(f"micro_batch={self.micro_batch} does not split into pipeline_microbatches="
-                            f"{self.pipeline.parts} equal parts; use a multiple of {self.pipeline.parts}")
+        checked(parallel_rules.check_context_parallel, self.options, shapes, batch)
+        checked(parallel_rules.check_tensor_parallel, self.options, shapes, batch)
+        object.__setattr__(self, "profile", self.profile.with_parallelism(parallel))
 
     @property
     def world_size(self) -> int:
