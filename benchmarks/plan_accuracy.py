@@ -200,10 +200,12 @@ BLOCKS = {"llama": "recipes.models.llama.model.TransformerBlock", "moe": "recipe
           "deepseek": "recipes.models.deepseek.model.DeepSeekBlock"}
 
 
-def case_parallelism(case: dict[str, Any]) -> dict[str, Any]:
-    """The npu_fsdp options (``FSDPOptions`` names) of a case's tensor, context, expert and pipeline parallelism:
-    what the measured run's strategy gets and the planner reads."""
+def case_options(case: dict[str, Any]) -> dict[str, Any]:
+    """The npu_fsdp options (``FSDPOptions`` names) of a case beside its block classes: its ZeRO stage, sharding,
+    tensor, context, expert and pipeline parallelism; what the measured run's strategy gets and the planner reads."""
     return {
+        "zero_stage": case["zero"],
+        "sharding": case.get("sharding", "full"),
         "tensor_parallel_size": case.get("tp", 1),
         "context_parallel_size": case.get("cp", 1),
         "context_parallel_algo": case.get("cp_algo", "ulysses"),
@@ -236,10 +238,8 @@ def case_spec(case: dict[str, Any]):
         micro_batch=case["batch"],
         devices=case["devices"],
         nodes=case.get("nodes", 1),
-        sharding=case.get("sharding", "full"),
         precision=case.get("precision", "32-true"),
         accumulate_grad_batches=case.get("accumulate", 1),
-        zero_stage=case["zero"],
         wrap_blocks=True,
         ac_ratio=case["ac"],
         kernels=case.get("kernels", "reference"),
@@ -248,7 +248,7 @@ def case_spec(case: dict[str, Any]):
         workspace_gib=0.0,
         fragmentation=0.0,
         device_memory_gib=1024.0,
-        options=FSDPOptions(**case_parallelism(case)),
+        options=FSDPOptions(**case_options(case)),
         p2p_buffsize_mb=0.0,
     )
 
@@ -342,11 +342,9 @@ def worker(case: dict[str, Any], out: Path) -> None:
             _balanced_all_to_all()
     strategy = NPUFSDPStrategy(
         auto_wrap_policy=[block],
-        zero_stage=case["zero"],
         activation_checkpointing_policy=[block] if case["ac"] > 0 else None,
         activation_checkpointing_ratio=case["ac"] if case["ac"] > 0 else 1.0,
-        sharding=case.get("sharding", "full"),
-        **case_parallelism(case),
+        **case_options(case),
         timeout=600,
         process_group_backend=backend,
     )

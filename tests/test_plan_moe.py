@@ -407,13 +407,12 @@ def test_multi_token_prediction_is_refused_where_the_recipe_or_the_planner_canno
 
 def _heavy_experts_spec(ep: int, devices: int = 4, **changes):
     """A tiny MoE whose experts outweigh the rest of each block (16 experts of width 512), fp32, as the CPU runs it."""
-    from lightning_npu.facts.options import FSDPOptions
     from lightning_npu.plan import PlanSpec
 
     profile = lightning_npu_memory_profile({"family": "moe", "preset": "tiny",
                                             "config": dict(n_experts=16, expert_hidden_dim=512)})
     settings = dict(model=profile.shape, profile=profile.with_expert_parallelism(ep), seq_len=32, micro_batch=2,
-                    devices=devices, precision="32-true", zero_stage=3, kernels="reference", optimizer="per-tensor",
+                    devices=devices, precision="32-true", kernels="reference", optimizer="per-tensor",
                     hccl_buffsize_mb=0.0, workspace_gib=0.0, fragmentation=0.0)
     return PlanSpec(**{**settings, **changes})
 
@@ -626,8 +625,8 @@ def test_tensor_parallelism_on_moe_models_is_refused_where_the_design_cannot_spl
         _tp_spec(tp=2, ep=4, devices=2, overrides={})
     moe = lightning_npu_memory_profile({"family": "moe", "preset": "tiny"}).with_expert_parallelism(2)
     with pytest.raises(PlanError, match=r"expert_parallel_size=2 works with sharding='full' only"):
-        PlanSpec(model=moe.shape, profile=moe, seq_len=64, micro_batch=1, devices=2, nodes=2, sharding="hybrid",
-                 options=FSDPOptions(tensor_parallel_size=2))
+        PlanSpec(model=moe.shape, profile=moe, seq_len=64, micro_batch=1, devices=2, nodes=2,
+                 options=FSDPOptions(sharding="hybrid", tensor_parallel_size=2))
     deepseek = deepseek_profile({"family": "deepseek", "preset": "tiny"})
     with pytest.raises(PlanError, match=r"its attention is MLA, which the recipe's tensor-parallel plan does not"):
         PlanSpec(model=deepseek.shape, profile=deepseek, seq_len=64, micro_batch=1, devices=2,

@@ -263,12 +263,12 @@ def test_the_replay_never_frees_what_it_did_not_hold():
     from benchmarks.plan_accuracy import CASES, case_spec
     from lightning_npu.plan.stages import _RankReplay
 
-    specs = [dataclasses.replace(_spec(**pipeline), **extra)
+    specs = [dataclasses.replace(_spec(**pipeline, **options), **extra)
              for pipeline in (dict(size=2, microbatches=4), dict(size=2, schedule="ZBVZeroBubble", microbatches=4),
                               dict(size=2, schedule="Interleaved1F1B", microbatches=4),
                               dict(size=2, schedule="DualPipeV", microbatches=4),
                               dict(size=4, schedule="DualPipeV", microbatches=8))
-             for extra in ({}, {"cpu_offload": True}, {"accumulate_grad_batches": 2})]
+             for options, extra in (({}, {}), ({"cpu_offload": True}, {}), ({}, {"accumulate_grad_batches": 2}))]
     specs.append(case_spec({**CASES["moe_pp2_ep2"], "precision": "bf16-mixed"}))
     for spec in specs:
         for rank in range(spec.pipeline.size):

@@ -123,7 +123,7 @@ def check_tensor_parallel(options: FSDPOptions, model: ModelShapes, batch: Batch
 def check_context_parallel(options: FSDPOptions, model: ModelShapes, batch: BatchShapes = BatchShapes()) -> None:
     """ValueError unless ``options``' context-parallel ranks can split ``model``'s sequences of ``batch``: no
     multi-token prediction (it reads tokens another rank holds), and the heads and the sequence length that
-    ``context_parallel_algo`` needs (:func:`check_context_parallel_shapes`)."""
+    ``context_parallel_algo`` needs (:func:`check_context_parallel_shapes`, each that this reader knows)."""
     cp = options.context_parallel_size
     if cp == 1:
         return
@@ -133,33 +133,33 @@ def check_context_parallel(options: FSDPOptions, model: ModelShapes, batch: Batc
             f" tokens up to {model.mtp_layers} ahead of each, which at the end of a rank's part of a sequence another"
             " context-parallel rank holds; train it with context_parallel_size=1, or set mtp_layers=0"
         )
-    if model.n_heads is not None and batch.seq_len is not None:
-        check_context_parallel_shapes(cp, options.context_parallel_algo, heads=model.n_heads, seq_len=batch.seq_len,
-                                      tp=options.tensor_parallel_size)
+    check_context_parallel_shapes(cp, options.context_parallel_algo, heads=model.n_heads, seq_len=batch.seq_len,
+                                  tp=options.tensor_parallel_size)
 
 
-def check_context_parallel_shapes(cp: int, algo: str, *, heads: int, seq_len: int, tp: int = 1) -> None:
+def check_context_parallel_shapes(cp: int, algo: str, *, heads: Optional[int], seq_len: Optional[int],
+                                  tp: int = 1) -> None:
     """ValueError, with the numbers and the fix, unless ``cp`` context-parallel ranks can split a model of ``heads``
     query heads (before ``tp``-way tensor parallelism) and ``seq_len``-token sequences by ``algo`` (the kernels check
-    the same at run time). Any key/value head count works: Ulysses repeats key/value heads where cp does not divide
-    them."""
+    the same at run time; ``None``: unknown, not checked). Any key/value head count works: Ulysses repeats key/value
+    heads where cp does not divide them."""
     if cp == 1:
         return
     check_context_parallel_algo(algo)
     if algo == "ulysses":
-        if heads % (tp * cp):
+        if heads is not None and heads % (tp * cp):
             raise ValueError(
                 f"context_parallel_algo='ulysses' splits each rank's {heads} / tensor_parallel_size={tp} attention"
                 f" heads over context_parallel_size={cp} ranks, which needs heads % (tp x cp) == 0 ({heads} % {tp * cp}"
                 f" = {heads % (tp * cp)}); choose context_parallel_size (and tensor_parallel_size) whose product"
                 f" divides {heads}, or context_parallel_algo='ring' (any head count)"
             )
-        if seq_len % cp:
+        if seq_len is not None and seq_len % cp:
             raise ValueError(
                 f"seq_len={seq_len} does not split into context_parallel_size={cp} equal chunks (Ulysses gives each"
                 f" rank one); use a sequence length that is a multiple of {cp}"
             )
-    elif seq_len % (2 * cp):
+    elif seq_len is not None and seq_len % (2 * cp):
         raise ValueError(
             f"seq_len={seq_len} does not split into 2 x context_parallel_size = {2 * cp} equal chunks (ring attention"
             f" gives each rank one chunk from each end, so causal work is balanced); use a sequence length that is a"

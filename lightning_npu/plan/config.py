@@ -101,11 +101,8 @@ def load_spec(
             nodes=int(nodes if nodes is not None else settings["num_nodes"]),
             precision=canonical_precision(precision if precision is not None else settings["precision"]),
             accumulate_grad_batches=int(settings["accumulate_grad_batches"]),
-            zero_stage=options.zero_stage,
-            sharding=options.sharding,
             wrap_blocks=bool(wrap) or path is None,  # shapes alone: each block is an FSDP unit, as npu_fsdp advises
             ac_ratio=ratio,
-            cpu_offload=options.cpu_offload,
             kernels=kernels,
             optimizer=optimizer or ("adamw8bit" if class_arguments(model_section).get("optimizer") == "adamw8bit"
                                     else "fused"),

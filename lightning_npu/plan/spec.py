@@ -102,11 +102,8 @@ class PlanSpec:
     nodes: int = 1
     precision: str = "bf16-mixed"
     accumulate_grad_batches: int = 1
-    zero_stage: int = options.DEFAULT_ZERO_STAGE
-    sharding: str = options.DEFAULT_SHARDING
     wrap_blocks: bool = True
     ac_ratio: float = 0.0
-    cpu_offload: bool = False
     kernels: str = "fused"
     #: How AdamW steps (OPTIMIZERS): what it holds while stepping depends on it.
     optimizer: str = "fused"
@@ -116,8 +113,10 @@ class PlanSpec:
     device_memory_gib: float = CHIP_MEMORY_GIB[DEFAULT_PLAN_CHIP]
     chip: str = DEFAULT_PLAN_CHIP
     profile: Optional[DecoderProfile] = None
-    #: npu_fsdp's options: the planner reads its tensor, context and pipeline parallelism from them (``parallel``,
-    #: ``pipeline``); the defaults are plain sharding.
+    #: npu_fsdp's options, the planner's only declaration of them: it reads its ZeRO stage (the one the plan judges),
+    #: sharding, CPU offload, tensor, context and pipeline parallelism from them (``parallel``, ``pipeline``); the
+    #: defaults are plain sharding. (The blocks FSDP wraps and the share that recomputes are ``wrap_blocks`` and
+    #: ``ac_ratio``: what the planner models of the policies.)
     options: options.FSDPOptions = dataclasses.field(default_factory=options.FSDPOptions)
     #: P2P_HCCL_BUFFSIZE (MB, taken as MiB): the buffer each pipeline neighbour's point-to-point communicator holds
     #: twice.
@@ -131,8 +130,6 @@ class PlanSpec:
             raise PlanError(f"profile {self.profile.name!r} has the shape {self.profile.shape}, not {self.model}")
         check_positive_ints(self, ["seq_len", "micro_batch", "devices", "nodes", "accumulate_grad_batches"])
         object.__setattr__(self, "precision", canonical_precision(self.precision))
-        check_zero_stage(self.zero_stage)
-        checked(options.check_sharding, self.sharding)
         checked(options.check_activation_checkpointing_ratio, self.ac_ratio)
         if self.kernels not in KERNELS:
             raise PlanError(f"kernels={self.kernels!r} is not one of {', '.join(KERNELS)}")
@@ -159,6 +156,19 @@ class PlanSpec:
                 f" (first-generation 910) takes {', '.join(map(str, ATLAS_TRAINING_DEVICES_PER_SERVER))} devices per"
                 " server (two or four from the same half, 0-3 or 4-7); use 1, 2, 4 or 8 devices per node"
             )
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage the plan judges (npu_fsdp's ``zero_stage``; the table shows both)."""
+        return self.options.zero_stage
+
+    @property
+    def sharding(self) -> str:
+        return self.options.sharding
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self.options.cpu_offload
 
     @property
     def parallel(self) -> Parallelism:

@@ -127,10 +127,10 @@ class DecoderLM(LightningModule):
         trainer = compat.attached_trainer(self)
         options = getattr(trainer.strategy, "options", None) if trainer is not None else None
         self._pipelined = isinstance(options, FSDPOptions) and options.pipeline_parallel_size > 1
-        if self._pipelined:
-            # train.py checks this before workers start; a script building the module itself gets it here, on every
+        if isinstance(options, FSDPOptions):
+            # train.py checks these before workers start; a script building the module itself gets them here, on every
             # rank alike, before the split (where the load-balancing loss would fail in a second backward).
-            parallel_rules.check_pipeline(options, self.parallel_shapes())
+            parallel_rules.check(options, self.parallel_shapes())
         if self.model is None:
             with torch.device("meta") if _shards_parameters(self) else nullcontext():
                 self.model = self.family.model_class(self.config)
