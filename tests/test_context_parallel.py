@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from lightning_npu.facts.options import check_context_parallel_shapes
+from lightning_npu.facts.parallel_rules import check_context_parallel_shapes
 from tests.helpers import REPO, SCRIPTS, read_json, run_python
 from tests.recipe_runs import train_tiny
 from tests.test_kernels import _take_npu_branch, install_cann

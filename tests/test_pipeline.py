@@ -341,12 +341,12 @@ def _check(config: dict | None = None, data: str = "text", batch_size: int = 8, 
     from recipes.decoder.data import TextDataModule
     from recipes.decoder.module import DecoderLM
     from recipes.decoder.sft_data import SFTDataModule
-    from recipes.train import check_pipeline
+    from recipes.train import check_parallel_layout
 
     model = DecoderLM(family=family, preset="tiny", config=config or {})
     data_module = (TextDataModule if data == "text" else SFTDataModule)(batch_size=batch_size, seq_len=32)
     strategy = SimpleNamespace(options=FSDPOptions(pipeline_parallel_size=2, pipeline_microbatches=4, **options))
-    check_pipeline(model, data_module, SimpleNamespace(strategy=strategy))
+    check_parallel_layout(model, data_module, SimpleNamespace(strategy=strategy))
 
 
 @pytest.mark.parametrize("config, data, batch_size, family, problem", [

@@ -26,7 +26,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
 
 from lightning_npu import compat
+from lightning_npu.facts import parallel_rules
 from lightning_npu.facts.options import FSDPOptions
+from lightning_npu.facts.parallel_rules import ModelShapes
 from lightning_npu.optim import AdamW8bit
 from lightning_npu.parallel import ParallelPlan
 from lightning_npu.parallel.tensor import local_tensor
@@ -41,6 +43,7 @@ from recipes.decoder.lora import (
     is_adapter_name,
     quantized_base_state,
 )
+from recipes.decoder.tensor_parallel import model_shapes
 
 
 #: The recipe's ``model.optimizer`` choices.
@@ -124,32 +127,19 @@ class DecoderLM(LightningModule):
         trainer = compat.attached_trainer(self)
         options = getattr(trainer.strategy, "options", None) if trainer is not None else None
         self._pipelined = isinstance(options, FSDPOptions) and options.pipeline_parallel_size > 1
-        if self._pipelined:
-            # train.py checks this before workers start; a script building the module itself gets it here, on every
+        if isinstance(options, FSDPOptions):
+            # train.py checks these before workers start; a script building the module itself gets them here, on every
             # rank alike, before the split (where the load-balancing loss would fail in a second backward).
-            problems = self.pipeline_problems()
-            if problems:
-                raise ValueError(f"pipeline_parallel_size={options.pipeline_parallel_size} cannot run this model: "
-                                 + "; ".join(problems))
+            parallel_rules.check(options, self.parallel_shapes())
         if self.model is None:
             with torch.device("meta") if _shards_parameters(self) else nullcontext():
                 self.model = self.family.model_class(self.config)
                 if self.lora is not None:
                     add_lora(self.model, self.lora)  # before the strategy wraps it: FSDP2 copies requires_grad
 
-    def pipeline_problems(self) -> list[str]:
-        """What of this model a pipeline cannot split, each with the fix (empty when it can)."""
-        config = self.config
-        return [problem for given, problem in (
-            (getattr(config, "tie_embeddings", False), "model.config.tie_embeddings=true: the embedding (first stage)"
-             " and the head (last stage) would be one matrix on two ranks; train it untied"),
-            (getattr(config, "mtp_layers", 0), f"model.config.mtp_layers={getattr(config, 'mtp_layers', 0)}:"
-             " multi-token prediction runs the embedding again after the last block, on the last stage; set"
-             " mtp_layers=0"),
-            (getattr(config, "router_aux_loss_coef", 0), f"model.config.router_aux_loss_coef="
-             f"{getattr(config, 'router_aux_loss_coef', 0)}: the load-balancing loss sums the routing of MoE layers"
-             " that lie on different stages; set it to 0 (router_bias_update_rate balances without a loss)"),
-        ) if given]
+    def parallel_shapes(self) -> ModelShapes:
+        """What the parallel rules read of this model (``lightning_npu.facts.parallel_rules``)."""
+        return model_shapes(self.config, lora=self.lora is not None)
 
     def parallel_plan(self) -> ParallelPlan:
         """How the model splits over ranks under ``npu_fsdp`` (``lightning_npu.parallel.protocol``): the model's own

@@ -27,6 +27,7 @@ stages beside its own, and a context-parallel rank holds part of each completion
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator, Optional
 
@@ -34,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_npu import compat
+from lightning_npu.facts.parallel_rules import ModelShapes
 from recipes.decoder.lora import LoRALinear, StackedLoRA
 from recipes.decoder.module import DecoderLM, _shards_parameters
 from recipes.posttrain.dpo_loss import check_loss_type, pair_losses
@@ -82,15 +84,16 @@ class DPOLM(DecoderLM):
                 self.reference = self.family.model_class(self.config)
             self.reference.requires_grad_(False)
 
-    def pipeline_problems(self) -> list[str]:
-        return super().pipeline_problems() + [
-            "DPO scores every sequence with the policy and the reference, which a pipeline would have to split and"
-            " schedule side by side; train DPO with data, tensor or sharded parallelism"]
-
-    def context_parallel_refusal(self) -> str:
-        """Why context parallelism cannot run DPO (``train.py`` raises it before workers start)."""
-        return ("DPO sums each completion's log-probs whole, and a context-parallel rank holds only part of every"
-                " sequence; train DPO with data, tensor or sharded parallelism")
+    def parallel_shapes(self) -> ModelShapes:
+        """The model's shapes, and the layouts DPO's loss cannot run (``train.py`` and every rank refuse them)."""
+        return dataclasses.replace(
+            super().parallel_shapes(),
+            pipeline_refusals=("DPO scores every sequence with the policy and the reference, which a pipeline would"
+                               " have to split and schedule side by side; train DPO with data, tensor or sharded"
+                               " parallelism",),
+            context_parallel_refusals=("DPO sums each completion's log-probs whole, and a context-parallel rank holds"
+                                       " only part of every sequence; train DPO with data, tensor or sharded"
+                                       " parallelism",))
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
