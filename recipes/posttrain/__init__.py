@@ -1,0 +1,1 @@
+"""Post-training objectives on the decoder recipes: DPO and GRPO (TRL's formats and losses)."""
