@@ -77,9 +77,10 @@ def test_loss_and_gradients_equal_trl(loss_type, beta, off_policy, epsilon_high)
                      max_completion_length=LENGTH + 3, num_items_in_batch=mask.sum() * 2, accumulation_steps=2,
                      steps_per_generation=2)
     ours.backward()
-    assert ours.item() == pytest.approx(theirs.item(), rel=1e-12, abs=1e-14)
+    # token_logprobs computes in fp32; everything after it in float64, so the two differ by summation order only.
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-8)
     assert ours_logits.grad.abs().sum() > 0
-    torch.testing.assert_close(ours_logits.grad, theirs_logits.grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(ours_logits.grad, theirs_logits.grad, rtol=1e-5, atol=1e-8)
 
 
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
@@ -104,7 +105,7 @@ def test_token_logprobs_are_zero_at_ignored_labels_and_log_softmax_elsewhere():
     labels = torch.tensor([[1, -100, 4], [0, 2, -100]])
     logps = token_logprobs(logits, labels)
     assert logps.shape == (2, 3) and logps[0, 1] == 0 and logps[1, 2] == 0
-    assert logps[0, 2] == pytest.approx(torch.log_softmax(logits[0, 2], -1)[4].item())
+    assert logps[0, 2].item() == pytest.approx(torch.log_softmax(logits[0, 2], -1)[4].item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("option, message", [({"loss_type": "ppo"}, "loss_type='ppo'"),

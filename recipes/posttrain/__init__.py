@@ -1,1 +1,2 @@
-"""Post-training objectives on the decoder recipes: DPO and GRPO (TRL's formats and losses)."""
+"""Post-training objectives on the decoder recipes' machinery (model families, LoRA, strategies, checkpoints): DPO
+(``dpo.py``, its data ``preference_data.py``), and what the objectives share (``logprobs.py``)."""

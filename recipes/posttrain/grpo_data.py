@@ -27,11 +27,15 @@ class PromptDataModule(L.LightningDataModule):
         tokenizer: a Hugging Face tokenizer directory; prompts are encoded with it (BOS as the tokenizer adds).
         batch_size: completions per rank and step; a multiple of ``num_generations``.
         num_generations: completions per prompt (the model's, linked by the CLI).
+        seq_len: the longest prompt + completion, in tokens (the planner's sequence length): a prompt longer than
+            ``seq_len - max_completion_length`` is refused here, before training starts.
+        max_completion_length: the model's (linked by the CLI).
         seed: the shuffle's seed.
     """
 
     def __init__(self, path: str = str(TOY_PROMPTS), tokenizer: str = "recipes/assets/tokenizer", batch_size: int = 8,
-                 num_generations: int = 8, seed: int = 1234) -> None:
+                 num_generations: int = 8, seq_len: int = 256, max_completion_length: int = 256,
+                 seed: int = 1234) -> None:
         super().__init__()
         if num_generations < 1 or batch_size % num_generations:
             raise ValueError(f"data.batch_size={batch_size} (completions per rank and step) does not divide by"
@@ -41,6 +45,13 @@ class PromptDataModule(L.LightningDataModule):
         self.num_generations = num_generations
         self.rows = read_prompts(path)
         self.tokenizer = load_tokenizer(tokenizer)
+        self.seq_len = seq_len
+        self.prompt_ids = [self.tokenizer(row["prompt"])["input_ids"] for row in self.rows]
+        longest = max(range(len(self.rows)), key=lambda i: len(self.prompt_ids[i]))
+        if len(self.prompt_ids[longest]) + max_completion_length > seq_len:
+            raise ValueError(f"{path} row {longest + 1} has a prompt of {len(self.prompt_ids[longest])} tokens, and"
+                             f" with max_completion_length={max_completion_length} it exceeds data.seq_len={seq_len};"
+                             " raise seq_len (within the model's max_seq_len), shorten the prompt or the completions")
         self._sampler: Optional[ResumableDistributedSampler] = None
         self._resume_state: Optional[dict[str, Any]] = None
 
@@ -54,18 +65,20 @@ class PromptDataModule(L.LightningDataModule):
         if len(self.rows) < self.prompts_per_step * world:
             raise ValueError(f"{self.path} holds {len(self.rows)} prompts, fewer than one step takes"
                              f" ({self.prompts_per_step} per rank x {world} ranks); add prompts or lower batch_size")
-        sampler = ResumableDistributedSampler(self.rows, num_replicas=world, rank=rank, seed=self.seed)
+        indices = list(range(len(self.rows)))
+        sampler = ResumableDistributedSampler(indices, num_replicas=world, rank=rank, seed=self.seed)
         if self._resume_state:
             sampler.epoch, sampler.start = int(self._resume_state["epoch"]), int(self._resume_state["consumed"])
             self._resume_state = None
         self._sampler = sampler
-        return ResumableDataLoader(self.rows, batch_size=self.prompts_per_step, sampler=sampler, drop_last=True,
+        return ResumableDataLoader(indices, batch_size=self.prompts_per_step, sampler=sampler, drop_last=True,
                                    collate_fn=self.collate)
 
-    def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def collate(self, indices: list[int]) -> dict[str, Any]:
         """``prompt_ids`` (one 1-D tensor a prompt) and the rows' columns as lists."""
-        columns = {key: [row[key] for row in rows] for key in rows[0]}
-        ids = [torch.tensor(self.tokenizer(row["prompt"])["input_ids"], dtype=torch.long) for row in rows]
+        rows = [self.rows[i] for i in indices]
+        columns = {key: [row.get(key) for row in rows] for key in rows[0]}
+        ids = [torch.tensor(self.prompt_ids[i], dtype=torch.long) for i in indices]
         return {"prompt_ids": ids, **columns}
 
     def state_dict(self) -> dict[str, Any]:

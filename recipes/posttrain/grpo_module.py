@@ -158,15 +158,30 @@ class GRPOModule(DecoderLM):
         return torch.cat(rows)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # The rollout state: a resume between the iterations of one rollout phase trains on the same rollouts.
-        checkpoint["grpo_rollout"] = None if self._rollout is None else {
-            key: value.cpu() if isinstance(value, Tensor) else [v.cpu() for v in value] if isinstance(value, list)
-            else value for key, value in self._rollout.items()}
+        # The rollout state, every rank's (they rolled out different prompts): a resume between the iterations of one
+        # rollout phase trains on the same rollouts. The sampling stream needs no state: it is drawn from the seed,
+        # the rank and the step (_sampling_generator). Every rank runs this hook, so the gather is safe.
+        import torch.distributed as dist
+
+        local = None if self._rollout is None else _to_device(self._rollout, "cpu")
+        gathered = [local]
+        if dist.is_available() and dist.is_initialized():
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, local)
+        checkpoint["grpo_rollouts"] = gathered
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        self._rollout = checkpoint.get("grpo_rollout")
-        if self._rollout is not None:
-            self._rollout = {key: value.to(self.device) if isinstance(value, Tensor) else
-                             [v.to(self.device) for v in value] if isinstance(value, list) else value
-                             for key, value in self._rollout.items()}
+        saved = checkpoint.get("grpo_rollouts") or []
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if len(saved) != world:  # another number of ranks: their prompts differ, so the next step rolls out anew
+            self._rollout = None
+            return
+        rank = self.global_rank if self._trainer is not None else 0
+        self._rollout = None if saved[rank] is None else _to_device(saved[rank], self.device)
+
+
+def _to_device(rollout: dict[str, Any], device: Any) -> dict[str, Any]:
+    """The rollout state's tensors (and lists of them) on ``device``."""
+    move = lambda value: value.to(device) if isinstance(value, Tensor) else value
+    return {key: [move(v) for v in value] if isinstance(value, list) else move(value) for key, value in rollout.items()}

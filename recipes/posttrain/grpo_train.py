@@ -29,9 +29,13 @@ class GRPOCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.link_arguments("data.tokenizer", "model.tokenizer_path")
         parser.link_arguments("model.num_generations", "data.num_generations")
+        parser.link_arguments("model.max_completion_length", "data.max_completion_length")
 
     def before_fit(self) -> None:
         check_rewards(self.model, self.datamodule)
+        if self.datamodule.seq_len > self.model.config.max_seq_len:
+            raise ValueError(f"data.seq_len={self.datamodule.seq_len} exceeds the model's max_seq_len="
+                             f"{self.model.config.max_seq_len}; lower it or max_completion_length")
 
 
 def check_rewards(model: GRPOModule, data: PromptDataModule) -> None:

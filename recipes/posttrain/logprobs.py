@@ -1,18 +1,14 @@
-"""Per-token log-probabilities of labels under logits, the quantity DPO and GRPO losses are built from."""
+"""Per-token log-probabilities of target tokens, the quantity every post-training objective is built from."""
 
 from __future__ import annotations
 
-import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
 def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
-    """``log p(labels[b, t] | logits[b, t])`` [batch, seq], in float32 at least (bf16 logits are upcast, float64 kept);
-    positions labelled -100 give 0.
-
-    ``logits`` [batch, seq, vocab] and ``labels`` [batch, seq] are already aligned (the logits at ``t`` score the
-    label at ``t``): shift before calling for next-token prediction."""
-    keep = labels != -100
-    logps = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    picked = logps.gather(-1, labels.masked_fill(~keep, 0).unsqueeze(-1)).squeeze(-1)
-    return picked * keep
+    """``log p(labels[b, t] | logits[b, t])`` as [B, T] fp32, 0 where ``labels`` is -100. ``labels`` are aligned
+    with ``logits`` (already shifted: position t's logits score token t + 1 of the sequence)."""
+    batch, length = labels.shape
+    flat = logits.reshape(batch * length, -1).float()
+    return -F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="none").view(batch, length)
