@@ -3,6 +3,8 @@ EOS, reward functions load by import path and bad ones are named before training
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from recipes.posttrain.grpo_data import PromptDataModule
 from recipes.posttrain.rewards import (digits_reward, load_reward_function, math_answer_reward, score,
                                        think_format_reward, total_reward)
 from recipes.posttrain.rollout import PolicyRolloutEngine, SamplingOptions
+from tests.helpers import SCRIPTS, run_python
 from tests.test_generate import config, random_model
 
 
@@ -88,3 +91,17 @@ def test_beta_without_a_reference_and_bad_sampling_are_refused():
         GRPOModule(beta=0.04)
     with pytest.raises(ValueError, match="top_p=0"):
         SamplingOptions(top_p=0)
+
+
+@pytest.mark.slow
+def test_sharded_rollouts_gather_each_unit_once_and_equal_generate_py():
+    """Under FSDP2 on 2 gloo ranks the engine's greedy completions are generate.py's on the unsharded model; the rollout
+    phase all-gathers each sharded block once (plain FSDP2 decoding gathers them at every token), and the blocks are
+    sharded again afterwards, with their reshard_after_forward as before."""
+    out = run_python([str(SCRIPTS / "grpo_rollout_fsdp.py")], simulate=2, timeout=300)
+    result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
+    assert result["completions"] == [row for row in result["expected"] for _ in range(2)]
+    assert result["plain_fsdp_completion"] == result["expected"][0]
+    assert result["rollout_gathers"] == result["sharded_blocks"]
+    assert result["per_forward_gathers"] >= 6 * result["sharded_blocks"]
+    assert result["flags_after"] == result["flags_before"] == [[True, False]] * result["sharded_blocks"]
