@@ -18,6 +18,8 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "recipes" / "models").gl
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.name)
 def test_every_shipped_config_parses_and_builds_its_module(config, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["train.py"])  # LightningCLI warns when pytest's own arguments are there too
+    if config.name.endswith("_grpo.yaml"):  # recipes/posttrain/train_grpo.py's configs
+        return _check_grpo_config(config, capsys)
     # A post-training config (its data a recipes.posttrain class) runs through its objective's command
     # (recipes/posttrain/train_dpo.py), the others through train.py.
     data_class = ((yaml.safe_load(config.read_text()).get("data") or {}).get("class_path") or "")
@@ -36,6 +38,18 @@ def test_every_shipped_config_parses_and_builds_its_module(config, capsys, monke
     if config.name == "tiny_sft_lora.yaml":  # no path given: SFTDataModule's own default, not the text data's
         assert printed["data"]["init_args"]["path"].endswith("assets/instructions.jsonl")
         assert printed["data"]["init_args"]["val_fraction"] == 0.05
+
+
+def _check_grpo_config(config, capsys):
+    from recipes.posttrain import train_grpo
+    from recipes.posttrain.grpo_module import GRPOModule
+
+    with pytest.raises(SystemExit) as exited:
+        train_grpo.main(["fit", "--config", str(config), "--print_config"])
+    assert exited.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    module = GRPOModule(**{**printed["model"], "init_from": None})  # a real run's init_from is a path on the cluster
+    assert module.config.max_seq_len >= printed["data"]["seq_len"]
 
 
 def test_the_fine_tuning_configs_are_the_ones_the_readme_names():
