@@ -143,14 +143,25 @@ def test_settings_objects_accept_only_recorded_attributes(fake):
     assert ("npu.config.allow_internal_format", {"value": False}) in fake.calls
 
 
-def test_install_is_undone_with_the_monkeypatch():
+def test_install_is_undone_with_the_monkeypatch_and_torch_accelerator_works_after_it():
+    """Catches the fake leaving "npu" as torch's accelerator with no ``torch.npu`` behind it: after a fake test,
+    ``torch.accelerator.is_available()`` raised "Device 'npu' does not have a corresponding module registered as
+    'torch.npu'" (PEFT's infer_device, torch.utils.checkpoint's default device ask it). While installed, torch
+    finds the fake as the real torch_npu registers itself; afterwards it finds no accelerator and no device, as in
+    a process without torch_npu, and nothing else of the fake."""
     with pytest.MonkeyPatch.context() as mp:
         install_fake_torch_npu(mp)
+        fake = install_fake_torch_npu(mp, device_count=2)  # a second install in one test: torch finds the last one
+        import torch.npu as registered
         import torch_npu
 
-        assert torch.npu is torch_npu.npu
-    with pytest.raises(AttributeError):
-        torch.npu
+        assert torch.npu is torch_npu.npu is registered is torch.get_device_module("npu")
+        assert torch.accelerator.is_available() and torch.accelerator.device_count() == 2
+    assert fake.npu is not torch.get_device_module("npu")
+    assert not torch.accelerator.is_available() and torch.accelerator.device_count() == 0
+    assert torch.accelerator.current_accelerator(check_available=True) is None
+    with pytest.raises(AttributeError, match="no torch_npu in this process"):
+        torch.npu.set_device(0)
     with pytest.raises(ImportError):
         import torch_npu  # noqa: F401,F811
 

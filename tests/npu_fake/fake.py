@@ -116,18 +116,47 @@ def signature_from_params(params: list[dict[str, Any]]) -> inspect.Signature:
 
 
 def ensure_npu_device_type() -> None:
-    """Make ``torch.device("npu", i)`` constructible by renaming the PrivateUse1 backend to "npu".
+    """Make ``torch.device("npu", i)`` constructible by renaming the PrivateUse1 backend to "npu", and register a
+    ``torch.npu`` for the name, as ``import torch_npu`` does (``torch._register_device_module``).
 
-    torch allows this rename once per process and never undoes it, so it is done at most once here.
+    torch allows the rename once per process and never undoes it, so it is done at most once here. From then on
+    torch counts "npu" as the process's accelerator: ``torch.accelerator`` (and PEFT, torch.utils.checkpoint through
+    it) asks ``torch.npu``, so one must stay registered after a fake test has uninstalled the fake. Between fake tests
+    it is ``_NO_TORCH_NPU``, which answers ``torch.accelerator.is_available()`` and ``device_count()`` as a process
+    without torch_npu does: no accelerator, no device.
     Do not run it in a process that later uses ``dist.barrier`` or DCP on CPU (gloo): multi-process
     tests run in subprocesses, which never install the fake.
     """
     name = torch._C._get_privateuse1_backend_name()
-    if name == "npu":
-        return
-    if name != "privateuseone":
+    if name == "privateuseone":
+        torch.utils.rename_privateuse1_backend("npu")
+    elif name != "npu":
         raise RuntimeError(f"PrivateUse1 is already renamed to {name!r}; the fake torch_npu needs it as 'npu'")
-    torch.utils.rename_privateuse1_backend("npu")
+    if getattr(torch, "npu", None) is None:
+        torch._register_device_module("npu", _NO_TORCH_NPU)
+
+
+class _NoTorchNPU(types.ModuleType):
+    """``torch.npu`` while no fake is installed: no device, and nothing else (a call meant for the fake fails)."""
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        raise AttributeError(
+            f"torch.npu.{attr}: no torch_npu in this process (the strict fake renamed PrivateUse1 to 'npu' for good;"
+            " install_fake_torch_npu installs the fake torch.npu for a test)"
+        )
+
+    @staticmethod
+    def is_available() -> bool:
+        return False
+
+    @staticmethod
+    def device_count() -> int:
+        return 0
+
+
+_NO_TORCH_NPU = _NoTorchNPU("torch.npu")
 
 
 class _StrictModule(types.ModuleType):
@@ -701,7 +730,7 @@ def install_fake_torch_npu(
 
     ``total_memory`` is in bytes per device; ``cann_version`` the CANN the fused ops run on (None: a current one;
     the code under test reads the installed CANN from disk, so a test sets that up too). Also renames PrivateUse1 to "npu" (once per process,
-    irreversibly) so ``torch.device("npu", i)`` can be built.
+    irreversibly) so ``torch.device("npu", i)`` can be built (``ensure_npu_device_type``).
     """
     ensure_npu_device_type()
     fake = FakeTorchNPU(
@@ -716,7 +745,13 @@ def install_fake_torch_npu(
     monkeypatch.setitem(sys.modules, "torch_npu.npu", fake.npu)
     monkeypatch.setitem(sys.modules, "torch_npu.npu.amp", fake.npu.amp)
     monkeypatch.setitem(sys.modules, "torch_npu.profiler", fake.torch_npu.profiler)
-    monkeypatch.setattr(torch, "npu", fake.npu, raising=False)
+    monkeypatch.setattr(torch, "npu", fake.npu)  # as torch._register_device_module("npu", torch_npu.npu) does
+    monkeypatch.setitem(sys.modules, "torch.npu", fake.npu)
+    # torch.get_device_module (torch.accelerator's way to torch.npu) caches what it finds for good, which torch_npu's
+    # module is; this test's fake is not: looked up afresh while installed, the cache keeps _NO_TORCH_NPU. (A second
+    # install in one test finds the uncached function already there.)
+    uncached = getattr(torch.get_device_module, "__wrapped__", torch.get_device_module)
+    monkeypatch.setattr(torch, "get_device_module", uncached)
     scaler = fake.api.get("sharded_grad_scaler") or {}
     if scaler.get("replaces"):
         # What importing torch_npu does (its distributed patches): FSDP's scaler name becomes torch_npu's class.
