@@ -279,7 +279,7 @@ def test_packed_forward_takes_boundaries_as_a_tensor_and_explicit_positions_alik
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"position_ids": torch.zeros(2, 8, dtype=torch.long)}, "position_ids are read only with cu_seqlens"),
+        ({"position_ids": torch.zeros(2, 9, dtype=torch.long)}, "must match tokens"),
         ({"cu_seqlens": [0, 3, 3, 16]}, "rise strictly"),
         ({"cu_seqlens": [0, 8, 12]}, "end at the token count T=16"),
         ({"cu_seqlens": [0, 16], "position_ids": torch.zeros(16, dtype=torch.long)}, "must match tokens"),
