@@ -85,6 +85,8 @@ _TRAINER_DDP = "lightning.pytorch.strategies:DDPStrategy"
 _FABRIC_DDP = "lightning.fabric.strategies:DDPStrategy"
 _TRAINER_FSDP2 = "lightning.pytorch.strategies:ModelParallelStrategy"
 _FABRIC_FSDP2 = "lightning.fabric.strategies:ModelParallelStrategy"
+_TRAINER_FSDP1 = "lightning.pytorch.strategies:FSDPStrategy"
+_FABRIC_FSDP1 = "lightning.fabric.strategies:FSDPStrategy"
 _FSDP2_MODULE = "torch.distributed.fsdp:FSDPModule"
 _FSDP2_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState"
 _FSDP2_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup"
@@ -129,6 +131,12 @@ CHECK_STRATEGY_AND_FALLBACK = "_check_strategy_and_fallback"
 CHECK_AND_INIT_PRECISION = "_check_and_init_precision"
 #: The first check of the arguments, where Lightning refuses a precision it does not know.
 CHECK_CONFIG = "_check_config_and_set_final_flags"
+#: The connector's choice for ``accelerator="auto"`` (tpu, mps, cuda, else cpu), which ``connectors.py`` extends to
+#: the NPUs (a static method on both connectors).
+CHOOSE_AUTO_ACCELERATOR = "_choose_auto_accelerator"
+#: Connector method choosing the cluster environment (TorchElastic -> SLURM -> LSF -> MPI), which
+#: ``lightning_patches/cluster.py`` wraps to try the Ascend ones in their places.
+CHOOSE_CLUSTER_ENVIRONMENT = "_choose_and_init_cluster_environment"
 
 #: The training loop's per-batch broadcast of Lightning's SIGTERM flag, which ``preemption.py`` skips for NPU strategies.
 BROADCAST_SIGTERM = "_broadcast_sigterm_tensor"
@@ -166,7 +174,10 @@ OVERRIDDEN = (
 #: Everything else, read or written through the accessors below.
 ACCESSED = (
     *(Fenced(owner, method) for owner in (_TRAINER_CONNECTOR, _FABRIC_CONNECTOR)
-      for method in (CHOOSE_STRATEGY, CHECK_STRATEGY_AND_FALLBACK, CHECK_AND_INIT_PRECISION, CHECK_CONFIG)),
+      for method in (CHOOSE_STRATEGY, CHECK_STRATEGY_AND_FALLBACK, CHECK_AND_INIT_PRECISION, CHECK_CONFIG,
+                     CHOOSE_CLUSTER_ENVIRONMENT)),
+    *(Fenced(owner, CHOOSE_AUTO_ACCELERATOR) for owner in (_TRAINER_CONNECTOR, _FABRIC_CONNECTOR)),
+    *(Fenced(owner, "_cluster_environment_flag", instance=True) for owner in (_TRAINER_CONNECTOR, _FABRIC_CONNECTOR)),
     *(Fenced(_TRAINER_CONNECTOR, trainer, instance=True) for _, trainer, _ in _CONNECTOR_FIELDS),
     *(Fenced(_FABRIC_CONNECTOR, fabric, instance=True) for _, _, fabric in _CONNECTOR_FIELDS),
     *(Fenced(owner, "_ddp_kwargs", instance=True) for owner in (_TRAINER_DDP, _FABRIC_DDP)),
@@ -175,6 +186,13 @@ ACCESSED = (
     *(Fenced(owner, name, instance=True) for owner in (_TRAINER_FSDP2, _FABRIC_FSDP2)
       for name in ("_device_mesh", "_save_distributed_checkpoint")),
     Fenced(_TRAINER_FSDP2, "_launcher", instance=True),
+    # What Lightning's own sharded strategies were given (``strategies/from_lightning.py`` maps them to npu_fsdp).
+    *(Fenced(owner, name, instance=True) for owner in (_TRAINER_FSDP1, _FABRIC_FSDP1)
+      for name in ("_activation_checkpointing_kwargs", "_state_dict_type", "_timeout", "_process_group_backend")),
+    Fenced(_FABRIC_FSDP1, "_fsdp_kwargs", instance=True),
+    *(Fenced(owner, name, instance=True) for owner in (_TRAINER_FSDP2, _FABRIC_FSDP2)
+      for name in ("_data_parallel_size", "_tensor_parallel_size")),
+    Fenced("torch.distributed.fsdp.wrap:ModuleWrapPolicy", "_module_classes", instance=True),
     *(Fenced(owner, "_setup_distributed") for owner in (_TRAINER_FSDP2, _FABRIC_FSDP2)),
     Fenced(_FABRIC_FSDP2, "_backward_sync_control", instance=True),
     Fenced("lightning.pytorch:LightningModule", "_device_mesh", instance=True),
@@ -316,6 +334,42 @@ class ConnectorState:
 def connector_state(connector: Any) -> ConnectorState:
     column = 1 if isinstance(connector, TrainerConnector) else 2
     return ConnectorState(**{field[0]: getattr(connector, field[column]) for field in _CONNECTOR_FIELDS})
+
+
+def cluster_environment_given(connector: Any) -> Any:
+    """The cluster environment the user passed in ``plugins=`` (or a strategy carried), else None or a string."""
+    return connector._cluster_environment_flag
+
+
+def set_connector_strategy(connector: Any, strategy: Any) -> None:
+    """Replace the ``strategy=`` flag a Trainer or Fabric connector was given (before it builds the strategy)."""
+    connector._strategy_flag = strategy
+
+
+def fsdp1_kwargs(strategy: Any) -> dict[str, Any]:
+    """The ``FullyShardedDataParallel`` keyword arguments a Lightning ``FSDPStrategy`` (Trainer or Fabric) keeps:
+    ``auto_wrap_policy``, ``device_mesh``, ``use_orig_params`` and whatever else it was given."""
+    return strategy._fsdp_kwargs if hasattr(strategy, "_fsdp_kwargs") else strategy.kwargs
+
+
+def fsdp1_activation_checkpointing(strategy: Any) -> dict[str, Any]:
+    """A Lightning ``FSDPStrategy``'s activation checkpointing: ``{}``, ``{"auto_wrap_policy": policy}`` or
+    ``{"check_fn": fn}`` (the deprecated ``activation_checkpointing=`` classes, kept in ``fn``'s closure)."""
+    return strategy._activation_checkpointing_kwargs
+
+
+def fsdp1_state_dict_type(strategy: Any) -> str:
+    return strategy._state_dict_type
+
+
+def model_parallel_sizes(strategy: Any) -> tuple[Any, Any]:
+    """A Lightning ``ModelParallelStrategy``'s ``(data_parallel_size, tensor_parallel_size)``, each an int or "auto"."""
+    return strategy._data_parallel_size, strategy._tensor_parallel_size
+
+
+def wrap_policy_classes(policy: Any) -> set[type]:
+    """The module classes a torch ``ModuleWrapPolicy`` wraps."""
+    return set(policy._module_classes)
 
 
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:

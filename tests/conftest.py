@@ -13,16 +13,27 @@ import pytest  # noqa: E402
 
 import lightning_npu  # noqa: E402,F401 -- registers the accelerator and strategies
 from lightning_npu import runtime
+from tests import quick_tier
 from tests.helpers import stop_background
 from tests.prefetch import PREFETCHED
 from tests.recipe_runs import TRAINED_STEPS, TrainedRun, train_tiny
 
 #: The background fixtures the selected tests read (tests/prefetch.py), started when the session's first test is.
 _PREFETCH_NEEDED: set[str] = set()
+#: Every collected test's reason not to be in the quick tier (tests/quick_tier.py), selected by -m / -k or not.
+_QUICK_TIER_PROBLEMS: list[str] = []
+
+
+def pytest_itemcollected(item):
+    problem = quick_tier.problem(item)
+    if problem:
+        _QUICK_TIER_PROBLEMS.append(problem)
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k deselected what they deselect
 def pytest_collection_modifyitems(items):
+    if _QUICK_TIER_PROBLEMS:
+        raise pytest.UsageError("\n".join(_QUICK_TIER_PROBLEMS))
     _PREFETCH_NEEDED.update(PREFETCHED.reorder(items))
 
 

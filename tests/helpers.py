@@ -80,6 +80,21 @@ def run_python(args: list[str], *, simulate: Optional[int] = 2, env: Optional[di
     return proc
 
 
+def outputs_of(procs: list[subprocess.Popen]) -> tuple[list[int], list[str]]:
+    """The exit codes and combined outputs of processes started together (text, stdout piped), each waited for at
+    most ``SUBPROCESS_TIMEOUT_S``; any still running when this returns or fails is killed."""
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=SUBPROCESS_TIMEOUT_S)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [proc.returncode for proc in procs], outputs
+
+
 def free_port() -> int:
     """A TCP port free on this machine now (other runs here may hold Lightning's default one)."""
     import socket

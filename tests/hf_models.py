@@ -71,7 +71,7 @@ def assert_lora_exports_give_the_recipe_logits(tmp_path, hf_base, ours, lora, ad
         expected = ours.eval()(ids)
         base = transformers.AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32).eval()
         assert (base(ids).logits - expected).abs().max() > 1e-2  # the adapters matter
-        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft", torch_device="cpu").eval()
         torch.testing.assert_close(adapted(ids).logits, expected, rtol=0, atol=1e-5)
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
         torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-5)

@@ -64,6 +64,10 @@ class Prefetched:
 
         return register
 
+    def __contains__(self, name: str) -> bool:
+        """Whether ``name`` is a background fixture of this registry."""
+        return name in self._bodies
+
     def start(self, names: set[str], tmp_path_factory: pytest.TempPathFactory) -> None:
         """Start the bodies of ``names`` in background threads, ``CONCURRENT`` at a time, longest first."""
         queue = [name for name in self._order if name in names and name not in self._futures]

@@ -126,6 +126,10 @@ def test_sharded_checkpoint_loads_without_the_strategy(tmp_path, uninterrupted):
                           cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
+    # Its two steps, each a line as it starts and as it ends (stderr is a pipe here).
+    assert f"consolidate [1/2] read {ckpt} ...\n" in proc.stderr, proc.stderr
+    assert re.search(rf"^consolidate \[1/2\] read {re.escape(str(ckpt))} \.\.\. [\d.]+ MiB in \d+ files [\d.]+ s\n"
+                     rf"consolidate \[2/2\] write {re.escape(str(output))} \.\.\.\n", proc.stderr, re.MULTILINE)
     checkpoint = torch.load(output, map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] == 3 and checkpoint["epoch"] == 0
     plain = Regression()

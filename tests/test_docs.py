@@ -19,6 +19,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import pytest
 import yaml
 
 from tests.helpers import REPO
-from tools.generate_docs import BLOCKS, stale
+from tools.generate_docs import BLOCKS, raised, stale
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
@@ -127,12 +128,37 @@ def test_python_blocks_compile_and_their_imports_resolve(block):
 
 @pytest.mark.parametrize("block", _params(_of("yaml")))
 def test_yaml_blocks_parse(block):
-    assert isinstance(yaml.safe_load(block.text), dict), block.id
+    # A block that includes a repository file (pymdownx.snippets, base path the checkout) is that file's text.
+    include = re.fullmatch(r'--8<-- "([^"]+)"', block.text.strip())
+    text = (Path(__file__).resolve().parents[1] / include.group(1)).read_text() if include else block.text
+    assert isinstance(yaml.safe_load(text), dict), block.id
 
 
 def test_generated_blocks_are_current():
     """The options table and the error catalogue are what ``python tools/generate_docs.py`` writes now."""
     assert BLOCKS and not stale(), f"stale: {stale()}; run python tools/generate_docs.py"
+
+
+def test_the_error_catalogue_reads_an_error_helper_in_the_callers_words(tmp_path):
+    """``raise self.fail(field, value, why, fix)``: the row is the error the helper returns (class and message) with
+    the caller's arguments in place of the helper's parameter names, not a row for an error named ``self.fail``."""
+    module = tmp_path / "lightning_npu" / "table.py"
+    module.parent.mkdir()
+    module.write_text(textwrap.dedent('''
+        class Reader:
+            def fail(self, field, value, why, fix):
+                return SettingError(Problem(f"table: {field}={value!r} {why}", fix))
+
+            def read(self, version):
+                raise self.fail("version", version, "is not a version this reads", "give the file the scheduler wrote")
+    '''))
+    (row,) = raised(tmp_path)
+    assert (row.error, row.cause, row.fix, row.where) == (
+        "SettingError", "table: version={version} is not a version this reads", "Give the file the scheduler wrote",
+        "lightning_npu/table.py:read")
+    names_of_errors = {item.error for item in raised()}
+    assert all(re.fullmatch(r"[A-Za-z_][\w.]*", name) and not name.startswith("self.") for name in names_of_errors), \
+        sorted(names_of_errors)
 
 
 def test_the_readme_commands_are_what_ci_runs_and_the_tests_train():
@@ -168,9 +194,16 @@ def test_readme_links_point_at_files_and_stay_short():
     assert len(text) <= 12_000
 
 
+class _MkDocsConfigLoader(yaml.SafeLoader):
+    """mkdocs.yml as mkdocs reads it, the Python objects it names (``!!python/name:...``) kept as their names."""
+
+
+_MkDocsConfigLoader.add_multi_constructor("tag:yaml.org,2002:python/name:", lambda loader, suffix, node: suffix)
+
+
 def test_every_page_is_in_the_site_navigation():
     """mkdocs --strict (in .ci/run) fails on it too; this says so in the quick tier, without mkdocs installed."""
-    config = yaml.safe_load((REPO / "mkdocs.yml").read_text())
+    config = yaml.load((REPO / "mkdocs.yml").read_text(), Loader=_MkDocsConfigLoader)
 
     def pages(nav):
         for entry in nav:

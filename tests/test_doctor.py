@@ -364,7 +364,8 @@ def test_cli_modules_import_nothing_that_imports_torch():
     import lightning_npu.doctor
 
     package = Path(lightning_npu.__file__).parent
-    torch_free = ("lightning_npu.cli", "lightning_npu.doctor", "lightning_npu.facts", "lightning_npu.timeouts")
+    torch_free = ("lightning_npu.cli", "lightning_npu.cluster", "lightning_npu.doctor", "lightning_npu.facts",
+                  "lightning_npu.timeouts")
     cli = package / "cli"
     paths = [cli / "__init__.py", cli / "__main__.py", cli / "doctor.py", *sorted(Path(lightning_npu.doctor.__file__)
                                                                                .parent.glob("*.py"))]

@@ -14,7 +14,8 @@ from lightning_npu import NPUFabricFSDPStrategy, NPUFSDPStrategy
 from lightning_npu.parallel.expert import check_experts
 from lightning_npu.parallel.protocol import find_modules
 from recipes.models.moe.config import MoEConfig
-from recipes.models.moe.model import Experts, MoE
+from recipes.decoder.moe import Experts
+from recipes.models.moe.model import MoE
 from tests.helpers import SCRIPTS, read_json, run_python
 from tests.prefetch import PREFETCHED
 

@@ -233,19 +233,28 @@ def test_a_tied_hf_checkpoint_imports_with_one_embedding_and_exports_again(tmp_p
     torch.testing.assert_close(logits_of(again), logits_of(hf), atol=1e-5, rtol=0)
 
 
-def test_sharded_safetensors_export_round_trips(tmp_path):
+def test_sharded_safetensors_export_round_trips_showing_each_file(tmp_path, capsys):
+    """Also catches an export or a load (a run's init_from) silent for minutes on a large model: each file is one
+    progress line as it starts and one as it ends (stderr is no terminal here)."""
     config = recipe_config()
     ours = recipe_model(config)
     hf_checkpoint.save_hf_checkpoint(config, ours.state_dict(), tmp_path / "hf", max_shard_bytes=64 * 1024)
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
     assert len(shards) > 1 and all((tmp_path / "hf" / s).is_file() for s in shards)
+    written = capsys.readouterr().err
+    for i, shard in enumerate(sorted(shards), start=1):
+        assert f"write {tmp_path / 'hf'} [{i}/{len(shards)}] {shard} ...\n" in written
+        assert f"write {tmp_path / 'hf'} [{i}/{len(shards)}] {shard} ... done " in written
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     torch.testing.assert_close(logits_of(hf), logits_of(ours), atol=1e-5, rtol=0)
     config_back, state_back = hf_checkpoint.load_hf_checkpoint(tmp_path / "hf")
     assert config_back == config
     for name, tensor in ours.state_dict().items():
         assert torch.equal(state_back[name], tensor), name
+    read = capsys.readouterr().err
+    assert [line.split("] ")[1].split(" ...")[0] for line in read.splitlines() if " ... done " in line] == sorted(shards)
+    assert f"read {tmp_path / 'hf'}: {len(shards)}/{len(shards)} done in " in read
 
 
 def test_pytorch_bin_checkpoints_with_rotary_buffers_are_read(tmp_path):
@@ -397,6 +406,7 @@ def test_convert_runs_as_a_script_from_any_directory(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "r.ckpt").is_file()
+    assert f"read {tmp_path / 'hf'} [1/1] model.safetensors ... done " in result.stderr  # a line as it is read
 
 
 def test_a_config_json_without_a_key_the_recipe_needs_names_it():
@@ -415,7 +425,7 @@ def test_a_top_level_original_max_position_embeddings_is_read_as_transformers_re
     """transformers takes a top-level original_max_position_embeddings over rope_parameters' own; the recipe read
     only rope_parameters' (logits 4.1 off where they disagreed). Used where it alone is given, refused where the
     two disagree."""
-    from recipes.models.llama.hf import rope_from_hf
+    from recipes.decoder.hf_checkpoint import rope_from_hf
 
     llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0}

@@ -102,3 +102,46 @@ def test_no_modules_of_the_package_or_the_recipes_import_each_other_in_a_circle(
     the other, one of them inside a function): a circle's modules cannot be read, tested or moved one at a time, and
     which one finishes importing first depends on which a user imports first."""
     assert circles(import_graph(REPO)) == []
+
+
+def _family(module: str) -> str | None:
+    """The family folder ``module`` belongs to (``recipes.models.<family>...``), or None for a shared module."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["recipes", "models"] and len(parts) > 2 else None
+
+
+def arrows_between_families(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Each arrow from a family folder into another family's folder, or from a shared module of ``recipes/`` (the
+    decoder room, the scripts) into any family's: shared model code lives in ``recipes/decoder/``, and only
+    ``recipes/families.py`` names the families (by string, to import them on demand)."""
+    found = []
+    for module, imported in graph.items():
+        if not module.startswith("recipes"):
+            continue
+        for other in imported:
+            theirs = _family(other)
+            if theirs is not None and theirs != _family(module):
+                found.append((module, other))
+    return sorted(found)
+
+
+def test_arrows_between_families_sees_an_import_of_another_family_and_from_shared_code(tmp_path):
+    for folder in ("recipes/models/llama", "recipes/models/qwen", "recipes/decoder", "lightning_npu"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "recipes" / "models" / "llama" / "rotary.py").write_text("import torch\n")
+    (tmp_path / "recipes" / "models" / "llama" / "model.py").write_text("from .rotary import torch\n")
+    (tmp_path / "recipes" / "models" / "qwen" / "model.py").write_text("from recipes.models.llama.rotary import x\n")
+    (tmp_path / "recipes" / "decoder" / "lora.py").write_text("def f():\n    import recipes.models.qwen.model\n")
+    assert arrows_between_families(import_graph(tmp_path)) == [
+        ("recipes.decoder.lora", "recipes.models.qwen.model"),
+        ("recipes.models.qwen.model", "recipes.models.llama.rotary"),
+    ]
+
+
+def test_no_family_folder_imports_another_family_and_no_shared_module_imports_a_family():
+    """Catches DeepSeek importing the MoE family's layers or Qwen LLaMA's rotary helpers: what two families share
+    (MoE layers, router, rotary and its scaling, their HF and memory-profile parts) lives in ``recipes/decoder/``,
+    so a family folder holds only its own model, HF name map, presets, plan, memory profile and configs, and can be
+    changed or removed without touching another."""
+    assert arrows_between_families(import_graph(REPO)) == []

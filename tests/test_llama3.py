@@ -17,7 +17,8 @@ from recipes.models.llama import memory_profile
 from recipes.decoder.checkpoint_layout import CheckpointError, load_recipe_checkpoint
 from recipes.models.llama.config import LLAMA3_PRESETS, PRESETS, LLaMAConfig
 from recipes.decoder.data import check_vocab_fits
-from recipes.models.llama.model import LLaMA, rotary_cos_sin, rotary_frequencies
+from recipes.decoder.rotary import rotary_cos_sin, rotary_frequencies
+from recipes.models.llama.model import LLaMA
 
 VOCAB, SEQ = 97, 64
 #: A short pretraining length, so that the scaling's three bands all hold frequencies at head_dim 32 (wavelengths

@@ -216,7 +216,7 @@ def test_merged_export_of_a_quantized_base_run_gives_the_recipe_logits_and_peft_
         expected = recipe(tokens)
         merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32).eval()
         hf_base = LlamaForCausalLM.from_pretrained(tmp_path / "hf_base", torch_dtype=torch.float32).eval()
-        peft_model = PeftModel.from_pretrained(hf_base, tmp_path / "peft").eval()
+        peft_model = PeftModel.from_pretrained(hf_base, tmp_path / "peft", torch_device="cpu").eval()
         on_full_precision_base = peft_model(tokens).logits
     assert (merged(tokens).logits - expected).abs().max() < 1e-5
     assert (on_full_precision_base - expected).abs().max() > 1e-3  # the quantization matters
@@ -271,7 +271,7 @@ def test_peft_adapter_and_merged_export_reproduce_the_recipe_logits(tmp_path, mo
         expected = recipe(tokens)
         hf_base = LlamaForCausalLM.from_pretrained(tmp_path / "hf_base", torch_dtype=torch.float32).eval()
         base_logits = hf_base(tokens).logits
-        peft_model = PeftModel.from_pretrained(hf_base, tmp_path / "peft").eval()
+        peft_model = PeftModel.from_pretrained(hf_base, tmp_path / "peft", torch_device="cpu").eval()
         peft_logits = peft_model(tokens).logits
         merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32).eval()
         merged_logits = merged(tokens).logits

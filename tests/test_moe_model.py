@@ -22,7 +22,7 @@ from recipes.generate import generate, load_model
 from recipes.models.moe import hf as moe_hf
 from recipes.models.moe.config import MoEConfig
 from recipes.models.moe.model import MoE
-from recipes.models.moe.router import load_balancing_loss
+from recipes.decoder.router import load_balancing_loss
 from tests.hf_models import random_hf_model, random_tokens, saved
 
 _COMMON = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -302,7 +302,7 @@ def test_flops_per_token_count_the_active_experts_and_lora_leaves_them_positive(
 
 
 def test_expert_load_is_max_over_mean_tokens_per_expert_in_the_worst_layer():
-    from recipes.models.moe.router import expert_load
+    from recipes.decoder.router import expert_load
 
     balanced = torch.eye(4).repeat(8, 1)  # 32 tokens, each expert first for 8 of them: top-1 perfectly even
     skewed = torch.tensor([[3.0, 2.0, 0.0, 0.0]]).repeat(32, 1)  # top-2 always experts 0 and 1
@@ -318,7 +318,7 @@ def test_expert_load_is_max_over_mean_tokens_per_expert_in_the_worst_layer():
 
 def test_a_balancing_bias_changes_which_experts_are_chosen_but_not_their_weights():
     """Catches a bias that also shifts the gate weights (they must stay the softmax's) or that is ignored."""
-    from recipes.models.moe.router import route
+    from recipes.decoder.router import route
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 0.5]])
     scores = torch.softmax(logits, dim=-1)
@@ -333,7 +333,7 @@ def test_a_balancing_bias_changes_which_experts_are_chosen_but_not_their_weights
 
 
 def test_the_bias_moves_by_the_rate_towards_the_mean_load():
-    from recipes.models.moe.router import Router
+    from recipes.decoder.router import Router
 
     router = Router(8, 4, balancing_bias=True)
     assert torch.equal(router.expert_bias, torch.zeros(4)) and "expert_bias" in router.state_dict()

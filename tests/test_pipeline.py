@@ -475,6 +475,7 @@ def test_a_fabric_loop_written_for_one_device_runs_pipelined(pipeline_runs):
     _close(pipeline_runs, "fabric_pp2", "fabric_plain")
 
 
+@pytest.mark.slow  # reads the pipeline launches
 def test_fabric_load_raw_of_a_full_file_gives_each_stage_its_tensors(pipeline_runs):
     """``fabric.load_raw(file, model)`` after training puts the first weights back: the first batch's loss is then
     the first step's, under pp 2 as without. Lightning's own raw load broadcasts rank 0's tensors, which under a

@@ -87,7 +87,7 @@ def test_pretrain_then_lora_sft_then_peft_adapter_and_merged_model_agree(trained
     with torch.no_grad():
         hf_base = LlamaForCausalLM.from_pretrained(tmp_path / "hf_base", torch_dtype=torch.float32).eval()
         base_logits = hf_base(tokens).logits
-        adapter_logits = PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()(tokens).logits
+        adapter_logits = PeftModel.from_pretrained(hf_base, tmp_path / "adapter", torch_device="cpu").eval()(tokens).logits
         merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32).eval()
         merged_logits = merged(tokens).logits
         generate_logits = load_model(lora)[0](tokens)

@@ -118,7 +118,7 @@ def test_a_cuda_precision_plugin_is_converted(simulate):
     assert fabric.strategy.precision.device == "cpu"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed", "ddp_spawn", "single_device"])
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed", "ddp_spawn", "single_device"])
 def test_lightning_cuda_strategies_are_rejected_on_npu(simulate, strategy):
     simulate(2)
     with pytest.raises(ValueError, match=f"strategy='{strategy}' cannot run on accelerator='npu'.*'npu_ddp'"):

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import re
+import select
 import subprocess
 import sys
 import textwrap
@@ -20,7 +23,7 @@ from lightning_npu.cli import main
 from lightning_npu.kernels import _dispatch
 from lightning_npu.runtime.npu import NPURuntime
 from lightning_npu.selftest import collectives, kernels, model, report, training
-from tests.helpers import REPO, WARM_PYTHON, run_python
+from tests.helpers import REPO, WARM_PYTHON
 from tests.npu_fake import install_fake_torch_npu
 from tests.test_kernels import attention_mod, install_cann
 
@@ -31,16 +34,20 @@ def _by_label(data):
     return {f"{check['family']}/{check['name']}": check for check in data["checks"]}
 
 
+def _run(checks):
+    """The results of ``kernel_checks`` / ``collective_checks``, run in their order as the selftest runs them."""
+    return [check() for _, check in checks]
+
+
 @pytest.mark.slow
 def test_quick_selftest_on_two_simulated_npus_passes_and_reports_fused_kernels_not_available(tmp_path):
     """Catches a selftest that cannot run end to end here (launch, collectives over gloo, sharded save and resume
     on two processes, the decoder split into two pipeline stages), one that counts a fused kernel it never ran as
     passed, a missing table or JSON, and a pipeline whose loss is wrong (scaling the schedule's loss by 1 + 1e-4
     fails the pipelined row here)."""
-    out = tmp_path / "selftest.json"
-    proc = run_python(["-m", "lightning_npu.cli", "selftest", "--quick", "--json", str(out)], simulate=2,
-                      timeout=E2E_TIMEOUT_S)
-    data = json.loads(out.read_text())
+    status, output, checkpoint_at_first_line = _quick_selftest(tmp_path, terminal=False)
+    assert status == 0, output[-8000:]
+    data = json.loads((tmp_path / "selftest.json").read_text())
     checks = _by_label(data)
     assert data["exit_code"] == 0 and data["failures"] == []
     kernel_checks = [c for label, c in checks.items() if label.startswith("kernels/")]
@@ -62,7 +69,77 @@ def test_quick_selftest_on_two_simulated_npus_passes_and_reports_fused_kernels_n
     assert pipelined["figures"]["tolerance"] == 1e-5 and pipelined["figures"]["max_rel_diff"] <= 1e-5
     assert pipelined["figures"]["stages"] == 2 and len(pipelined["figures"]["losses"]) == 4
     assert data["versions"]["torch"] == torch.__version__ and data["settings"]["ranks"] == 2
-    assert "kernels/rms_norm bf16" in proc.stdout and "summary: " in proc.stdout and "FAILED" not in proc.stdout
+    assert "kernels/rms_norm bf16" in output and "summary: " in output and "FAILED" not in output
+    # On a pipe: each check's start and end as a plain line, as it happens (before the training's checkpoint).
+    assert checkpoint_at_first_line is False and "\r" not in output
+    ends = _progress_ends(output, data)
+    assert [label for label, _ in ends[:-2]] == [label for label in checks if not label.startswith("training/")]
+    assert all(outcome == checks[label]["verdict"] for label, outcome in ends[:-2])
+    assert ends[-2] == ("training/loss, resume, memory (8 steps)", "pass, pass, info")
+    assert ends[-1] == ("training/pipelined step (1F1B)", "pass")
+    starts = re.findall(r"^selftest \[(\d+)/\d+\] .* \.\.\.$", output, re.MULTILINE)
+    assert starts == [str(i) for i in range(1, len(ends) + 1)]
+    assert output.index("selftest [2/") > output.index("selftest [1/") and "selftest: 31/31 done in" in output
+
+
+@pytest.mark.slow
+def test_quick_selftest_on_a_terminal_draws_a_bar_and_shows_each_check_as_it_ends(tmp_path):
+    """Catches a selftest silent on a terminal until its report (the ranks' output buffered, or the bar drawn only by
+    the launcher), and one that floods a terminal with a line per redraw."""
+    status, output, checkpoint_at_first_line = _quick_selftest(tmp_path, terminal=True)
+    assert status == 0, output[-8000:]
+    data = json.loads((tmp_path / "selftest.json").read_text())
+    assert checkpoint_at_first_line is False
+    assert re.search(r"\r\x1b\[Kselftest \[#*\.*\] 0/31 \d+ s  kernels/attention fp32", output)
+    bars = re.findall(r"\r\x1b\[Kselftest \[(#*)(\.*)\] (\d+)/31 \d+ s", output)
+    assert {int(done) for *_, done in bars} == set(range(32))  # redrawn after every check
+    assert all(len(filled) == 24 * int(done) // 31 and len(filled + empty) == 24 for filled, empty, done in bars)
+    ends = _progress_ends(output.replace("\r\n", "\n").replace("\r\x1b[K", "\n"), data)
+    assert len(ends) == 31 and ends[-1] == ("training/pipelined step (1F1B)", "pass")
+    assert not re.search(r"selftest \[\d+/31\] [^\r\n]* \.\.\.\r\n", output)  # no start lines: the bar has them
+    assert "summary: " in output
+
+
+def _quick_selftest(tmp_path, *, terminal):
+    """``lightning-npu selftest --quick`` on two simulated NPUs, its stdout and stderr on one pipe or one pseudo-
+    terminal, read as they arrive: its exit status, its output, and whether the training check's checkpoint was on
+    disk when the first check's start line arrived (it never is if the lines come as the checks run)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LIGHTNING_NPU_SIMULATE", "TERM")}
+    env.update(PYTHONPATH=str(REPO), LIGHTNING_NPU_SIMULATE="2")
+    args = [WARM_PYTHON.command(env), "-m", "lightning_npu.cli", "selftest", "--quick", "--json",
+            str(tmp_path / "selftest.json"), "--workdir", str(tmp_path)]
+    reader, writer = pty.openpty() if terminal else os.pipe()
+    output, checkpoint_at_first_line = b"", None
+    with subprocess.Popen(args, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=writer, stderr=writer) as popen:
+        os.close(writer)
+        try:
+            while True:
+                if not select.select([reader], [], [], E2E_TIMEOUT_S)[0]:
+                    popen.kill()
+                    raise AssertionError(f"the selftest printed nothing for {E2E_TIMEOUT_S} s:\n{output[-8000:]}")
+                try:
+                    chunk = os.read(reader, 1 << 16)
+                except OSError:  # EIO: the pseudo-terminal's last writer closed it
+                    chunk = b""
+                if not chunk:
+                    break
+                output += chunk
+                if checkpoint_at_first_line is None and b"selftest [1/" in output:
+                    checkpoint_at_first_line = (tmp_path / "selftest-checkpoint").exists()
+        finally:
+            os.close(reader)
+        status = popen.wait(timeout=E2E_TIMEOUT_S)
+    return status, output.decode(), checkpoint_at_first_line
+
+
+def _progress_ends(output, data):
+    """(check, outcome) of each progress line that ends a check, in order; their numbers must count 1, 2, ..."""
+    ends = re.findall(r"^selftest \[(\d+)/(\d+)\] (.*) \.\.\. (.+) [\d.]+ s$", output, re.MULTILINE)
+    assert [int(number) for number, *_ in ends] == list(range(1, len(ends) + 1)), output[-8000:]
+    assert {int(total) for _, total, *_ in ends} == {len(ends)} and len(data["checks"]) == len(ends) + 2
+    return [(label, outcome) for *_, label, outcome in ends]
+
+
 
 
 # ---------------------------------------------------------------- kernels, through the strict fake
@@ -142,7 +219,7 @@ def fake_npu(monkeypatch):
 def test_fused_kernels_that_match_the_reference_pass_with_errors_and_timings(fake_npu):
     """Catches a check that never calls the fused op, compares nothing, or times without synchronising the
     device through the runtime (every torch_npu call here goes through the strict fake)."""
-    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=_tiny_cases())
+    results = _run(kernels.kernel_checks(NPURuntime(), torch.device("cpu"), quick=True, cases=_tiny_cases()))
     assert [r.name for r in results] == [f"{op} {dt}" for op in WRONG for dt in ("fp32", "bf16", "fp16")]
     for result in results:
         if result.name.partition(" ")[0] in HALF_PRECISION_ONLY and result.name.endswith("fp32"):
@@ -170,7 +247,7 @@ def test_a_wrong_fused_kernel_fails_its_check_and_names_its_fallback_switch(fake
     npu_op, make_wrong = WRONG[op]
     monkeypatch.setattr(fake_npu.torch_npu, npu_op, make_wrong(getattr(fake_npu.torch_npu, npu_op)))
     cases = [case for case in _tiny_cases() if case.op == op]
-    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=cases)
+    results = _run(kernels.kernel_checks(NPURuntime(), torch.device("cpu"), quick=True, cases=cases))
     checked = results[1:] if op in HALF_PRECISION_ONLY else results
     assert [r.verdict for r in checked] == ["fail"] * len(checked) and len(results) == 3
     assert all(r.fallback == f"LIGHTNING_NPU_DISABLE_FUSED={op}" for r in checked)
@@ -198,11 +275,11 @@ def test_packed_attention_attending_across_samples_fails_the_attention_check(fak
     monkeypatch.setattr(fake_npu.torch_npu, "npu_fusion_attention", leaking)
     cases = [case for case in _tiny_cases() if case.op == "attention"]
     assert any("packed" in case.name for case in cases) and any("packed" not in case.name for case in cases)
-    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=cases)
+    results = _run(kernels.kernel_checks(NPURuntime(), torch.device("cpu"), quick=True, cases=cases))
     assert [r.verdict for r in results] == ["fail"] * 3
     assert all("differs from the PyTorch reference at tiny packed" in r.detail for r in results)
     unpacked = [case for case in cases if "packed" not in case.name]
-    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=unpacked)
+    results = _run(kernels.kernel_checks(NPURuntime(), torch.device("cpu"), quick=True, cases=unpacked))
     assert [r.verdict for r in results] == ["pass"] * 3
 
 
@@ -226,11 +303,11 @@ def test_attention_that_mishandles_smaller_value_heads_fails_the_attention_check
     assert [case.name for case in mla] == ["tiny mla b2 q64 kv64 h4/4 d192/128",
                                            "tiny mla packed 3 samples T64 h4/4 d192/128",
                                            "tiny mla ring step b1 q32 kv64 h4/4 d192/128"]
-    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=mla)
+    results = _run(kernels.kernel_checks(NPURuntime(), torch.device("cpu"), quick=True, cases=mla))
     assert [r.verdict for r in results] == ["fail"] * 3
     assert all("differs from the PyTorch reference at tiny mla" in r.detail for r in results)
     one_head_dim = [case for case in cases if "mla" not in case.name]
-    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=one_head_dim)
+    results = _run(kernels.kernel_checks(NPURuntime(), torch.device("cpu"), quick=True, cases=one_head_dim))
     assert [r.verdict for r in results] == ["pass"] * 3
 
 
@@ -240,7 +317,7 @@ def test_mla_attention_cases_pass_with_v_unpadded_on_cann_8_2(fake_npu, monkeypa
     no CANN, so pads)."""
     install_cann(monkeypatch, tmp_path, "8.2.RC1")
     mla = [case for case in _tiny_cases() if "mla" in case.name]
-    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=mla)
+    results = _run(kernels.kernel_checks(NPURuntime(), torch.device("cpu"), quick=True, cases=mla))
     assert [r.verdict for r in results] == ["pass"] * 3
     assert {call["value"].shape[-1] for call in fake_npu.calls_to("npu_fusion_attention")} == {128}
 
@@ -249,7 +326,7 @@ def test_bf16_is_not_available_on_a_chip_without_it(monkeypatch):
     """Catches bf16 kernels run (and failed) on a 910A, which has no bf16 units."""
     install_fake_torch_npu(monkeypatch, device_name="Ascend910A")
     monkeypatch.setattr(_dispatch, "_device_name", {})
-    results = kernels.check_kernels(NPURuntime(), torch.device("cpu"), quick=True, cases=_tiny_cases()[:1])
+    results = _run(kernels.kernel_checks(NPURuntime(), torch.device("cpu"), quick=True, cases=_tiny_cases()[:1]))
     verdicts = {r.name: r.verdict for r in results}
     assert verdicts["attention bf16"] == "not available"
     assert verdicts["attention fp32"] == "not available"  # CPU tensors: the reference path, never "pass"
@@ -281,10 +358,10 @@ def one_rank_group(simulate):
 def test_a_wrong_collective_result_fails_only_that_collective(one_rank_group):
     """Catches a collective check that does not compare results exactly (one wrong element of a million)."""
     sizes = (64 * 1024,)
-    right = collectives.check_collectives(one_rank_group, torch.device("cpu"), sizes=sizes, iterations=1)
+    right = _run(collectives.collective_checks(one_rank_group, torch.device("cpu"), sizes=sizes, iterations=1))
     assert [r.verdict for r in right] == ["pass"] * 7 + ["not available"]  # no peer to send to on one rank
-    wrong = collectives.check_collectives(one_rank_group, torch.device("cpu"), sizes=sizes, iterations=1,
-                                          ops=_WrongAllGather())
+    wrong = _run(collectives.collective_checks(one_rank_group, torch.device("cpu"), sizes=sizes, iterations=1,
+                                               ops=_WrongAllGather()))
     assert {r.name: r.verdict for r in wrong} == {"all_reduce": "pass", "all_gather_into_tensor": "fail",
                                                   "reduce_scatter_tensor": "pass", "all_to_all_single": "pass",
                                                   "all_to_all_single uneven": "pass", "all_gather": "pass",

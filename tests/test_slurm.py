@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, SCRIPTS, SUBPROCESS_TIMEOUT_S, read_json, run_python
+from tests.helpers import REPO, SCRIPTS, outputs_of, read_json, run_python
 
 SCRIPT = str(SCRIPTS / "trainer_run.py")
 #: Every SLURM variable a process started by ``srun --nodes 1 --ntasks-per-node 2`` reads here.
@@ -53,16 +53,7 @@ def _srun(args, *, job_id, restart_count, bin_dir):
                               stderr=subprocess.STDOUT, text=True,
                               env={**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)})
              for rank in range(TASKS)]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=SUBPROCESS_TIMEOUT_S)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [proc.returncode for proc in procs], outputs
+    return outputs_of(procs)
 
 
 @pytest.mark.slow

@@ -10,6 +10,15 @@ script, so a script written for ``fabric run`` works unchanged. Every option is 
 the script, node and port numbers, the devices against the NPUs visible here, the strategy, and the precision on
 this chip. Arguments after the script go to the script.
 
+In an Ascend Operator pod (MindCluster's AscendJob on Volcano: ``MINDX_TASK_ID`` set), the pod's variables give
+the launch -- ``LOCAL_WORLD_SIZE`` processes, ``--nnodes WORLD_SIZE / LOCAL_WORLD_SIZE``, ``--node-rank RANK``, the
+master ``MASTER_ADDR:MASTER_PORT`` -- so a pod's command is ``lightning-npu run train.py`` (``--cluster
+ascend-operator`` requires a pod, ``--cluster none`` ignores one). The pod-level ``RANK`` and list-shaped
+``LOCAL_RANK`` (``{0,1,2,3}``, on which ``import lightning`` fails) are removed from this process's environment, as
+the line it prints says; torchrun gives every process its own. A Trainer script (a LightningCLI recipe) runs the same
+way, its ``devices`` / ``num_nodes`` checked against the pods. With ``RANK_TABLE_FILE`` set, the rank table is checked
+against the launch first.
+
 Exit status: the script's (0 when every process succeeded, 1 when one failed), 2 for an option error.
 """
 
@@ -22,11 +31,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_npu.cluster import pod as ascend_pod
+from lightning_npu.cluster import rank_table
 from lightning_npu.facts import env as names
+from lightning_npu.facts.problem import SettingError
 
 #: Lightning's ``fabric run`` default, so both launchers meet on the same port.
 DEFAULT_PORT = 29400
 STRATEGY_AUTO = "auto"
+#: --cluster: read the Ascend Operator's pod variables when they are there, always, or never.
+CLUSTER_AUTO, CLUSTER_ASCEND_OPERATOR, CLUSTER_NONE = "auto", "ascend-operator", "none"
+#: The launch options a pod's variables give, and what each is outside a pod.
+LAUNCH_DEFAULTS = {"devices": "1", "num_nodes": 1, "node_rank": 0, "main_address": "127.0.0.1",
+                   "main_port": DEFAULT_PORT}
 
 
 class LaunchError(ValueError):
@@ -34,14 +51,22 @@ class LaunchError(ValueError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--devices", default="1",
-                        help="NPUs per node: a count ('8'), ids ('0,1'), or 'auto' for all visible (default 1)")
-    parser.add_argument("--num-nodes", type=int, default=1, help="number of nodes (default 1)")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's index, 0 .. num-nodes - 1 (default 0)")
-    parser.add_argument("--main-address", default="127.0.0.1",
-                        help="host name or IP of the node with rank 0 (default 127.0.0.1)")
-    parser.add_argument("--main-port", type=int, default=DEFAULT_PORT,
-                        help=f"port on the main node for the rendezvous (default {DEFAULT_PORT})")
+    parser.add_argument("--devices", default=None,
+                        help="NPUs per node: a count ('8'), ids ('0,1'), or 'auto' for all visible (default 1;"
+                             " in an Ascend Operator pod, LOCAL_WORLD_SIZE)")
+    parser.add_argument("--num-nodes", type=int, default=None,
+                        help="number of nodes (default 1; in a pod, WORLD_SIZE / LOCAL_WORLD_SIZE)")
+    parser.add_argument("--node-rank", type=int, default=None,
+                        help="this node's index, 0 .. num-nodes - 1 (default 0; in a pod, RANK)")
+    parser.add_argument("--main-address", default=None,
+                        help="host name or IP of the node with rank 0 (default 127.0.0.1; in a pod, MASTER_ADDR)")
+    parser.add_argument("--main-port", type=int, default=None,
+                        help=f"port on the main node for the rendezvous (default {DEFAULT_PORT}; in a pod,"
+                             f" MASTER_PORT or {ascend_pod.DEFAULT_PORT})")
+    parser.add_argument("--cluster", choices=(CLUSTER_AUTO, CLUSTER_ASCEND_OPERATOR, CLUSTER_NONE),
+                        default=CLUSTER_AUTO,
+                        help="auto (default): take the launch from the Ascend Operator's pod variables when"
+                             " MINDX_TASK_ID is set; ascend-operator: require them; none: ignore them")
     parser.add_argument("--strategy", default=None,
                         help="npu_single, npu_ddp or npu_fsdp (default: what Fabric picks, npu_ddp for several)")
     parser.add_argument("--precision", default=None, help="e.g. bf16-mixed, 16-mixed, 32-true (default: Fabric's)")
@@ -51,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        from_cluster(args, os.environ)
         processes = validate(args)
     except LaunchError as error:
         print(f"lightning-npu run: error: {error}", file=sys.stderr)
@@ -59,6 +85,41 @@ def run(args: argparse.Namespace) -> int:
     # torchrun would set 1 (with a warning); share the host's cores among the processes instead, as fabric run does.
     os.environ.setdefault(names.OMP_NUM_THREADS, str(max(1, (os.cpu_count() or 1) // processes)))
     return _torchrun(args, processes)
+
+
+def from_cluster(args: argparse.Namespace, env: dict) -> None:
+    """Fill the launch options a cluster's variables give (an Ascend Operator pod's), the rest with their defaults.
+
+    In a pod, its ``RANK`` / ``LOCAL_RANK`` leave ``env`` (this process's environment) with a line saying so: they
+    describe the pod, and ``import lightning`` fails on the list; torchrun sets each process's own."""
+    in_pod = args.cluster == CLUSTER_ASCEND_OPERATOR or (args.cluster == CLUSTER_AUTO and ascend_pod.is_pod(env))
+    if in_pod:
+        if names.MINDX_TASK_ID not in env:
+            raise LaunchError(f"--cluster {CLUSTER_ASCEND_OPERATOR}: {names.MINDX_TASK_ID} is not set, so this is not"
+                              " an Ascend Operator pod; leave --cluster out outside one")
+        try:
+            pod = ascend_pod.AscendPod.from_env(env)
+        except SettingError as error:
+            raise LaunchError(str(error)) from None
+        given = {"devices": pod.npus, "num_nodes": pod.nodes, "node_rank": pod.node_rank,
+                 "main_address": pod.main_address, "main_port": pod.main_port}
+        for option, value in given.items():
+            chosen = getattr(args, option)
+            if chosen is not None and str(chosen) != str(value):
+                raise LaunchError(f"--{option.replace('_', '-')} {chosen} disagrees with the Ascend Operator pod, which"
+                                  f" gives {value} ({pod.describe()}); leave the option out in a pod, or use"
+                                  f" --cluster {CLUSTER_NONE} to launch by the options alone")
+            setattr(args, option, value)
+        args.pod = pod
+        removed = {name: env.pop(name) for name in (names.RANK, names.LOCAL_RANK) if name in env}
+        print(f"lightning-npu run: {pod.describe()}; the pod's "
+              + ", ".join(f"{name}={value}" for name, value in removed.items())
+              + " replaced by each process's own (torchrun)", file=sys.stderr)
+    else:
+        args.pod = None
+    for option, default in LAUNCH_DEFAULTS.items():
+        if getattr(args, option) is None:
+            setattr(args, option, default)
 
 
 def validate(args: argparse.Namespace) -> int:
@@ -91,13 +152,20 @@ def validate(args: argparse.Namespace) -> int:
             chip = runtime.chip()
             check_precision(args.precision, chip.name, chip.supports_bf16)
     except (NPUUnavailableError, ValueError, TypeError) as error:
-        raise LaunchError(str(error)) from None
+        given_by = f"{names.LOCAL_WORLD_SIZE}={args.devices} (the pod's NPUs): " if getattr(args, "pod", None) else ""
+        raise LaunchError(f"{given_by}{error}") from None
     if args.strategy is not None and args.strategy != STRATEGY_AUTO and args.strategy not in STRATEGIES:
         raise LaunchError(f"--strategy {args.strategy!r} cannot run on NPUs; use one of"
                           f" {', '.join(sorted(STRATEGIES))} (or leave it out)")
     if args.strategy == "npu_single" and processes * args.num_nodes > 1:
         raise LaunchError(f"--strategy npu_single runs one process, but --devices {args.devices} --num-nodes"
                           f" {args.num_nodes} asks for {processes * args.num_nodes}; use npu_ddp or npu_fsdp")
+    try:
+        table = rank_table.check_for_job(os.environ, args.num_nodes, processes)
+    except SettingError as error:
+        raise LaunchError(str(error)) from None
+    if table is not None:
+        print(f"lightning-npu run: {table.describe()}, matches the launch", file=sys.stderr)
     return processes
 
 

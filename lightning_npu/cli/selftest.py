@@ -83,6 +83,7 @@ def _run_checks(args: argparse.Namespace, workdir: Path, steps: int) -> Any:
     options = argparse.Namespace(
         devices=args.devices, num_nodes=args.num_nodes, node_rank=0, main_address="127.0.0.1",
         main_port=_free_port(), strategy="npu_fsdp", precision=None, script=worker.__file__, script_args=[],
+        cluster=launcher.CLUSTER_NONE,  # the selftest picks its own devices and port, in a pod too
     )
     try:
         processes = launcher.validate(options)

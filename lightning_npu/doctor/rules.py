@@ -9,8 +9,10 @@ import socket
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
+from lightning_npu.cluster import modelarts, pod, rank_table
 from lightning_npu.doctor.report import ERROR, NOTE, WARNING, Finding
 from lightning_npu.facts import env as names
+from lightning_npu.facts.problem import SettingError
 from lightning_npu.timeouts import HCCL_DEFAULTS_S, default_timeout_s, hccl_timeouts_s, minimum_timeout_s
 from lightning_npu.timeouts import timeout_problem
 
@@ -143,6 +145,26 @@ def _check_autoload(value: str, env: Mapping[str, str], interfaces: Sequence[str
                     " lightning_npu imports it itself when accelerator='npu' is used")]
 
 
+def _check_rank_table(value: str, env: Mapping[str, str], interfaces: Sequence[str]) -> list[Finding]:
+    """The rank table read and checked (``cluster/rank_table.py``), and against the job where the Ascend Operator's or
+    ModelArts' variables say what the job is."""
+    try:
+        table = rank_table.load(value)
+        job = None
+        if pod.is_pod(env):
+            ascend_pod = pod.AscendPod.from_env(env)
+            job = ascend_pod.nodes, ascend_pod.npus
+        elif modelarts.is_card(env):
+            card = modelarts.ModelArtsCard.from_env(env)
+            job = card.hosts, card.cards_per_host
+        if job is not None:
+            table.check_job(*job)
+    except SettingError as error:
+        return [Finding(ERROR, names.RANK_TABLE_FILE, error.problem.cause, error.problem.fix)]
+    checked = "matches this job" if job is not None else "no cluster variables here to check it against"
+    return [Finding(NOTE, names.RANK_TABLE_FILE, f"{table.describe()} ({checked})")]
+
+
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(names.VISIBLE_DEVICES_ENV, "all NPUs visible"),  # checked by the runtime's probe (diagnosis.py)
     EnvVar(names.HCCL_CONNECT_TIMEOUT, f"{HCCL_DEFAULTS_S[names.HCCL_CONNECT_TIMEOUT]:g} s", _integer_in(
@@ -168,6 +190,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         names.ASCEND_LAUNCH_BLOCKING, ("0", "1"), "synchronous operator launches, for debugging",
         {"1": f"{names.ASCEND_LAUNCH_BLOCKING}=1 runs every operator synchronously: training is much slower"})),
     EnvVar(names.AUTOLOAD_ENV, "1 (torch loads torch_npu on import)", _check_autoload),
+    EnvVar(names.RANK_TABLE_FILE, "no rank table (torch_npu sets up HCCL without one)", _check_rank_table),
     EnvVar(names.SIMULATE_ENV, "off (real NPUs)"),  # checked by the runtime (diagnosis.py)
     EnvVar(names.ASCEND_HOME_PATH, "CANN environment not loaded"),  # see diagnosis.py
 )
@@ -189,7 +212,22 @@ def check_environment(
     if env.get(names.HCCL_ASYNC_ERROR_HANDLING) is not None:
         findings.append(Finding(WARNING, names.HCCL_ASYNC_ERROR_HANDLING, f"{names.HCCL_ASYNC_ERROR_HANDLING} is"
                                 " deprecated in torch_npu", f"rename it to {names.TORCH_HCCL_ASYNC_ERROR_HANDLING}"))
-    return rows, findings
+    return rows, findings + _pod_findings(env)
+
+
+def _pod_findings(env: Mapping[str, str]) -> list[Finding]:
+    """In an Ascend Operator pod: its variables checked, and how its processes start (``import lightning`` fails on
+    the pod's list-shaped LOCAL_RANK)."""
+    if not pod.is_pod(env):
+        return []
+    try:
+        ascend_pod = pod.AscendPod.from_env(env)
+    except SettingError as error:
+        return [Finding(ERROR, "Ascend Operator pod", error.problem.cause, error.problem.fix)]
+    return [Finding(NOTE, "Ascend Operator pod", ascend_pod.describe(),
+                    "start training with `lightning-npu run train.py ...`: it starts one process per NPU from these"
+                    f" variables (`python train.py` fails at `import lightning` on {names.LOCAL_RANK}="
+                    f"{env[names.LOCAL_RANK]!r})")]
 
 
 def check_timeouts(env: Mapping[str, str], timeout_s: Optional[float]) -> tuple[dict[str, float], list[Finding]]:

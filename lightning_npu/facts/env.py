@@ -75,8 +75,35 @@ LT_DEVICES = "LT_DEVICES"
 LT_NUM_NODES = "LT_NUM_NODES"
 LT_STRATEGY = "LT_STRATEGY"
 LT_PRECISION = "LT_PRECISION"
+#: torch.distributed's rendezvous variables, which torchrun sets in every worker (``lightning-npu run`` reads the
+#: Ascend Operator's pod-level values of the same names, see below).
+RANK = "RANK"
+LOCAL_RANK = "LOCAL_RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+#: MindCluster's Ascend Operator (acjob on Volcano) sets these in every pod, with RANK the pod's (node) rank,
+#: LOCAL_RANK a list string such as {0,1,2,3} and WORLD_SIZE the job's NPUs (``lightning_npu.cluster.pod``).
+MINDX_TASK_ID = "MINDX_TASK_ID"
+MINDX_SERVER_IP = "MINDX_SERVER_IP"
+#: Huawei Cloud ModelArts runs the boot file once per card with these (``lightning_npu.cluster.modelarts``).
+RANK_ID = "RANK_ID"
+RANK_SIZE = "RANK_SIZE"
+ASCEND_DEVICE_ID = "ASCEND_DEVICE_ID"
+MA_NUM_HOSTS = "MA_NUM_HOSTS"
+VC_TASK_INDEX = "VC_TASK_INDEX"
+VC_WORKER_HOSTS = "VC_WORKER_HOSTS"
+#: The path of an HCCL rank table (``hccl.json``), read by torch_npu and checked by ``lightning_npu.cluster.rank_table``.
+RANK_TABLE_FILE = "RANK_TABLE_FILE"
 #: CPU threads per process ``lightning-npu run`` sets unless given.
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
 #: Every name above.
 NAMES = tuple(value for name, value in sorted(globals().items()) if name.isupper() and isinstance(value, str))
+
+# ------------------------------------------------------------------------------------------ progress output
+#: torchrun's global rank of a process, read by ``progress.py`` where no process group exists yet (rank 0 prints).
+RANK = "RANK"
+#: ``dumb``: a terminal that cannot redraw a line; ``progress.py`` prints plain lines there, as to a log.
+TERM = "TERM"

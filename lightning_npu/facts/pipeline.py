@@ -319,18 +319,27 @@ def _dualpipev(stages: Sequence[int], rank: int, pp: int, microbatches: int) -> 
 COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
-def replayed_bubble(schedule: str, pp: int, microbatches: int, per_rank: int = 1,
-                    costs: Optional[dict[str, float]] = None) -> list[float]:
-    """Each pipeline rank's idle share of a step when every rank runs its ``actions`` in order, each as soon as the
-    rank is free and its inputs exist (a forward after the previous stage's, a backward after its own forward and
-    the next stage's backward, a weight pass after its input pass), at ``costs`` per equal stage (``COSTS``
-    unless given) and free communication: the bubble the schedule's order leaves, to set beside
-    ``bubble_fraction``'s formula."""
+class Timed(NamedTuple):
+    """An ``Action`` as the replay runs it: from ``start`` for ``duration`` (in forward passes of one stage)."""
+
+    start: float
+    duration: float
+    action: Action
+
+
+def replay(schedule: str, pp: int, microbatches: int, per_rank: int = 1,
+           costs: Optional[dict[str, float]] = None) -> list[list[Timed]]:
+    """Each pipeline rank's ``actions`` with when it runs them, when every rank runs its actions in order, each as
+    soon as the rank is free and its inputs exist (a forward after the previous stage's, a backward after its own
+    forward and the next stage's backward, a weight pass after its input pass), at ``costs`` per equal stage
+    (``COSTS`` unless given) and free communication. What ``replayed_bubble`` measures and the parallelism page
+    draws (``tools/generate_docs.py``)."""
     costs = COSTS if costs is None else {**COSTS, **costs}
     orders = {rank: actions(schedule, rank, pp, microbatches, per_rank) for rank in range(pp)}
     last = pp * per_rank - 1
     done: dict[tuple[int, str, int], float] = {}
-    clock, busy, position = [0.0] * pp, [0.0] * pp, [0] * pp
+    clock, position = [0.0] * pp, [0] * pp
+    timeline: list[list[Timed]] = [[] for _ in range(pp)]
 
     def needs(action: Action) -> list[tuple[int, str, int]]:
         stage, kind, mb = action
@@ -354,15 +363,23 @@ def replayed_bubble(schedule: str, pp: int, microbatches: int, per_rank: int = 1
             if all(key in done for key in inputs):
                 start = max([clock[rank], *(done[key] for key in inputs)])
                 clock[rank] = start + costs[action.kind]
-                busy[rank] += costs[action.kind]
+                timeline[rank].append(Timed(start, costs[action.kind], action))
                 done[tuple(action)] = clock[rank]
                 position[rank] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise AssertionError(f"{schedule}: the ranks' orders wait on each other ({position})")
-    step = max(clock)
-    return [1.0 - work / step for work in busy]
+    return timeline
+
+
+def replayed_bubble(schedule: str, pp: int, microbatches: int, per_rank: int = 1,
+                    costs: Optional[dict[str, float]] = None) -> list[float]:
+    """Each pipeline rank's idle share of a step as ``replay`` runs the schedule: the bubble the schedule's order
+    leaves, to set beside ``bubble_fraction``'s formula."""
+    timeline = replay(schedule, pp, microbatches, per_rank, costs)
+    step = max(timed.start + timed.duration for rank in timeline for timed in rank)
+    return [1.0 - sum(timed.duration for timed in rank) / step for rank in timeline]
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, per_rank: int = 1) -> float:
@@ -380,6 +397,6 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, per_rank: int = 1
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
-__all__ = ["Action", "COSTS", "DEFAULT_SCHEDULE", "SCHEDULES", "Schedule", "actions", "blocks_per_stage",
+__all__ = ["Action", "COSTS", "DEFAULT_SCHEDULE", "SCHEDULES", "Schedule", "Timed", "actions", "blocks_per_stage",
            "bubble_fraction", "check_microbatches", "check_schedule", "default_microbatches", "last_stage_rank",
-           "replayed_bubble", "stage_ids", "stages_per_rank"]
+           "replay", "replayed_bubble", "stage_ids", "stages_per_rank"]

@@ -14,6 +14,8 @@ versions when one is gone.
 - ``preemption``: Lightning's SIGTERM handler (a collective inside a signal handler: a signalled group hangs) and
   its per-batch SIGTERM broadcast give way to ``lightning_npu.preemption``; its SLURM resume choice skips the hidden
   temporaries of interrupted saves.
+- ``cluster``: the cluster-environment choice tries the Ascend Operator's and ModelArts' environments in their places
+  and checks a rank table (``RANK_TABLE_FILE``) against the run.
 - ``checkpoint_loader``: ``load_from_checkpoint`` and ``TorchCheckpointIO`` read npu_fsdp's sharded checkpoint
   directories (Lightning's loader is ``torch.load``).
 """
@@ -23,9 +25,10 @@ from __future__ import annotations
 
 def install() -> None:
     """Install every patch (idempotent); run by ``lightning_npu.registration.register`` once Lightning is imported."""
-    from lightning_npu.lightning_patches import checkpoint_loader, connectors, oom, preemption
+    from lightning_npu.lightning_patches import checkpoint_loader, cluster, connectors, oom, preemption
 
     connectors.install_all()
     oom.install()
     checkpoint_loader.install()
     preemption.install()
+    cluster.install()

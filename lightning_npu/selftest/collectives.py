@@ -16,6 +16,7 @@ rank's buffer): what each link carries, comparable with the hardware's bandwidth
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from dataclasses import dataclass
@@ -156,20 +157,16 @@ COLLECTIVES = (
 )
 
 
-def check_collectives(runtime: Any, device: torch.device, *, sizes: Sequence[int] = QUICK_SIZES, iterations: int = 5,
-                      ops: Any = None, group: Any = None) -> list[CheckResult]:
-    """One result per collective on this rank: exact at every size (``sizes`` in bytes of fp32), and its bus
-    bandwidth in GB/s (1e9 bytes/s) per size, from ``iterations`` back-to-back runs after the checked one."""
+def collective_checks(runtime: Any, device: torch.device, *, sizes: Sequence[int] = QUICK_SIZES, iterations: int = 5,
+                      ops: Any = None, group: Any = None) -> list[tuple[str, Callable[[], CheckResult]]]:
+    """Each collective's check on this rank, not run yet, by its label: exact at every size (``sizes`` in bytes of
+    fp32), and its bus bandwidth in GB/s (1e9 bytes/s) per size, from ``iterations`` back-to-back runs after the
+    checked one. Every rank runs the same checks in the same order."""
     ops = torch.distributed if ops is None else ops
     n, rank = ops.get_world_size(group), ops.get_rank(group)
-    results = []
-    with warnings.catch_warnings():
-        # torch 2.13 renames them all_gather_single / reduce_scatter_single (what its FSDP2 calls); the old names
-        # forward to those with a FutureWarning, and are the only ones older torch releases have.
-        warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+_tensor` is deprecated", FutureWarning)
-        for collective in COLLECTIVES:
-            results.append(_check(collective, runtime, device, sizes, iterations, ops, group, n, rank))
-    return results
+    return [(f"{FAMILY}/{collective.name}",
+             functools.partial(_check, collective, runtime, device, sizes, iterations, ops, group, n, rank))
+            for collective in COLLECTIVES]
 
 
 def _check(collective: Collective, runtime: Any, device: torch.device, sizes: Sequence[int], iterations: int,
@@ -178,23 +175,27 @@ def _check(collective: Collective, runtime: Any, device: torch.device, sizes: Se
     if n < collective.min_ranks:
         return CheckResult(FAMILY, collective.name, NOT_AVAILABLE, f"needs {collective.min_ranks} ranks; {n} here",
                            figures)
-    wrong: Optional[str] = None
-    for size in sizes:
-        numel = max(n, size // 4 // n * n)  # a whole number of fp32 elements per rank
-        prepared = collective.prepare(ops, group, n, rank, numel, device)
-        prepared.run()
-        runtime.synchronize()
-        if wrong is None and not torch.equal(prepared.result, prepared.expected):
-            mismatched = int((prepared.result != prepared.expected).sum())
-            wrong = (f"rank {rank}: {mismatched} of {prepared.result.numel()} elements differ from the exact"
-                     f" result at {_size_label(size)}")
-        seconds = _time(prepared.run, runtime, ops, group, iterations, n)
-        algbw = numel * 4 / seconds / 1e9
-        figures[f"busbw_{_size_label(size)}_gbps"] = algbw * collective.busbw_factor(n)
-        figures.setdefault("seconds", {})[_size_label(size)] = seconds
-    if wrong is None:
-        return CheckResult(FAMILY, collective.name, PASS, f"exact on {n} rank(s)", figures)
-    return CheckResult(FAMILY, collective.name, FAIL, wrong, figures)
+    with warnings.catch_warnings():
+        # torch 2.13 renames them all_gather_single / reduce_scatter_single (what its FSDP2 calls); the old names
+        # forward to those with a FutureWarning, and are the only ones older torch releases have.
+        warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+_tensor` is deprecated", FutureWarning)
+        wrong: Optional[str] = None
+        for size in sizes:
+            numel = max(n, size // 4 // n * n)  # a whole number of fp32 elements per rank
+            prepared = collective.prepare(ops, group, n, rank, numel, device)
+            prepared.run()
+            runtime.synchronize()
+            if wrong is None and not torch.equal(prepared.result, prepared.expected):
+                mismatched = int((prepared.result != prepared.expected).sum())
+                wrong = (f"rank {rank}: {mismatched} of {prepared.result.numel()} elements differ from the exact"
+                         f" result at {_size_label(size)}")
+            seconds = _time(prepared.run, runtime, ops, group, iterations, n)
+            algbw = numel * 4 / seconds / 1e9
+            figures[f"busbw_{_size_label(size)}_gbps"] = algbw * collective.busbw_factor(n)
+            figures.setdefault("seconds", {})[_size_label(size)] = seconds
+        if wrong is None:
+            return CheckResult(FAMILY, collective.name, PASS, f"exact on {n} rank(s)", figures)
+        return CheckResult(FAMILY, collective.name, FAIL, wrong, figures)
 
 
 def _time(run: Callable[[], Any], runtime: Any, ops: Any, group: Any, iterations: int, n: int) -> float:

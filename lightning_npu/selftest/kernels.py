@@ -11,6 +11,7 @@ run fused here (the simulated runtime's CPU tensors, a chip without the op, a sw
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -262,25 +263,29 @@ def kernel_cases(quick: bool) -> list[KernelCase]:
     return cases
 
 
-def check_kernels(runtime: Any, device: torch.device, *, quick: bool,
-                  cases: Optional[Sequence[KernelCase]] = None) -> list[CheckResult]:
-    """One result per kernel and dtype: the worst case's errors, and the time of its largest case."""
+def kernel_checks(runtime: Any, device: torch.device, *, quick: bool,
+                  cases: Optional[Sequence[KernelCase]] = None) -> list[tuple[str, Callable[[], CheckResult]]]:
+    """Each kernel and dtype's check, not run yet, by its label: the worst case's errors, and the time of its
+    largest case."""
     cases = kernel_cases(quick) if cases is None else cases
     repeats = 3 if quick else 10
-    supports_bf16 = runtime.chip().supports_bf16
-    results = []
+    checks = []
     for op, spec in kernels.FUSED_OPS.items():
         op_cases = [case for case in cases if case.op == op]
-        for dtype_name, dtype in DTYPES.items():
-            if not op_cases:
-                continue
-            if dtype is torch.bfloat16 and not supports_bf16:
-                results.append(CheckResult(FAMILY, f"{op} {dtype_name}", NOT_AVAILABLE,
-                                           f"{runtime.chip().name} has no bf16 support"))
-                continue
-            runs = [_run_case(case, dtype, device, runtime, repeats) for case in op_cases]
-            results.append(_summarise(spec, dtype_name, dtype, runs))
-    return results
+        if op_cases:
+            checks += [(f"{FAMILY}/{spec.name} {dtype_name}",
+                        functools.partial(_check_kernel, spec, op_cases, dtype_name, runtime, device, repeats))
+                       for dtype_name in DTYPES]
+    return checks
+
+
+def _check_kernel(spec: kernels.FusedOp, cases: Sequence[KernelCase], dtype_name: str, runtime: Any,
+                  device: torch.device, repeats: int) -> CheckResult:
+    dtype = DTYPES[dtype_name]
+    if dtype is torch.bfloat16 and not runtime.chip().supports_bf16:
+        return CheckResult(FAMILY, f"{spec.name} {dtype_name}", NOT_AVAILABLE, f"{runtime.chip().name} has no bf16"
+                           " support")
+    return _summarise(spec, dtype_name, dtype, [_run_case(case, dtype, device, runtime, repeats) for case in cases])
 
 
 @dataclass

@@ -20,15 +20,17 @@ from lightning_npu.selftest.report import CheckResult, merge_ranks
 
 
 def run_checks(*, quick: bool, workdir: Path, steps: int) -> Optional[dict[str, Any]]:
-    """Run every check in this process; the results (JSON-ready) on global rank 0, None on the other ranks."""
+    """Run every check in this process, each shown as it starts and ends (``lightning_npu.progress``, global rank
+    0); the results (JSON-ready) on global rank 0, None on the other ranks."""
     import torch
     from lightning.fabric import Fabric
 
     import lightning_npu  # noqa: F401 -- registers accelerator="npu" and the NPU strategies
+    from lightning_npu.progress import Progress
     from lightning_npu.runtime import get_runtime
-    from lightning_npu.selftest.collectives import FULL_SIZES, QUICK_SIZES, check_collectives
-    from lightning_npu.selftest.kernels import check_kernels
-    from lightning_npu.selftest.training import check_pipeline, check_training
+    from lightning_npu.selftest.collectives import FULL_SIZES, QUICK_SIZES, collective_checks
+    from lightning_npu.selftest.kernels import kernel_checks
+    from lightning_npu.selftest.training import FAMILY, PIPELINE_CHECK, check_pipeline, check_training
     from lightning_npu.strategies.clean_exit import destroy_process_groups
 
     runtime = get_runtime()
@@ -37,15 +39,24 @@ def run_checks(*, quick: bool, workdir: Path, steps: int) -> Optional[dict[str, 
     # The launcher's LT_* variables make Fabric() set up the processes itself (no fabric.launch()).
     fabric = Fabric(precision=precision)
     device = fabric.device
-    kernel_results = check_kernels(runtime, device, quick=quick) if fabric.global_rank == 0 else []
-    shared = check_collectives(runtime, device, sizes=QUICK_SIZES if quick else FULL_SIZES,
-                               iterations=5 if quick else 20)
-    shared += check_training(fabric, runtime, workdir, steps=steps, precision=precision)
-    shared.append(check_pipeline(fabric, runtime, precision=precision))
-    per_rank = [shared]
-    if fabric.world_size > 1:
-        per_rank = [None] * fabric.world_size
-        torch.distributed.all_gather_object(per_rank, shared)
+    kernels = kernel_checks(runtime, device, quick=quick) if fabric.global_rank == 0 else []
+    shared = [(label, lambda check=check: [check()]) for label, check in
+              collective_checks(runtime, device, sizes=QUICK_SIZES if quick else FULL_SIZES,
+                                iterations=5 if quick else 20)]
+    shared.append((f"{FAMILY}/loss, resume, memory ({steps} steps)",
+                   lambda: check_training(fabric, runtime, workdir, steps=steps, precision=precision)))
+    shared.append((f"{FAMILY}/{PIPELINE_CHECK}", lambda: [check_pipeline(fabric, runtime, precision=precision)]))
+    results: list[CheckResult] = []
+    with Progress("selftest", total=len(kernels) + len(shared)) as progress:
+        for label, check in kernels:
+            with progress.step(label) as step:
+                results.append(check())
+                step.outcome = results[-1].verdict
+        for label, check in shared:
+            with progress.step(label) as step:
+                merged = _merged(torch.distributed, fabric.world_size, check())
+                step.outcome = ", ".join(result.verdict for result in merged)
+                results += merged
     # The last collective: the groups go now, not in interpreter teardown (lightning_npu.strategies.clean_exit).
     destroy_process_groups()
     if fabric.global_rank != 0:
@@ -57,8 +68,18 @@ def run_checks(*, quick: bool, workdir: Path, steps: int) -> Optional[dict[str, 
         "settings": {"ranks": fabric.world_size, "nodes": getattr(fabric.strategy, "num_nodes", 1),
                      "strategy": type(fabric.strategy).__name__, "precision": precision, "quick": quick,
                      "training_steps": steps},
-        "checks": [asdict(c) for c in kernel_results + merge_ranks(per_rank)],
+        "checks": [asdict(c) for c in results],
     }
+
+
+def _merged(distributed: Any, world_size: int, results: list[CheckResult]) -> list[CheckResult]:
+    """One check's results for the whole group, gathered from every rank as soon as it ends (so the verdict
+    shown is the group's, not rank 0's)."""
+    if world_size == 1:
+        return results
+    per_rank = [None] * world_size
+    distributed.all_gather_object(per_rank, results)
+    return merge_ranks(per_rank)
 
 
 def results_from(data: dict[str, Any]) -> list[CheckResult]:

@@ -1,4 +1,10 @@
-"""``"npu_ddp"``: data parallel over HCCL (gloo when simulated)."""
+"""``"npu_ddp"``: data parallel over HCCL (gloo when simulated).
+
+Both strategies own the model wrap (the Trainer's ``_setup_model``, Fabric's ``setup_module``): Lightning's enters
+``torch.cuda`` streams whenever it passes ``device_ids`` (2.6: a side stream; its main branch, PR 21746: the default
+stream after ``torch.cuda.is_current_stream_capturing()``), which fail on NPU machines.
+``tests/test_ddp_cuda_guard.py`` runs both bodies under a guard that fails on any ``torch.cuda`` call.
+"""
 
 from __future__ import annotations
 

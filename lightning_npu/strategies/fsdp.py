@@ -53,7 +53,7 @@ from lightning_npu.strategies.checkpoints.save import (
 )
 from lightning_npu.strategies.clean_exit import destroy_at_exit
 from lightning_npu.strategies.common import BackendFromRuntime, as_timedelta, with_host_backend
-from lightning_npu.strategies.fsdp1 import fsdp1_wrap_reported, refuse_fsdp1_units
+from lightning_npu.strategies.fsdp1 import fsdp1_wrap_reported, refuse_fsdp1_apis, refuse_fsdp1_units
 from lightning_npu.strategies.grad_norm import clip_grad_norm_, use_for_trainer_clipping
 from lightning_npu.strategies.rebind import ReplacedParameters
 from lightning_npu.strategies.sync_batchnorm import host_sync_batchnorm
@@ -216,6 +216,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
             state = initial_state.capture(model, self._built_in_configure_model)
             self._built_in_configure_model = None
             refuse_fsdp1_units(model)
+            refuse_fsdp1_apis()
             self._parallel = parallelize(model, self.parallel_mesh, self.options, precision_name(precision_plugin),
                                          plan_of(model, self._plan_function), step_methods, self.root_device)
             # Initialised on the mesh's device, whose generator DTensor offsets per rank, then offloaded.

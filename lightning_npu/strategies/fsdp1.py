@@ -8,12 +8,20 @@ does instead. The model trains as any other: its units come from ``auto_wrap_pol
 
 FSDP1 units themselves (``FullyShardedDataParallel(...)``, or ``enable_wrap`` of the user's own, which torch
 cannot nest in npu_fsdp's) are refused before anything is sharded: FSDP2 units cannot be mixed with them.
+
+FSDP1's static APIs (``FullyShardedDataParallel.summon_full_params``, ``.state_dict_type``,
+``.full_optim_state_dict``, ...) look only for FSDP1 units: given a model FSDP2 sharded they would gather nothing,
+switch nothing or return nothing, silently. Once npu_fsdp has sharded a model (``refuse_fsdp1_apis``), each of them
+given a model with FSDP2 units and no FSDP1 unit fails naming its FSDP2 replacement; with FSDP1 units they behave as
+before.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import contextmanager
-from typing import Any, Generator
+from typing import Any, Callable, Generator
 
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
@@ -80,4 +88,69 @@ def refuse_fsdp1_units(model: nn.Module) -> None:
         )
 
 
-__all__ = ["fsdp1_wrap_reported", "refuse_fsdp1_units"]
+_GATHERED = ("torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
+             "full_state_dict=True)), or parameter.full_tensor() of each (DTensor) parameter")
+_MODEL_STATE = ("torch.distributed.checkpoint.state_dict.get_model_state_dict / set_model_state_dict with"
+                " StateDictOptions(full_state_dict=True) for a full state, False for a sharded one (or the strategy's"
+                " state_dict_type option for Lightning's checkpoints)")
+_OPTIMIZER_STATE = ("torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer, options="
+                    "StateDictOptions(full_state_dict=True))")
+_OPTIMIZER_LOAD = ("torch.distributed.checkpoint.state_dict.set_optimizer_state_dict(model, optimizer,"
+                   " optim_state_dict, options=StateDictOptions(full_state_dict=True))")
+
+#: FSDP1's static APIs that look only for FSDP1 units, and their FSDP2 replacements.
+FSDP1_APIS = {
+    "summon_full_params": _GATHERED + "; to keep a unit gathered, its unshard() / reshard()",
+    "state_dict_type": _MODEL_STATE,
+    "set_state_dict_type": _MODEL_STATE,
+    "get_state_dict_type": _MODEL_STATE,
+    "full_optim_state_dict": _OPTIMIZER_STATE,
+    "sharded_optim_state_dict": _OPTIMIZER_STATE.replace("True", "False"),
+    "optim_state_dict": _OPTIMIZER_STATE,
+    "optim_state_dict_to_load": _OPTIMIZER_LOAD,
+    "shard_full_optim_state_dict": _OPTIMIZER_LOAD,
+    "scatter_full_optim_state_dict": _OPTIMIZER_LOAD,
+    "flatten_sharded_optim_state_dict": _OPTIMIZER_LOAD.replace("True", "False"),
+}
+# FSDP.fsdp_modules() stays: its empty answer is right for an FSDP2 model, and torch's own DCP state-dict API asks it.
+_REFUSING = "_lightning_npu_refuses_on_fsdp2"
+
+
+def refuse_fsdp1_apis() -> None:
+    """Make each of ``FSDP1_APIS``, given a model with FSDP2 units and no FSDP1 unit, fail naming its FSDP2
+    replacement (idempotent; FSDP1 models are unaffected)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for name, replacement in FSDP1_APIS.items():
+        original = getattr(FullyShardedDataParallel, name)
+        if not getattr(original, _REFUSING, False):
+            setattr(FullyShardedDataParallel, name, staticmethod(_refusing_on_fsdp2(name, original, replacement)))
+
+
+def _refusing_on_fsdp2(name: str, original: Callable[..., Any], replacement: str) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+    model_argument = "module" if "module" in signature.parameters else "model"
+
+    @functools.wraps(original)
+    def api(*args: Any, **kwargs: Any) -> Any:
+        model = signature.bind_partial(*args, **kwargs).arguments.get(model_argument)
+        if isinstance(model, nn.Module) and _sharded_by_fsdp2_only(model):
+            raise TypeError(
+                f"FullyShardedDataParallel.{name}() is an FSDP1 API, and {type(model).__name__} is sharded with FSDP2"
+                f" (strategy='npu_fsdp'): it would find no FSDP1 unit and silently do nothing. Use {replacement}."
+            )
+        return original(*args, **kwargs)
+
+    setattr(api, _REFUSING, True)
+    return api
+
+
+def _sharded_by_fsdp2_only(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    modules = list(model.modules())
+    return any(isinstance(m, FSDPModule) for m in modules) and not any(
+        isinstance(m, FullyShardedDataParallel) for m in modules)
+
+
+__all__ = ["FSDP1_APIS", "fsdp1_wrap_reported", "refuse_fsdp1_apis", "refuse_fsdp1_units"]

@@ -19,6 +19,8 @@ from typing import Any, Callable, Mapping, Optional
 
 from torch import nn
 
+from recipes.decoder.transformer import ATTENTION_LORA_SITES
+
 
 @dataclass(frozen=True)
 class HFFormat:
@@ -74,6 +76,15 @@ LoRASite = tuple[str, int, int]
 #: [n_experts, rows, in] there, the index of the row block of each expert's weight the target is, how many equal
 #: row blocks it has: 2 for a fused gate/up, else 1).
 ExpertLoRASite = tuple[str, str, int, int]
+
+#: The LoRA sites of a ``DecoderBlock`` of the shared ``Attention`` and SwiGLU ``FeedForward`` (LLaMA's and Qwen's
+#: dense blocks; ``transformer.py``'s attention sites and the MLP's projections).
+DENSE_LORA_SITES: Mapping[str, LoRASite] = {
+    **ATTENTION_LORA_SITES,
+    "gate": ("feed_forward.w_gate", 0, 1),
+    "up": ("feed_forward.w_up", 0, 1),
+    "down": ("feed_forward.w_down", 0, 1),
+}
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import Tensor
 
+from lightning_npu.progress import progress_over
 from recipes.decoder.checkpoint_layout import (
     CheckpointError,
     PathLike,
@@ -28,6 +29,7 @@ from recipes.decoder.checkpoint_layout import (
     tokenizer_from_metadata,
 )
 from recipes import families
+from recipes.decoder.rope_scaling import ROPE_SCALING_KEYS, ROPE_SCALING_TYPE, normalise_rope_scaling
 from recipes.decoder.tokenizer import has_tokenizer, load_tokenizer
 
 # Buffers that old HF checkpoints saved and that the recipe recomputes.
@@ -46,6 +48,14 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 #: The ``hidden_act`` names transformers runs as the SiLU of the recipes' SwiGLU MLPs (its ACT2FN maps both to it).
 SWIGLU_ACTIVATIONS = ("silu", "swish")
+#: LoRA target -> the HF decoder layer submodule PEFT adapts for the shared ``Attention`` (its ``target_modules``
+#: name is the last part).
+PEFT_ATTENTION_TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                          "o": "self_attn.o_proj"}
+#: The same for a layer of the shared ``Attention`` and SwiGLU ``FeedForward`` (LLaMA's, Qwen's dense layers).
+PEFT_DECODER_TARGETS = {**PEFT_ATTENTION_TARGETS, "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+# transformers' rotary base when config.json names none (modeling_rope_utils.py).
+DEFAULT_HF_ROPE_THETA = 10000.0
 
 def hf_feed_forward_names(ours: str, theirs: str) -> dict[str, tuple[str, ...]]:
     """The name map of a ``FeedForward`` at ``ours`` (``"layers.0.feed_forward."``) whose HF MLP is at ``theirs``
@@ -71,6 +81,48 @@ def hf_attention_names(ours: str, theirs: str, *, qkv_bias: bool = False,
         for norm in ("q_norm", "k_norm"):
             names[f"{ours}{norm}.weight"] = (f"{theirs}{norm}.weight",)
     return names
+
+
+def rope_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json") -> tuple[float, Optional[dict[str, Any]]]:
+    """(rope_theta, rope_scaling) of an HF ``config.json``: transformers 5 writes ``rope_parameters`` (theta and
+    the scaling in one mapping), older ones ``rope_theta`` and ``rope_scaling`` (``type`` before ``rope_type``),
+    which is what Meta's LLaMA-3.1/3.2 downloads carry (the scaling: ``rope_scaling.py``'s rule); transformers 5 converts those at load, and so does this."""
+    rope = dict(hf_config.get("rope_parameters") or {})
+    legacy = dict(hf_config.get("rope_scaling") or {})
+    if not rope:
+        rope = dict(legacy)
+        if "type" in rope:
+            rope.setdefault("rope_type", rope.pop("type"))
+    theta = float(rope.pop("rope_theta", hf_config.get("rope_theta", DEFAULT_HF_ROPE_THETA)))
+    rope_type = rope.pop("rope_type", "default")
+    if rope_type == "default":
+        return theta, None
+    if rope_type != ROPE_SCALING_TYPE:
+        raise CheckpointError(
+            f"{source}: rope_type={rope_type!r}; the recipe implements plain rotary embeddings (rope_type 'default') "
+            f"and LLaMA-3.1's {ROPE_SCALING_TYPE!r} scaling."
+        )
+    top = hf_config.get("original_max_position_embeddings")  # transformers reads it before rope_parameters' own
+    if top is not None:
+        if rope.setdefault("original_max_position_embeddings", top) != top:
+            raise CheckpointError(
+                f"{source}: original_max_position_embeddings={top} at the top level but"
+                f" {rope['original_max_position_embeddings']} in rope_parameters; transformers takes the top-level"
+                " one, so make the two agree (or drop one)"
+            )
+    try:
+        return theta, normalise_rope_scaling({key: rope[key] for key in ROPE_SCALING_KEYS if key in rope},
+                                             "rope_parameters")
+    except ValueError as error:
+        raise CheckpointError(f"{source}: {error}") from None
+
+
+def rope_to_hf(config: Any) -> dict[str, Any]:
+    """The config.json entries of the rotary embedding of ``config`` (``rope_theta``, ``rope_scaling``): ``rope_parameters`` (transformers 5) and the
+    ``rope_theta`` / ``rope_scaling`` pair older transformers read."""
+    scaling = dict(config.rope_scaling) if config.rope_scaling is not None else None
+    parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": config.rope_theta}
+    return {"rope_theta": config.rope_theta, "rope_scaling": scaling, "rope_parameters": parameters}
 
 
 def hf_decoder_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -223,22 +275,26 @@ def is_hf_directory(path: PathLike) -> bool:
 
 def load_hf_state_dict(hf_dir: PathLike) -> dict[str, Tensor]:
     """Every tensor of an HF directory: ``model.safetensors``, ``pytorch_model.bin``, or their sharded
-    forms (``*.index.json`` + shards), on the CPU, names as stored."""
+    forms (``*.index.json`` + shards), on the CPU, names as stored; each file shown as it is read, on rank 0."""
     hf_dir = existing_path(hf_dir, "Hugging Face directory")
+    state_dict: dict[str, Tensor] = {}
+    for name in progress_over(_weight_files(hf_dir), f"read {hf_dir}"):
+        state_dict.update(_load_weight_file(hf_dir / name))
+    return state_dict
+
+
+def _weight_files(hf_dir: Path) -> list[str]:
     for index_name in _HF_INDEX_FILES:
         index_path = hf_dir / index_name
         if index_path.is_file():
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-            state_dict: dict[str, Tensor] = {}
-            for shard in sorted(set(weight_map.values())):
-                shard_path = hf_dir / shard
-                if not shard_path.is_file():
-                    raise CheckpointError(f"{index_path} lists shard {shard!r}, which is missing from {hf_dir}.")
-                state_dict.update(_load_weight_file(shard_path))
-            return state_dict
+            shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+            missing = [shard for shard in shards if not (hf_dir / shard).is_file()]
+            if missing:
+                raise CheckpointError(f"{index_path} lists shard {missing[0]!r}, which is missing from {hf_dir}.")
+            return shards
     for name in _HF_WEIGHT_FILES:
         if (hf_dir / name).is_file():
-            return _load_weight_file(hf_dir / name)
+            return [name]
     raise CheckpointError(
         f"{hf_dir} has no weights: expected one of {list(_HF_WEIGHT_FILES + _HF_INDEX_FILES)}. "
         "Download the full model (e.g. `huggingface-cli download <repo> --local-dir DIR`)."
@@ -294,14 +350,12 @@ def save_hf_checkpoint(
         shards[-1][name] = tensor
         size += nbytes
     metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], out_dir / "model.safetensors", metadata=metadata)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, start=1):
-            file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, out_dir / file_name, metadata=metadata)
-            weight_map.update(dict.fromkeys(shard, file_name))
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    for file_name, shard in progress_over(zip(names, shards), f"write {out_dir}", name=lambda item: item[0]):
+        save_file(shard, out_dir / file_name, metadata=metadata)
+    if len(shards) > 1:
+        weight_map = {name: file_name for file_name, shard in zip(names, shards) for name in shard}
         total = sum(t.numel() * t.element_size() for t in hf_state_dict.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

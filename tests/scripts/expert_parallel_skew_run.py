@@ -23,7 +23,7 @@ from torch.nn import functional as F
 import lightning_npu
 from lightning_npu.kernels import permute_tokens, unpermute_tokens
 from lightning_npu.parallel import ParallelPlan
-from recipes.models.moe.model import Experts
+from recipes.decoder.moe import Experts
 
 DIM, HIDDEN, VOCAB, TOKENS = 16, 8, 32, 12
 CLIP = 0.05

@@ -13,6 +13,7 @@ import torch
 from lightning_npu import compat
 # No optimizer exists here to convert its own state: AdamW8bit's codes are recognised by their keys.
 from lightning_npu.optim.adamw8bit import full_state
+from lightning_npu.progress import Progress
 from lightning_npu.strategies.checkpoints.layout import DCP_METADATA_FILENAME, is_sharded_checkpoint
 from lightning_npu.strategies.checkpoints.optimizer_state import keyed_by_index
 from lightning_npu.strategies.checkpoints.publish import new_token, temporary_path
@@ -60,13 +61,20 @@ def read_sharded_state_dict(path: Union[str, Path]) -> dict[str, Any]:
 
 
 def consolidate(directory: Union[str, Path], output: Union[str, Path]) -> Path:
-    """Write the sharded checkpoint ``directory`` as one checkpoint file ``output`` (atomically)."""
+    """Write the sharded checkpoint ``directory`` as one checkpoint file ``output`` (atomically), the reading and
+    the writing each shown as they start and end (``lightning_npu.progress``)."""
     output = Path(output)
     if output.exists() and output.is_dir():
         raise IsADirectoryError(f"the output {output} is a directory; give a file name, e.g. {output}/model.ckpt")
-    checkpoint = read_sharded(directory)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_path(output, new_token())
-    torch.save(checkpoint, temporary)
-    os.replace(temporary, output)
+    with Progress("consolidate", total=2) as progress:
+        with progress.step(f"read {directory}") as step:
+            checkpoint = read_sharded(directory)
+            files = [path for path in Path(directory).iterdir() if path.is_file()]
+            step.outcome = f"{sum(path.stat().st_size for path in files) / 2**20:.1f} MiB in {len(files)} files"
+        with progress.step(f"write {output}") as step:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            temporary = temporary_path(output, new_token())
+            torch.save(checkpoint, temporary)
+            os.replace(temporary, output)
+            step.outcome = f"{output.stat().st_size / 2**20:.1f} MiB"
     return output

@@ -195,8 +195,8 @@ class DeepSeekConfig(ConfigDict):
 
     @property
     def routing(self) -> Any:
-        """How the MoE layers pick and weigh experts (``recipes.models.moe.router.Routing``)."""
-        from recipes.models.moe.router import Routing  # here: the planner reads this module without torch
+        """How the MoE layers pick and weigh experts (``recipes.decoder.router.Routing``)."""
+        from recipes.decoder.router import Routing  # here: the planner reads this module without torch
 
         v3 = self.architecture == "deepseek_v3"
         return Routing(self.top_k, normalise=self.norm_topk_prob, scoring="sigmoid" if v3 else "softmax",

@@ -4,7 +4,7 @@ layers), ``config.json`` in and out, and the layer submodules PEFT adapts.
 
 The experts are stacked in memory as transformers 5 holds them (``mlp.experts.gate_up_proj`` / ``down_proj``);
 downloads and ``save_pretrained`` store one tensor per expert (``mlp.experts.{j}.gate_proj`` ...), read and written
-by the MoE family's ``from_saved_layout`` / ``to_saved_layout``. The official DeepSeek-V3 weights are FP8
+by ``recipes/decoder/hf_experts.py``. The official DeepSeek-V3 weights are FP8
 (``float8_e4m3fn``) with one fp32 ``weight_scale_inv`` per 128 x 128 block: they are dequantized to bf16 on import.
 Their layer ``num_hidden_layers`` (and beyond) is the multi-token-prediction module: imported as the model's
 ``mtp_layers`` (``config_from_weights``), trained with ``mtp_loss_weight``, exported at the same keys; generation does
@@ -24,9 +24,8 @@ from torch import Tensor
 from recipes.decoder.checkpoint_layout import CheckpointError
 from recipes.decoder.hf_checkpoint import (HF_EMBEDDING, HF_HEAD, SWIGLU_ACTIVATIONS, hf_decoder_entries,
                                            hf_decoder_fields, hf_feed_forward_names)
-from recipes.decoder.lora_config import EXPERT_TARGETS
+from recipes.decoder.hf_experts import PEFT_EXPERT_TARGETS, stack_experts, unstack_experts
 from recipes.models.deepseek.config import ARCHITECTURES, YARN_KEYS, DeepSeekConfig
-from recipes.models.moe import hf as moe_hf
 
 __all__ = ["FP32_NAMES", "MODEL_TYPES", "PEFT_TARGETS", "config_from_hf", "config_from_weights", "dequantize_fp8", "from_saved_layout", "hf_config_dict",
            "hf_name_map", "to_saved_layout"]
@@ -38,10 +37,10 @@ MODEL_TYPES = ARCHITECTURES
 _HF_CLASSES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
 _ATTENTION = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
               "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
-#: LoRA target -> the decoder layer submodule PEFT adapts (an expert target: the MoE family's stacked parameter).
+#: LoRA target -> the decoder layer submodule PEFT adapts (an expert target: the shared stacked parameter).
 PEFT_TARGETS = {**{target: f"self_attn.{_ATTENTION[mine]}" for target, mine in (
     ("q", "wq"), ("q_a", "wq_a"), ("q_b", "wq_b"), ("kv_a", "wkv_a"), ("kv_b", "wkv_b"), ("o", "wo"))},
-    **{target: moe_hf.PEFT_TARGETS[target] for target in EXPERT_TARGETS}}
+    **PEFT_EXPERT_TARGETS}
 #: What transformers keeps in fp32 in a bf16 DeepSeek-V3 (``_keep_in_fp32_modules_strict``): the router.
 FP32_NAMES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 #: The block edge of the official FP8 checkpoints' scales (``weight_scale_inv`` [ceil(rows/128), ceil(cols/128)]).
@@ -114,8 +113,8 @@ def dequantize_fp8(hf_state_dict: dict[str, Tensor], *, dtype: torch.dtype = tor
 def from_saved_layout(hf_state_dict: dict[str, Tensor], config: DeepSeekConfig) -> dict[str, Tensor]:
     """Any stored DeepSeek state dict in the stacked layout ``hf_name_map`` names: multi-token-prediction layers
     beyond ``config.mtp_layers`` dropped (logged), the copies of the shared embedding and head the release keeps in
-    each MTP layer dropped, FP8 weights dequantized (``dequantize_fp8``), per-expert tensors stacked (the MoE
-    family's ``from_saved_layout``)."""
+    each MTP layer dropped, FP8 weights dequantized (``dequantize_fp8``), per-expert tensors stacked
+    (``hf_experts.stack_experts``)."""
     last = config.n_layers + config.mtp_layers
     extra = sorted({int(m.group(1)) for name in hf_state_dict if (m := _LAYER.match(name)) and int(m.group(1)) >= last})
     if extra:
@@ -125,7 +124,7 @@ def from_saved_layout(hf_state_dict: dict[str, Tensor], config: DeepSeekConfig) 
                      if not ((m := _LAYER.match(name)) and (int(m.group(1)) >= last or name.endswith(_MTP_SHARED_COPIES)))}
     if any(name.endswith(".weight_scale_inv") for name in hf_state_dict):
         hf_state_dict = dequantize_fp8(hf_state_dict)
-    return moe_hf.from_saved_layout(hf_state_dict, config)
+    return stack_experts(hf_state_dict, config.n_experts)
 
 
 def config_from_weights(config: DeepSeekConfig, names: Iterable[str]) -> DeepSeekConfig:
@@ -142,8 +141,8 @@ def config_from_weights(config: DeepSeekConfig, names: Iterable[str]) -> DeepSee
 
 def to_saved_layout(hf_state_dict: dict[str, Tensor], config: DeepSeekConfig) -> dict[str, Tensor]:
     """The stacked experts as ``save_pretrained`` writes them: one ``gate_proj`` / ``up_proj`` / ``down_proj`` per
-    expert (the MoE family's ``to_saved_layout``)."""
-    return moe_hf.to_saved_layout(hf_state_dict, config)
+    expert (``hf_experts.unstack_experts``)."""
+    return unstack_experts(hf_state_dict)
 
 
 def _rope_from_hf(hf_config: Mapping[str, Any], source: str) -> tuple[float, Optional[dict[str, Any]]]:

@@ -1,6 +1,6 @@
 """The DeepSeek recipe's memory profile for ``lightning-npu plan`` (the protocol: ``lightning_npu.plan.profile``).
 
-Torch-free: the planner imports it to read a config. The MLP half of each layer is the MoE family's profile
+Torch-free: the planner imports it to read a config. The MLP half of each layer is the shared MoE profile
 (``MoEProfile``: router, stacked experts, shared experts, expert parallelism) or, in the first ``first_k_dense``
 layers, the decoder's SwiGLU; the attention half is MLA (``MLAProfile``), as model.py's ``MLAttention`` runs it:
 
@@ -28,9 +28,9 @@ from typing import Any, Mapping
 from lightning_npu.plan import DecoderProfile, ModelShape
 from lightning_npu.plan.decoder import FP32_BYTES, SOFTMAX_STAT_LANES, SOFTMAX_STATS, BlockActivations, BlockParameters
 from lightning_npu.plan.decoder import ROTARY_TABLES, HALF_PRECISION_COPY, Shape
+from recipes.decoder.moe_profile import ATTENTION_QUANTIZED, MoEProfile
 from recipes.decoder.plan_profile import adapters, family_config
 from recipes.models.deepseek.config import DeepSeekConfig
-from recipes.models.moe.memory_profile import ATTENTION_QUANTIZED, MoEProfile
 
 #: LoRA targets the profile does not count yet: MLA's but its output's.
 UNPLANNED_TARGETS = ("q", "q_a", "q_b", "kv_a", "kv_b")

@@ -1,5 +1,5 @@
 """The DeepSeek-V3 / V2 decoder (see ``config.py``): Multi-head Latent Attention and DeepSeekMoE on the shared norms,
-SwiGLU MLP and trunk of ``recipes/decoder/transformer.py`` and the MoE layer of ``recipes/models/moe/`` (stacked
+SwiGLU MLP and trunk of ``recipes/decoder/transformer.py`` and the MoE layers of ``recipes/decoder/moe.py`` (stacked
 experts on grouped matmuls, the fp32 router, ``RoutedDecoder``'s balancing and logging).
 
 Rotary embeddings rotate the ``qk_rope_head_dim`` channels only. DeepSeek checkpoints lay them out as interleaved
@@ -49,11 +49,11 @@ from torch.nn import functional as F
 from lightning_npu.kernels import apply_rotary
 from lightning_npu.parallel import ParallelPlan
 from recipes.decoder.layers import Linear
+from recipes.decoder.moe import MoEFeedForward, RoutedDecoder
 from recipes.decoder.tensor_parallel import decoder_parallel_plan
 from recipes.decoder.transformer import DecoderBlock, FeedForward, KVCache, RMSNorm, attend
 from recipes.models.deepseek.config import DeepSeekConfig
 from recipes.models.deepseek.tensor_parallel import mla_attention_plan
-from recipes.models.moe.model import MoEFeedForward, RoutedDecoder
 
 #: The eps of MLA's latent norms: transformers builds them with its RMSNorm's default, whatever rms_norm_eps is.
 LATENT_NORM_EPS = 1e-6

@@ -1,7 +1,6 @@
 """The LLaMA family as the shared recipe sees it (registered as ``"llama"`` in ``recipes/families.py``)."""
 
-from recipes.decoder.family import DecoderFamily, HFFormat
-from recipes.decoder.transformer import ATTENTION_LORA_SITES
+from recipes.decoder.family import DENSE_LORA_SITES, DecoderFamily, HFFormat
 from recipes.models.llama import hf
 from recipes.models.llama.config import LLaMAConfig
 from recipes.models.llama.model import LLaMA
@@ -10,10 +9,5 @@ FAMILY = DecoderFamily(
     config_class=LLaMAConfig,
     model_class=LLaMA,
     hf=HFFormat.of_module(hf),
-    lora_sites={
-        **ATTENTION_LORA_SITES,
-        "gate": ("feed_forward.w_gate", 0, 1),
-        "up": ("feed_forward.w_up", 0, 1),
-        "down": ("feed_forward.w_down", 0, 1),
-    },
+    lora_sites=DENSE_LORA_SITES,
 )

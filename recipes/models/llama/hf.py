@@ -11,25 +11,15 @@ import torch
 
 from recipes.decoder.checkpoint_layout import CheckpointError
 from recipes.decoder.hf_checkpoint import (
-    HF_EMBEDDING, HF_HEAD, SWIGLU_ACTIVATIONS, hf_attention_names, hf_decoder_entries, hf_decoder_fields,
-    hf_feed_forward_names,
+    HF_EMBEDDING, HF_HEAD, PEFT_DECODER_TARGETS, SWIGLU_ACTIVATIONS, hf_attention_names, hf_decoder_entries,
+    hf_decoder_fields, hf_feed_forward_names, rope_from_hf, rope_to_hf,
 )
-from recipes.models.llama.config import ROPE_SCALING_KEYS, ROPE_SCALING_TYPE, LLaMAConfig, normalise_rope_scaling
+from recipes.models.llama.config import LLaMAConfig
 
 #: The ``config.json`` model types of the family (the first is what exports write).
 MODEL_TYPES = ("llama",)
-# transformers' rotary base when config.json names none (modeling_rope_utils.py).
-DEFAULT_HF_ROPE_THETA = 10000.0
 #: LoRA target -> the ``LlamaDecoderLayer`` submodule PEFT adapts (its ``target_modules`` name is the last part).
-PEFT_TARGETS = {
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj",
-    "up": "mlp.up_proj",
-    "down": "mlp.down_proj",
-}
+PEFT_TARGETS = PEFT_DECODER_TARGETS
 
 
 def hf_name_map(config: LLaMAConfig) -> dict[str, tuple[str, ...]]:
@@ -77,47 +67,6 @@ def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json")
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
     )
-
-
-def rope_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json") -> tuple[float, Optional[dict[str, Any]]]:
-    """(rope_theta, rope_scaling) of an HF ``config.json``: transformers 5 writes ``rope_parameters`` (theta and
-    the scaling in one mapping), older ones ``rope_theta`` and ``rope_scaling`` (``type`` before ``rope_type``),
-    which is what Meta's LLaMA-3.1/3.2 downloads carry; transformers 5 converts those at load, and so does this."""
-    rope = dict(hf_config.get("rope_parameters") or {})
-    legacy = dict(hf_config.get("rope_scaling") or {})
-    if not rope:
-        rope = dict(legacy)
-        if "type" in rope:
-            rope.setdefault("rope_type", rope.pop("type"))
-    theta = float(rope.pop("rope_theta", hf_config.get("rope_theta", DEFAULT_HF_ROPE_THETA)))
-    rope_type = rope.pop("rope_type", "default")
-    if rope_type == "default":
-        return theta, None
-    if rope_type != ROPE_SCALING_TYPE:
-        raise CheckpointError(
-            f"{source}: rope_type={rope_type!r}; the recipe implements plain rotary embeddings (rope_type 'default') "
-            f"and LLaMA-3.1's {ROPE_SCALING_TYPE!r} scaling."
-        )
-    top = hf_config.get("original_max_position_embeddings")  # transformers reads it before rope_parameters' own
-    if top is not None:
-        if rope.setdefault("original_max_position_embeddings", top) != top:
-            raise CheckpointError(
-                f"{source}: original_max_position_embeddings={top} at the top level but"
-                f" {rope['original_max_position_embeddings']} in rope_parameters; transformers takes the top-level"
-                " one, so make the two agree (or drop one)"
-            )
-    try:
-        return theta, normalise_rope_scaling({key: rope[key] for key in ROPE_SCALING_KEYS if key in rope})
-    except ValueError as error:
-        raise CheckpointError(f"{source}: rope_parameters: {error}") from None
-
-
-def rope_to_hf(config: LLaMAConfig) -> dict[str, Any]:
-    """The config.json entries of the rotary embedding: ``rope_parameters`` (transformers 5) and the
-    ``rope_theta`` / ``rope_scaling`` pair older transformers read."""
-    scaling = dict(config.rope_scaling) if config.rope_scaling is not None else None
-    parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": config.rope_theta}
-    return {"rope_theta": config.rope_theta, "rope_scaling": scaling, "rope_parameters": parameters}
 
 
 def hf_config_dict(

@@ -2,8 +2,9 @@
 ``lightning_npu.kernels``.
 
 The model knows nothing of devices, parallelism or Lightning: sharding and activation checkpointing
-wrap ``TransformerBlock`` from outside. Its layers and trunk are the shared ones of ``recipes/decoder/transformer.py``;
-this module adds LLaMA's block and its rotary rule (with LLaMA-3.1's scaling).
+wrap ``TransformerBlock`` from outside. Its layers and trunk are the shared ones of ``recipes/decoder/transformer.py``
+and its rotary tables (with LLaMA-3.1's scaling) those of ``recipes/decoder/rotary.py``; this module adds LLaMA's
+block.
 
 Parameter names (the recipe's state-dict layout; ``hf_checkpoint.py`` maps them to Hugging Face's)::
 
@@ -24,13 +25,12 @@ Parameter names (the recipe's state-dict layout; ``hf_checkpoint.py`` maps them 
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from lightning_npu.kernels import rotary_tables
+from recipes.decoder.rotary import rotary_cos_sin
 from recipes.decoder.transformer import (  # noqa: F401  (KVCache, positions_in_samples: part of this module's API)
     Attention,
     CausalDecoder,
@@ -50,35 +50,6 @@ class TransformerBlock(DecoderBlock):
         attention = Attention(config.dim, config.n_heads, config.n_kv_heads, config.head_dim)
         feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
         super().__init__(layer_id, config.dim, config.norm_eps, attention, feed_forward)
-
-
-def rotary_frequencies(config: LLaMAConfig, device: Optional[torch.device] = None) -> Tensor:
-    """The rotary inverse frequency of each channel pair [head_dim // 2], fp32: ``rope_theta ** (-2i / head_dim)``,
-    then, with ``config.rope_scaling``, LLaMA-3.1's "llama3" rule with L = original_max_position_embeddings:
-    wavelengths above L / low_freq_factor are stretched by ``factor``, those below L / high_freq_factor are kept,
-    and those between blend the two with weight s = (L / wavelength - low) / (high - low) on the kept one."""
-    exponents = torch.arange(0, config.head_dim, 2, device=device, dtype=torch.float32) / config.head_dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    length = scaling["original_max_position_embeddings"]
-    wavelength = 2 * math.pi / inv_freq
-    smooth = ((length / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0 above L / low, 1 below L / high
-    return (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
-
-
-def rotary_cos_sin(config: LLaMAConfig, device: Optional[torch.device] = None) -> tuple[Tensor, Tensor]:
-    """fp32 cos/sin [max_seq_len, head_dim] for positions 0 .. max_seq_len - 1, in the layout ``apply_rotary``
-    takes. Unscaled, they are ``lightning_npu.kernels.rotary_tables``'s; that kernel takes a base only, so scaled
-    frequencies are turned into tables here, the same way (fp32 angles, both halves)."""
-    if config.rope_scaling is None:
-        return rotary_tables(config.max_seq_len, config.head_dim, theta=config.rope_theta, device=device)
-    positions = torch.arange(config.max_seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, rotary_frequencies(config, device))
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
 
 
 class LLaMA(CausalDecoder):

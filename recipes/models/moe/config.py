@@ -139,7 +139,7 @@ class MoEConfig(ConfigDict):
     def routing(self) -> Any:
         """How the MoE layers pick and weigh experts (``router.Routing``): softmax top_k, renormalised with
         ``norm_topk_prob``."""
-        from recipes.models.moe.router import Routing  # here: the planner reads this module without torch
+        from recipes.decoder.router import Routing  # here: the planner reads this module without torch
 
         return Routing(self.top_k, normalise=self.norm_topk_prob)
 

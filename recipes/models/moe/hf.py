@@ -7,12 +7,12 @@ transformers 5 holds a layer's experts stacked in memory, as the recipe does (``
 ``save_pretrained`` (5.24) still writes one tensor per expert, as transformers 4 did and most downloads are:
 ``mlp.experts.{j}.gate_proj / up_proj / down_proj`` (Qwen) or ``block_sparse_moe.experts.{j}.w1 / w3 / w2``
 (Mixtral, whose MoE module was ``block_sparse_moe``). ``from_saved_layout`` reads either; exports are written as
-``save_pretrained`` writes them (``to_saved_layout``), which transformers 4 and 5 both load.
+``save_pretrained`` writes them (``to_saved_layout``), which transformers 4 and 5 both load. The stacking itself is
+shared with every family with MoE layers: ``recipes/decoder/hf_experts.py``.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping, Optional
 
 import torch
@@ -20,9 +20,10 @@ from torch import Tensor
 
 from recipes.decoder.checkpoint_layout import CheckpointError
 from recipes.decoder.hf_checkpoint import (
-    HF_EMBEDDING, HF_HEAD, SWIGLU_ACTIVATIONS, hf_attention_names, hf_decoder_entries, hf_decoder_fields,
-    hf_feed_forward_names,
+    HF_EMBEDDING, HF_HEAD, PEFT_ATTENTION_TARGETS, SWIGLU_ACTIVATIONS, hf_attention_names, hf_decoder_entries,
+    hf_decoder_fields, hf_feed_forward_names,
 )
+from recipes.decoder.hf_experts import PEFT_EXPERT_TARGETS, stack_experts, unstack_experts
 from recipes.models.moe.config import MoEConfig
 
 #: The ``config.json`` model types of the family, one per ``MoEConfig.architecture`` (each exports as itself).
@@ -32,14 +33,10 @@ _HF_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalL
 _DEFAULT_ROPE_THETA = {"mixtral": 1000000.0, "qwen2_moe": 10000.0, "qwen3_moe": 10000.0}
 _DEFAULT_AUX_LOSS_COEF = 0.001
 #: LoRA target -> the decoder layer submodule PEFT adapts, or for an expert target the stacked parameter of
-#: transformers 5's experts module PEFT adapts (its ``target_parameters``; gate and up share ``gate_up_proj``).
-PEFT_TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-                "expert_gate": "mlp.experts.gate_up_proj", "expert_up": "mlp.experts.gate_up_proj",
-                "expert_down": "mlp.experts.down_proj"}
-
-# transformers 4's per-expert tensors: (layer prefix, expert index, projection).
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_GATE, _UP, _DOWN = ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")
+#: transformers 5's experts module PEFT adapts.
+PEFT_TARGETS = {**PEFT_ATTENTION_TARGETS, **PEFT_EXPERT_TARGETS}
+#: Mixtral's per-expert projections (gate, up, down), under its MoE module ``block_sparse_moe``.
+MIXTRAL_EXPERT_PROJECTIONS = ("w1", "w3", "w2")
 
 
 def hf_name_map(config: MoEConfig) -> dict[str, tuple[str, ...]]:
@@ -69,34 +66,9 @@ def hf_name_map(config: MoEConfig) -> dict[str, tuple[str, ...]]:
 
 def from_saved_layout(hf_state_dict: dict[str, Tensor], config: MoEConfig) -> dict[str, Tensor]:
     """A per-expert state dict in the stacked layout: Mixtral's ``block_sparse_moe`` renamed ``mlp``, and each
-    layer's per-expert projections stacked (gate and up concatenated, gate first). A layer whose experts are
-    incomplete (an index missing, or a projection of some expert) raises ``CheckpointError`` naming it; a state
-    dict already stacked passes through unchanged."""
+    layer's experts stacked (``hf_experts.stack_experts``, which names a layer whose experts are incomplete)."""
     renamed = {name.replace(".block_sparse_moe.", ".mlp."): tensor for name, tensor in hf_state_dict.items()}
-    out: dict[str, Tensor] = {}
-    per_layer: dict[str, dict[str, dict[int, Tensor]]] = {}
-    for name, tensor in renamed.items():
-        match = _PER_EXPERT.match(name)
-        if match is None:
-            out[name] = tensor
-            continue
-        prefix, expert, projection = match.group(1), int(match.group(2)), match.group(3)
-        kind = "gate" if projection in _GATE else "up" if projection in _UP else "down"
-        per_layer.setdefault(prefix, {}).setdefault(kind, {})[expert] = tensor
-    for prefix, kinds in per_layer.items():
-        experts = list(range(config.n_experts))
-        for kind in ("gate", "up", "down"):
-            held = sorted(kinds.get(kind, {}))
-            if held != experts:
-                raise CheckpointError(
-                    f"The Hugging Face checkpoint holds the {kind} projection of experts {held} in {prefix}, but"
-                    f" config.json has {config.n_experts} experts (0 .. {config.n_experts - 1}). Is a weight shard"
-                    " missing?"
-                )
-        gate, up, down = (kinds[kind] for kind in ("gate", "up", "down"))
-        out[prefix + ".gate_up_proj"] = torch.stack([torch.cat((gate[j], up[j])) for j in experts])
-        out[prefix + ".down_proj"] = torch.stack([down[j] for j in experts])
-    return out
+    return stack_experts(renamed, config.n_experts)
 
 
 def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json") -> MoEConfig:
@@ -222,22 +194,9 @@ def hf_config_dict(
 
 
 def to_saved_layout(hf_state_dict: dict[str, Tensor], config: MoEConfig) -> dict[str, Tensor]:
-    """Inverse of ``from_saved_layout``: each stacked expert tensor split into one tensor per expert (copies:
-    safetensors refuses tensors sharing a buffer), Mixtral's under ``block_sparse_moe`` with w1 / w3 / w2."""
-    gate, up, down = (names[0] if config.architecture == "mixtral" else names[1] for names in (_GATE, _UP, _DOWN))
-    out: dict[str, Tensor] = {}
-    for name, tensor in hf_state_dict.items():
-        if name.endswith(".experts.gate_up_proj"):
-            prefix = name.removesuffix(".gate_up_proj")
-            for j, expert in enumerate(tensor):
-                gate_rows, up_rows = expert.chunk(2)
-                out[f"{prefix}.{j}.{gate}.weight"], out[f"{prefix}.{j}.{up}.weight"] = gate_rows.clone(), up_rows.clone()
-        elif name.endswith(".experts.down_proj"):
-            prefix = name.removesuffix(".down_proj")
-            for j, expert in enumerate(tensor):
-                out[f"{prefix}.{j}.{down}.weight"] = expert.clone()
-        else:
-            out[name] = tensor
-    if config.architecture == "mixtral":
-        out = {name.replace(".mlp.", ".block_sparse_moe."): tensor for name, tensor in out.items()}
-    return out
+    """Inverse of ``from_saved_layout``: one tensor per expert (``hf_experts.unstack_experts``), Mixtral's under
+    ``block_sparse_moe`` with w1 / w3 / w2."""
+    if config.architecture != "mixtral":
+        return unstack_experts(hf_state_dict)
+    out = unstack_experts(hf_state_dict, MIXTRAL_EXPERT_PROJECTIONS)
+    return {name.replace(".mlp.", ".block_sparse_moe."): tensor for name, tensor in out.items()}

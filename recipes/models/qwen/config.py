@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from recipes.decoder.config_dict import ConfigDict
-from recipes.models.llama.config import normalise_rope_scaling
+from recipes.decoder.rope_scaling import normalise_rope_scaling
 
 #: The Hugging Face architectures of the family (``QwenConfig.architecture``: their ``config.json`` model_type).
 #: Qwen2 (and Qwen2.5, which is Qwen2's architecture) has query/key/value biases; Qwen3 has none, and an RMSNorm
@@ -41,7 +41,7 @@ class QwenConfig(ConfigDict):
         if self.head_dim is None and isinstance(self.dim, int) and isinstance(self.n_heads, int) and self.n_heads > 0:
             self.head_dim = self.dim // self.n_heads
         if self.rope_scaling is not None:
-            self.rope_scaling = normalise_rope_scaling(self.rope_scaling)
+            self.rope_scaling = normalise_rope_scaling(self.rope_scaling, "QwenConfig.rope_scaling")
         self.validate()
 
     def validate(self) -> None:

@@ -10,16 +10,17 @@ import torch
 
 from recipes.decoder.checkpoint_layout import CheckpointError
 from recipes.decoder.hf_checkpoint import (
-    HF_EMBEDDING, HF_HEAD, SWIGLU_ACTIVATIONS, hf_attention_names, hf_decoder_entries, hf_decoder_fields,
-    hf_feed_forward_names,
+    HF_EMBEDDING, HF_HEAD, PEFT_DECODER_TARGETS, SWIGLU_ACTIVATIONS, hf_attention_names, hf_decoder_entries,
+    hf_decoder_fields, hf_feed_forward_names, rope_from_hf, rope_to_hf,
 )
-from recipes.models.llama.hf import PEFT_TARGETS, rope_from_hf, rope_to_hf
 from recipes.models.qwen.config import ARCHITECTURES, QwenConfig
 
 __all__ = ["MODEL_TYPES", "PEFT_TARGETS", "config_from_hf", "hf_config_dict", "hf_name_map", "sliding_layers"]
 
 #: The ``config.json`` model types of the family, one per ``QwenConfig.architecture`` (each exports as itself).
 MODEL_TYPES = ARCHITECTURES
+#: LoRA target -> the decoder layer submodule PEFT adapts: LLaMA's layer layout.
+PEFT_TARGETS = PEFT_DECODER_TARGETS
 _HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 

@@ -1,6 +1,6 @@
 """The Qwen2 / Qwen3 dense decoder (see ``config.py``): the shared attention (with Qwen2's q/k/v biases or Qwen3's
 per-head q/k norms, and a free head_dim), SwiGLU MLP and trunk of ``recipes/decoder/transformer.py``, with LLaMA's
-rotary rule.
+rotary rule (``recipes/decoder/rotary.py``).
 
 Parameter names (``hf.py`` maps them to Hugging Face's)::
 
@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from recipes.decoder.rotary import rotary_cos_sin
 from recipes.decoder.transformer import Attention, CausalDecoder, DecoderBlock, FeedForward
-from recipes.models.llama.model import rotary_cos_sin
 from recipes.models.qwen.config import QwenConfig
 
 
