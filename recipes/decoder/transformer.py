@@ -463,7 +463,14 @@ class CausalDecoder(nn.Module):
             if position_ids is None:
                 position_ids = positions_in_samples(bounds, device=tokens.device).view(batch, seq)
             cos, sin = self.rotary_at(position_ids.flatten(), h.dtype)
-        elif position_ids is not None:  # every row of unpacked rows is at the same positions: row 0's
+        elif position_ids is not None:  # unpacked rows share one rotary table: row 0's positions, checked to be all's
+            if batch > 1 and not torch.equal(position_ids[1:], position_ids[:1].expand(batch - 1, -1)):
+                row = 1 + int((position_ids[1:] != position_ids[:1]).any(dim=1).nonzero()[0])
+                raise ValueError(
+                    f"position_ids of row {row} ({position_ids[row, :8].tolist()}...) differ from row 0's"
+                    f" ({position_ids[0, :8].tolist()}...): without cu_seqlens every row is at the same positions (one"
+                    " rotary table). Pack rows with positions of their own with cu_seqlens, or give every row the same."
+                )
             cos, sin = self.rotary_at(position_ids[0], h.dtype)
         else:
             cos, sin = self.rotary(start_pos, seq, h.device, h.dtype)
