@@ -21,9 +21,10 @@ from lightning_npu.facts.options import FSDPOptions
 from lightning_npu.parallel.checkpointing import apply_activation_checkpointing
 from lightning_npu.parallel.context import ContextParallel, apply_context_parallel
 from lightning_npu.parallel.expert import apply_experts, check_experts, shard_experts
-from lightning_npu.parallel.fsdp import apply_fsdp, fully_shard_options, resolve_module_classes, wrap_classes
-from lightning_npu.parallel.mesh import ParallelMesh
+from lightning_npu.parallel.fsdp import (apply_fsdp, fully_shard_options, move_buffers, resolve_module_classes,
+                                        wrap_classes)
 from lightning_npu.parallel.handle import ParallelModel, StateLayout
+from lightning_npu.parallel.mesh import ParallelMesh
 from lightning_npu.parallel.pipeline import Pipeline, PipelineSplit, check_split, split
 from lightning_npu.parallel.protocol import ParallelPlan, PipelineLayout, find_modules
 from lightning_npu.parallel.tensor import apply_tensor_parallel, tensor_parallel_parameters
@@ -43,15 +44,18 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, prec
     ac_classes = resolve_module_classes(options.activation_checkpointing_policy, model, "activation_checkpointing_policy")
     classes, chosen_by = wrap_classes(options.auto_wrap_policy, model)
     order = tuple(name for name, _ in model.named_parameters())  # the whole model's, before a pipeline split
-    plan.modules(model, "experts")  # the plan's names checked against the whole model
-    split_, parts = (None, [(model, plan)]) if mesh.pp is None else _split(model, mesh, options, plan)
+    # Split first: the parts every parallelism below is applied to, each with the plan rooted at it, and the plan
+    # of what holds them (under a pipeline: the context-parallel modules outside every stage).
+    if mesh.pp is None:
+        split_, parts, holder_plan = None, [(model, plan)], ParallelPlan()
+    else:
+        split_, parts, holder_plan = _split(model, mesh, options, plan)
     experts = [found for part, part_plan in parts for found in part_plan.modules(part, "experts")]
     check_experts(experts, options.expert_parallel_size)
     if mesh.tp is not None:
         _tensor_parallel(parts, mesh, options, experts)
     if mesh.cp is not None:
-        _context_parallel(model, parts, mesh, options,
-                          ParallelPlan() if split_ is None else plan.outside(_pipelined(plan)))
+        _context_parallel(model, holder_plan, parts, mesh, options)
     experts_apart = bool(experts) and (options.expert_parallel_size > 1 or mesh.tp is not None)
     if experts_apart:
         ep_mesh = mesh.experts["ep"] if options.expert_parallel_size > 1 else None
@@ -77,14 +81,12 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, prec
     sharded = [name for part, _ in parts
                for name in apply_fsdp(part, mesh.fsdp, reshard_after_forward=reshard_after_forward,
                                       step_methods=step_methods if split_ is None else (), **shard)]
+    if split_ is not None and device is not None:
+        move_buffers(model, device)  # those outside every stage, which no unit holds
     rank_zero_info(f"npu_fsdp: {len(sharded)} FSDP units ({chosen_by}; zero_stage={options.zero_stage},"
                    f" sharding={options.sharding!r}), activation checkpointing on {len(checkpointed)} modules")
     if split_ is None:
         return ParallelModel((model,), None, StateLayout(order, device=device))
-    if device is not None:
-        # FSDP moves what its units hold; buffers outside every stage (on the LightningModule itself, or
-        # parameter-free modules beside the pipelined one) would stay where they were built.
-        move_buffers(model, device)
     pipeline = Pipeline(split_, options.pipeline_schedule, options.microbatches, mesh.pp.get_group(), device,
                         options.stages_per_rank, sequence_group=None if mesh.cp is None else mesh.cp.get_group())
     pipeline.install()
@@ -118,19 +120,10 @@ def check_pipeline(model: nn.Module, options: FSDPOptions, plan: ParallelPlan) -
     return module, layout
 
 
-def move_buffers(model: nn.Module, device: torch.device) -> None:
-    """Every buffer of ``model`` that is not on ``device`` (nor on the meta device, which the first values fill)
-    moved there; registered buffers stay registered."""
-    for module in model.modules():
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            if buffer is not None and not buffer.is_meta and buffer.device != device:
-                setattr(module, name, buffer.to(device))
-
-
 def _split(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: ParallelPlan
-           ) -> tuple[PipelineSplit, list[tuple[nn.Module, ParallelPlan]]]:
-    """Prune the plan's pipelined module to this rank's stages (``parallel.pipeline.split``): the split and each
-    stage with the plan rooted at it."""
+           ) -> tuple[PipelineSplit, list[tuple[nn.Module, ParallelPlan]], ParallelPlan]:
+    """Prune the plan's pipelined module to this rank's stages (``parallel.pipeline.split``): the split, each stage
+    with the plan rooted at it, and the plan of the modules outside every stage (``ParallelPlan.outside``)."""
     module, layout = check_pipeline(model, options, plan)
     known = {name for name, _ in model.named_modules()}
     per_rank = options.stages_per_rank
@@ -141,14 +134,9 @@ def _split(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: Par
     held = [f"{stage}: {split_.blocks[stage]}" for stage in stage_ids]
     rank_zero_info(f"npu_fsdp: pipeline ({options.pipeline_schedule}, {options.microbatches} microbatches) over"
                    f" {pp * per_rank} stages; rank 0 runs stage(s) {', '.join(held)}")
-    prefix = _pipelined(plan)
-    return split_, [(split_.stages[stage], plan.within(prefix, split_.stages[stage], known))
-                    for stage in sorted(split_.stages)]
-
-
-def _pipelined(plan: ParallelPlan) -> str:
-    """The name of the plan's pipelined module."""
-    return plan.pipeline.module
+    prefix = plan.pipeline.module
+    parts = [(split_.stages[stage], plan.within(prefix, split_.stages[stage], known)) for stage in sorted(split_.stages)]
+    return split_, parts, plan.outside(prefix)
 
 
 def _tensor_parallel(parts: list[tuple[nn.Module, ParallelPlan]], mesh: ParallelMesh, options: FSDPOptions,
@@ -170,8 +158,8 @@ def _tensor_parallel(parts: list[tuple[nn.Module, ParallelPlan]], mesh: Parallel
                    f"{' (plan: ' + ', '.join(planned) + ')' if planned else ''}")
 
 
-def _context_parallel(model: nn.Module, parts: list[tuple[nn.Module, ParallelPlan]], mesh: ParallelMesh,
-                      options: FSDPOptions, holder_plan: ParallelPlan) -> None:
+def _context_parallel(model: nn.Module, holder_plan: ParallelPlan, parts: list[tuple[nn.Module, ParallelPlan]],
+                      mesh: ParallelMesh, options: FSDPOptions) -> None:
     """Context parallelism given to the modules each part's plan names, and to those of ``holder_plan`` in
     ``model`` (under a pipeline: the modules outside every stage, such as the one that shards the batch)."""
     context_parallel = ContextParallel(mesh.cp.get_group(), options.context_parallel_algo)
@@ -190,4 +178,4 @@ def _context_parallel(model: nn.Module, parts: list[tuple[nn.Module, ParallelPla
                    f" {len(given)} modules split the sequence")
 
 
-__all__ = ["check_pipeline", "move_buffers", "parallelize"]
+__all__ = ["check_pipeline", "parallelize"]
