@@ -7,10 +7,10 @@ the contract is in ``lightning_npu.parallel.protocol``). This module:
 - splits it (:func:`split`): the model is pruned **in place** to this rank's stages: the parts no local stage holds
   become ``None`` and the blocks container keeps the local blocks under their original indices (``KeptBlocks``), so
   every parameter keeps its name (``layers.5.attention.wq.weight``) and optimizer states and checkpoints are keyed as
-  without PP: a sharded checkpoint saved under one layout loads under another. Each stage is a *view* of the
-  pruned model (a shallow copy with its own children and hook dicts, sharing the submodules), which FSDP shards as
-  a unit and the schedule runs; the model's own ``forward`` is then free to become the pipeline
-  (:meth:`Pipeline.install`);
+  without PP: a sharded checkpoint saved under one layout loads under another. Each stage is a module of its own,
+  made here before anything else is applied (a shallow copy of the pruned model with its own children and hook
+  dicts, sharing the submodules): ``parallelize`` applies every parallelism to each stage, FSDP included (the unit
+  the schedule runs), and the model's own ``forward`` is then free to become the pipeline (:meth:`Pipeline.install`);
 - runs a step (:class:`Pipeline`): the schedule (``scale_grads=False``) over the microbatches, the loss normalised
   by the batch's labelled tokens (the mean the unpipelined model gives, however unevenly labels fall on the
   microbatches), the step's loss broadcast from the rank holding the last stage to every rank of the pipeline. The
