@@ -279,6 +279,16 @@ def test_packed_forward_takes_boundaries_as_a_tensor_and_explicit_positions_alik
         torch.testing.assert_close(model(tokens, position_ids=whole), model(tokens), rtol=0, atol=0)
 
 
+def test_a_part_of_each_sequence_without_its_positions_is_refused():
+    """Under context parallelism a rank's tokens are a part of each sequence: without position_ids the trunk would
+    give them the positions 0 .. part - 1 (silently wrong rotary), so it refuses, naming the fix."""
+    model = random_model(small_config())
+    for block in model.layers:
+        block.attention.context_parallel = object()  # what npu_fsdp gives: a ContextParallel
+    with pytest.raises(ValueError, match=r"runs under context parallelism.*pass position_ids=context_parallel.shard"):
+        model(torch.zeros(2, 8, dtype=torch.long))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

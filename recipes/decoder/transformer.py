@@ -250,6 +250,13 @@ class DecoderBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def _holds_a_part_of_each_sequence(blocks: Iterable[nn.Module]) -> bool:
+    """Whether the blocks' attention runs under context parallelism (npu_fsdp gives every block's attention its
+    ``context_parallel``), so their input is a part of each sequence."""
+    first = next(iter(blocks), None)
+    return getattr(getattr(first, "attention", None), "context_parallel", None) is not None
+
+
 def positions_in_samples(cu_seqlens: Sequence[int], device: Optional[torch.device] = None) -> Tensor:
     """Each token's position inside its sample, [cu_seqlens[-1]] int64, for the sample boundaries ``cu_seqlens``."""
     if not cu_seqlens or cu_seqlens[0] != 0 or any(b <= a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])):
@@ -433,6 +440,12 @@ class CausalDecoder(nn.Module):
                 self.tok_embeddings is not None and position_ids.shape[1] != tokens.shape[1])):
             raise ValueError(
                 f"position_ids have shape {tuple(position_ids.shape)}; they must match tokens {tuple(tokens.shape[:2])}."
+            )
+        if position_ids is None and _holds_a_part_of_each_sequence(self.layers):
+            raise ValueError(
+                f"{type(self).__name__}'s attention runs under context parallelism, so tokens are this rank's part of"
+                " each sequence, whose positions only the caller knows: pass position_ids=context_parallel.shard("
+                "<the whole rows' positions>) (DecoderLM does), or call the model outside npu_fsdp."
             )
         seq = tokens.shape[1] if position_ids is None else position_ids.shape[1]
         if start_pos < 0:
