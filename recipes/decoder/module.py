@@ -33,6 +33,7 @@ from lightning_npu.optim import AdamW8bit
 from lightning_npu.parallel import ParallelPlan
 from lightning_npu.parallel.tensor import local_tensor
 from recipes import families
+from recipes.decoder.transformer import positions_in_samples
 from recipes.decoder.lora import (
     LoRAConfig,
     active_adapter_params,
@@ -171,7 +172,7 @@ class DecoderLM(LightningModule):
         cp = self.context_parallel
         if cp is None:
             return self.model(input_ids)
-        logits = self.model(cp.shard(input_ids))
+        logits = self.model(cp.shard(input_ids), position_ids=cp.shard(_positions(input_ids, None)))
         return cp.gather(logits.full_tensor() if hasattr(logits, "full_tensor") else logits)  # vocabulary-split: whole
 
     def _loss(self, batch: dict[str, Any]) -> Tensor:
@@ -200,9 +201,11 @@ class DecoderLM(LightningModule):
         return loss if ahead is None else loss + ahead(batch["labels"])
 
     def _sequence_shard(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """This context-parallel rank's part of each sequence of ``batch`` (ids, labels, packed positions; the
-        sample boundaries ``cu_seqlens`` stay the whole batch's)."""
+        """This context-parallel rank's part of each sequence of ``batch`` (ids, labels, positions: the batch's, or
+        made here for the whole sequences; the sample boundaries ``cu_seqlens`` stay the whole batch's)."""
         by_sequence = ("input_ids", "labels", "position_ids")
+        if batch.get("position_ids") is None:
+            batch = {**batch, "position_ids": _positions(batch["input_ids"], batch.get("cu_seqlens"))}
         return {key: self.context_parallel.shard(value) if key in by_sequence else value
                 for key, value in batch.items()}
 
@@ -325,6 +328,15 @@ class DecoderLM(LightningModule):
         schedule = warmup_cosine(self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _positions(input_ids: Tensor, cu_seqlens: Any) -> Tensor:
+    """Each token's position in its row [batch, seq], or with the packed rows' boundaries ``cu_seqlens`` in its
+    sample."""
+    if cu_seqlens is None:
+        return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
+    return positions_in_samples(bounds, device=input_ids.device).view_as(input_ids)
 
 
 def _shards_parameters(module: LightningModule) -> bool:

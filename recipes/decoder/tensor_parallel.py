@@ -30,7 +30,8 @@ from lightning_npu.facts.parallel_rules import ModelShapes
 from lightning_npu.parallel import ParallelPlan, PipelineLayout
 
 #: How a ``CausalDecoder`` splits into pipeline stages: the embedding first, the blocks, the final norm and head last.
-PIPELINE = PipelineLayout(module="", inputs=("tok_embeddings",), blocks="layers", outputs=("norm", "output"))
+PIPELINE = PipelineLayout(module="", inputs=("tok_embeddings",), blocks="layers", outputs=("norm", "output"),
+                          positions="position_ids")
 #: The plan of one block's attention: ``(prefix, attention, sequence_parallel=...) -> {module name: ParallelStyle}``,
 #: its modules named under ``prefix`` (``"layers.3.attention."``), ``wo`` (or what ends it) giving the residual
 #: stream's layout. ``attention_plan`` below is the grouped-query attention's; DeepSeek's MLA has its own.
