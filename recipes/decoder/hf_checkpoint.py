@@ -30,7 +30,7 @@ from recipes.decoder.checkpoint_layout import (
 )
 from recipes import families
 from recipes.decoder.hf_adapter import (  # noqa: F401  (HF_EMBEDDING, HF_HEAD: what the families' name maps use)
-    HF_EMBEDDING, HF_HEAD, Piece, Plan, ReadSlice, StoredTensor, check_tied, export_plan, import_plan, read_whole,
+    HF_EMBEDDING, HF_HEAD, Piece, Plan, ReadSlice, StoredTensor, check_tied, export_plan, import_plan, read_region, read_whole,
 )
 from recipes.decoder.rope_scaling import ROPE_SCALING_KEYS, ROPE_SCALING_TYPE, normalise_rope_scaling
 from recipes.decoder.tokenizer import has_tokenizer, load_tokenizer
@@ -341,6 +341,31 @@ def _weight_files(hf_dir: Path) -> list[str]:
         f"{hf_dir} has no weights: expected one of {list(_HF_WEIGHT_FILES + _HF_INDEX_FILES)}. "
         "Download the full model (e.g. `huggingface-cli download <repo> --local-dir DIR`)."
     )
+
+
+def local_region(tensor: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """The part of ``tensor`` this process holds and where it starts in the whole tensor: a DTensor's local shard
+    and its offset (as DCP plans its reads: ``__create_chunk_list__``), a plain tensor whole at 0."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor, (0,) * tensor.dim()
+    local = tensor.to_local()
+    chunks = tensor.__create_chunk_list__()
+    return local, tuple(chunks[0].offsets) if chunks else (0,) * tensor.dim()
+
+
+def read_into(tensors: Mapping[str, Tensor], weights: HFWeights, plan: Plan) -> None:
+    """Fill this process's part of each of ``tensors`` (recipe names, plain or DTensors: a model's state dict, in
+    place) from the stored slices that cover it, file by file (one progress line each): a rank holding a shard of
+    every tensor reads only its shards' bytes, plus at most one slice of each stored tensor at a time."""
+    with torch.no_grad():
+        for _, names in progress_over(tensors_by_file(weights, plan, tensors.keys()), f"read {weights.directory}",
+                                      name=lambda item: item[0]):
+            for name in names:
+                local, offset = local_region(tensors[name])
+                if local.numel():
+                    read_region(local, offset, plan.tensors[name], weights.read)
 
 
 def load_hf_checkpoint(hf_dir: PathLike) -> tuple[Any, dict[str, Tensor]]:
