@@ -355,17 +355,27 @@ def local_region(tensor: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     return local, tuple(chunks[0].offsets) if chunks else (0,) * tensor.dim()
 
 
+#: The most bytes of a shard ``read_into`` fills from one read (a larger shard is read in blocks of rows).
+READ_BLOCK_BYTES = 16 * 2**20
+
+
 def read_into(tensors: Mapping[str, Tensor], weights: HFWeights, plan: Plan) -> None:
     """Fill this process's part of each of ``tensors`` (recipe names, plain or DTensors: a model's state dict, in
     place) from the stored slices that cover it, file by file (one progress line each): a rank holding a shard of
-    every tensor reads only its shards' bytes, plus at most one slice of each stored tensor at a time."""
+    every tensor reads only its shards' bytes, at most ``READ_BLOCK_BYTES`` of one at a time."""
     with torch.no_grad():
         for _, names in progress_over(tensors_by_file(weights, plan, tensors.keys()), f"read {weights.directory}",
                                       name=lambda item: item[0]):
             for name in names:
                 local, offset = local_region(tensors[name])
-                if local.numel():
-                    read_region(local, offset, plan.tensors[name], weights.read)
+                if not local.numel() or not local.dim():
+                    if local.numel():
+                        read_region(local, offset, plan.tensors[name], weights.read)
+                    continue
+                rows = max(1, READ_BLOCK_BYTES * local.shape[0] // (local.numel() * local.element_size()))
+                for start in range(0, local.shape[0], rows):  # a large shard in blocks of rows: smaller slices
+                    read_region(local[start:start + rows], (offset[0] + start, *offset[1:]), plan.tensors[name],
+                                weights.read)
 
 
 def load_hf_checkpoint(hf_dir: PathLike) -> tuple[Any, dict[str, Tensor]]:
