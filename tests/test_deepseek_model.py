@@ -121,6 +121,28 @@ def _fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (weight / full).to(torch.float8_e4m3fn), scale
 
 
+def fp8_release_state_dict() -> tuple[DeepSeekConfig, dict[str, torch.Tensor]]:
+    """A random DeepSeek-V3 in its release's layout: per-expert tensors, every projection FP8 with block scales."""
+    hf = hf_model("v3-q-lora-yarn")
+    config = deepseek_hf.config_from_hf(hf.config.to_dict())
+    stored = hf_checkpoint.recipe_to_hf_state_dict(hf_checkpoint.hf_to_recipe_state_dict(hf.state_dict(), config), config)
+    quantized = dict(stored)
+    for name, tensor in stored.items():
+        if tensor.dim() == 2 and "proj" in name:
+            quantized[name], quantized[name + "_scale_inv"] = _fp8_blocks(tensor)
+    return config, quantized
+
+
+def write_fp8_directory(directory) -> None:
+    """``fp8_release_state_dict`` as an HF directory (config.json, one safetensors file)."""
+    from safetensors.torch import save_file
+
+    config, quantized = fp8_release_state_dict()
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(hf_checkpoint.hf_config_dict(config, dtype=torch.bfloat16)))
+    save_file(quantized, directory / "model.safetensors")
+
+
 def test_fp8_block_quantized_weights_are_dequantized_on_import():
     weight = torch.randn(200, 130, generator=torch.Generator().manual_seed(0))
     codes, scale = _fp8_blocks(weight)
@@ -137,13 +159,7 @@ def test_fp8_block_quantized_weights_are_dequantized_on_import():
     part = hf_adapter.read_piece(piece, (slice(100, 190), slice(120, 130)), lambda name, index: tensors[name][index])
     assert torch.equal(part, expected.bfloat16()[100:190, 120:130])
     # A whole checkpoint in the release's layout (linear weights FP8, per-expert tensors) converts.
-    hf = hf_model("v3-q-lora-yarn")
-    config = deepseek_hf.config_from_hf(hf.config.to_dict())
-    stored = hf_checkpoint.recipe_to_hf_state_dict(hf_checkpoint.hf_to_recipe_state_dict(hf.state_dict(), config), config)
-    quantized = dict(stored)
-    for name, tensor in stored.items():
-        if tensor.dim() == 2 and "proj" in name:
-            quantized[name], quantized[name + "_scale_inv"] = _fp8_blocks(tensor)
+    config, quantized = fp8_release_state_dict()
     ours = hf_checkpoint.hf_to_recipe_state_dict(quantized, config)
     codes, scale = quantized["model.layers.0.self_attn.kv_b_proj.weight"], quantized["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"]
     assert torch.equal(ours["layers.0.attention.wkv_b.weight"], (codes.float() * scale).bfloat16())  # one block

@@ -5,7 +5,9 @@ does not exist, so the run fails if rank 1 reads anything. From the Hugging Face
 the test) every rank reads only the slices of its own shards. Writes ``<out>/rank<r>.json``: whether the sharded
 model now holds the saved weights exactly, the message of a load whose config does not match (which must reach
 both ranks), and for the HF load the bytes this rank read and its peak host memory above its memory before
-(``VmHWM`` reset through ``/proc/self/clear_refs``), in bytes.
+(``VmHWM`` reset through ``/proc/self/clear_refs``), in bytes. The FP8 DeepSeek-V3 directory ``<out>/fp8`` (per-expert
+tensors, block scales) is read into DTensors sharded on dim 0, on dim 1 and replicated: whether each equals the
+whole read.
 """
 
 import json
@@ -17,8 +19,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from recipes.decoder.hf_checkpoint import HFWeights, load_hf_checkpoint, open_hf_checkpoint
+from recipes.decoder.hf_checkpoint import HFWeights, load_hf_checkpoint, open_hf_checkpoint, read_into
 from recipes.models.llama.config import LLaMAConfig
 from recipes.models.llama.model import LLaMA
 from recipes.decoder.module import load_pretrained
@@ -66,12 +69,27 @@ def main() -> None:
     except ValueError as error:
         result["mismatch"] = str(error)
     result.update(hf_load(out / "hf"))
+    result["fp8_equal"] = fp8_load(out / "fp8")
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def vm_bytes(field: str) -> int:
     line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
     return int(line.split()[1]) * 1024
+
+
+def fp8_load(hf_dir: Path) -> dict:
+    _, weights, plan = open_hf_checkpoint(hf_dir)
+    whole = load_hf_checkpoint(hf_dir)[1]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    equal = {}
+    for dim in (0, 1, None):
+        tensors = {name: distribute_tensor(torch.zeros_like(tensor), mesh,
+                                           [Replicate() if dim is None or tensor.dim() <= dim else Shard(dim)])
+                   for name, tensor in whole.items()}
+        read_into(tensors, weights, plan)
+        equal[str(dim)] = all(torch.equal(tensors[name].full_tensor(), whole[name]) for name in whole)
+    return equal
 
 
 def hf_load(hf_dir: Path) -> dict:
