@@ -367,6 +367,11 @@ def model_parallel_sizes(strategy: Any) -> tuple[Any, Any]:
     return strategy._data_parallel_size, strategy._tensor_parallel_size
 
 
+def model_parallel_function(strategy: Any) -> Optional[Any]:
+    """Fabric ``ModelParallelStrategy``'s ``parallelize_fn``; None for the Trainer's, which has none."""
+    return getattr(strategy, "_parallelize_fn", None)
+
+
 def wrap_policy_classes(policy: Any) -> set[type]:
     """The module classes a torch ``ModuleWrapPolicy`` wraps."""
     return set(policy._module_classes)

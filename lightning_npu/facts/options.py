@@ -358,6 +358,10 @@ class FSDPOptions:
         None, None, "import path of (or) a function `plan(module) -> lightning_npu.parallel.ParallelPlan`: how the"
         " module splits over tensor-, context- and expert-parallel ranks; unset: the module's own `parallel_plan()`"
         " method, if any (see `lightning_npu.parallel.protocol`)")
+    parallelize_fn: Optional[Callable[..., Any]] = option(
+        None, None, "a function `parallelize_fn(module, device_mesh) -> module` (Lightning's ModelParallelStrategy"
+        " contract; the mesh's dimensions: `\"data_parallel\"`, `\"tensor_parallel\"`) that shards the module itself"
+        " instead of npu_fsdp; then the other sharding options must stay at their defaults (docs/porting.md)")
     expert_parallel_size: int = option(
         1, check_parallel_size, "devices (consecutive ranks of dp_shard x cp x tp) that split each MoE layer's experts"
         " between them and exchange its tokens by all_to_all; must divide dp_shard x cp x tp and every layer's expert"

@@ -57,6 +57,7 @@ from lightning_npu.strategies.fsdp1 import fsdp1_wrap_reported, refuse_fsdp1_api
 from lightning_npu.strategies.grad_norm import clip_grad_norm_, use_for_trainer_clipping
 from lightning_npu.strategies.rebind import ReplacedParameters
 from lightning_npu.strategies.sync_batchnorm import host_sync_batchnorm
+from lightning_npu.strategies.user_parallelize import check_parallelize_fn, parallelize_with
 
 # Lightning warns that any strategy overriding model_sharded_context cannot support `trainer.init_module()`;
 # npu_fsdp shards and initialises models built there like any other (tests/test_compatibility.py).
@@ -132,6 +133,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_option_names(kwargs, type(self).__name__)
         self.options = FSDPOptions(*args, **kwargs)
+        check_parallelize_fn(self.options)
         self._plan_function = resolve_parallel_plan(self.options.parallel_plan)
         timeout = as_timedelta(self.options.timeout)
         super().__init__(
@@ -217,8 +219,13 @@ class _FSDPStrategyBase(BackendFromRuntime):
             self._built_in_configure_model = None
             refuse_fsdp1_units(model)
             refuse_fsdp1_apis()
-            self._parallel = parallelize(model, self.parallel_mesh, self.options, precision_name(precision_plugin),
-                                         plan_of(model, self._plan_function), step_methods, self.root_device)
+            if self.options.parallelize_fn is not None:  # the user's function shards (user_parallelize)
+                order = tuple(name for name, _ in model.named_parameters())  # before its wrappers rename them
+                parallelize_with(self.options.parallelize_fn, model, self.parallel_mesh.lightning, state)
+                self._parallel = ParallelModel((model,), None, StateLayout(order, device=self.root_device))
+            else:
+                self._parallel = parallelize(model, self.parallel_mesh, self.options, precision_name(precision_plugin),
+                                             plan_of(model, self._plan_function), step_methods, self.root_device)
             # Initialised on the mesh's device, whose generator DTensor offsets per rank, then offloaded.
             initial_state.apply(model, state, self.root_device)
             if self.options.cpu_offload:
