@@ -585,6 +585,18 @@ def fsdp_gradient_sync_flags(unit: Any) -> Optional[tuple[bool, bool]]:
     return bool(groups[0].reduce_grads), bool(groups[0].all_reduce_grads)
 
 
+def fsdp_reshard_flags(unit: Any) -> tuple[bool, bool]:
+    """``(reshards_after_forward, is_unsharded)`` of one FSDP2 unit: whether it frees its gathered parameters after
+    its forward, and whether they are gathered now (a unit with no parameters: ``(False, True)``). FSDP2 has setters
+    but no getters, so both are read from its parameter group(s), as :func:`fsdp_gradient_sync_flags` reads."""
+    groups = getattr(unit._get_fsdp_state(), _FSDP_PARAM_GROUPS)
+    if not isinstance(groups, list):
+        groups = [] if groups is None else [groups]
+    if not groups:
+        return False, True
+    return groups[0].post_forward_mesh_info is not None, all(group.is_unsharded for group in groups)
+
+
 def dtensor_with_local(dtensor: Any, local: Any) -> Any:
     """A DTensor sharded as ``dtensor`` (mesh, placements, global shape) whose local shard is ``local``, kept on
     ``local``'s device: ``DTensor.from_local`` would move a host shard back to the mesh's device."""

@@ -17,6 +17,7 @@ from typing import Iterator, Optional, Protocol
 import torch
 from torch import Tensor
 
+from lightning_npu import compat
 from recipes.generate import decode
 
 
@@ -110,7 +111,7 @@ def gathered_parameters(module: torch.nn.Module) -> Iterator[None]:
     ``reshard_after_forward`` is restored. A no-op for a module FSDP2 does not shard."""
     from torch.distributed.fsdp import FSDPModule
 
-    units = [(m, *_fsdp_flags(m)) for m in module.modules() if isinstance(m, FSDPModule)]
+    units = [(m, *compat.fsdp_reshard_flags(m)) for m in module.modules() if isinstance(m, FSDPModule)]
     for unit, _, _ in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
@@ -121,13 +122,3 @@ def gathered_parameters(module: torch.nn.Module) -> Iterator[None]:
             if not was_unsharded:
                 unit.reshard()
             unit.set_reshard_after_forward(reshards, recurse=False)
-
-
-def _fsdp_flags(unit: torch.nn.Module) -> tuple[bool, bool]:
-    """Whether FSDP2 reshards ``unit`` after its forward, and whether its parameters are gathered now. torch has
-    setters but no getters: their own state is read here (``post_forward_mesh_info`` is None when the unit keeps its
-    parameters after forward)."""
-    group = unit._get_fsdp_state()._fsdp_param_group
-    if group is None:
-        return False, True
-    return group.post_forward_mesh_info is not None, group.is_unsharded

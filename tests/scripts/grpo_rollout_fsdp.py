@@ -15,7 +15,8 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_npu.strategies.clean_exit import destroy_at_exit, destroy_process_groups
 from recipes.generate import decode, generate
-from recipes.posttrain.rollout import PolicyRolloutEngine, SamplingOptions, _fsdp_flags
+from lightning_npu.compat import fsdp_reshard_flags
+from recipes.posttrain.rollout import PolicyRolloutEngine, SamplingOptions
 from tests.helpers import free_port
 from tests.test_generate import config, random_model
 
@@ -46,7 +47,7 @@ def worker(rank: int, port: int) -> None:
     fully_shard(sharded, mesh=mesh)
     with torch.no_grad():
         sharded(prompts[0][None])  # the root's first forward (a training step's): FSDP2's lazy initialisation
-    before = [_fsdp_flags(block) for block in sharded.layers]
+    before = [fsdp_reshard_flags(block) for block in sharded.layers]
 
     calls: list[int] = []
     original, counted = count_all_gathers(calls)
@@ -67,7 +68,7 @@ def worker(rank: int, port: int) -> None:
             "plain_fsdp_completion": per_forward[0, prompts[0].numel():].tolist(),
             "per_forward_gathers": per_forward_gathers, "rollout_gathers": rollout_gathers,
             "sharded_blocks": len(sharded.layers), "flags_before": before,
-            "flags_after": [_fsdp_flags(block) for block in sharded.layers],
+            "flags_after": [fsdp_reshard_flags(block) for block in sharded.layers],
         }), flush=True)
     dist.barrier()
     destroy_at_exit(mesh)
