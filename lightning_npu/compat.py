@@ -577,21 +577,26 @@ def fsdp_gradient_sync_flags(unit: Any) -> Optional[tuple[bool, bool]]:
     FSDP2 has setters for these flags but no getters, so they are read from its parameter group(s):
     ``_fsdp_param_groups`` (a list, in recent torch) or ``_fsdp_param_group`` (one or None, in older torch).
     """
-    groups = getattr(unit._get_fsdp_state(), _FSDP_PARAM_GROUPS)
-    if not isinstance(groups, list):
-        groups = [] if groups is None else [groups]
+    groups = _fsdp_param_groups(unit)
     if not groups:
         return None
     return bool(groups[0].reduce_grads), bool(groups[0].all_reduce_grads)
+
+
+def _fsdp_param_groups(unit: Any) -> list:
+    """One FSDP2 unit's parameter groups: ``_fsdp_param_groups`` (a list, in recent torch) or ``_fsdp_param_group``
+    (one or None, in older torch), as a list."""
+    groups = getattr(unit._get_fsdp_state(), _FSDP_PARAM_GROUPS)
+    if not isinstance(groups, list):
+        groups = [] if groups is None else [groups]
+    return groups
 
 
 def fsdp_reshard_flags(unit: Any) -> tuple[bool, bool]:
     """``(reshards_after_forward, is_unsharded)`` of one FSDP2 unit: whether it frees its gathered parameters after
     its forward, and whether they are gathered now (a unit with no parameters: ``(False, True)``). FSDP2 has setters
     but no getters, so both are read from its parameter group(s), as :func:`fsdp_gradient_sync_flags` reads."""
-    groups = getattr(unit._get_fsdp_state(), _FSDP_PARAM_GROUPS)
-    if not isinstance(groups, list):
-        groups = [] if groups is None else [groups]
+    groups = _fsdp_param_groups(unit)
     if not groups:
         return False, True
     return groups[0].post_forward_mesh_info is not None, all(group.is_unsharded for group in groups)
