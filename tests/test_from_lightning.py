@@ -146,7 +146,7 @@ def test_fabric_model_parallel_strategy_becomes_npu_fsdp_running_its_parallelize
     assert type(fabric.strategy) is NPUFabricFSDPStrategy
     assert fabric.strategy.options.parallelize_fn is _shard_it_myself
     assert fabric.strategy.options.tensor_parallel_size == 1
-    assert "parallelize_fn=<function _shard_it_myself" in caplog.text, caplog.text
+    assert "parallelize_fn=_shard_it_myself -> parallelize_fn=_shard_it_myself (called with the module" in caplog.text, caplog.text
 
 
 def test_the_log_says_what_each_option_became(simulate, caplog):

@@ -363,7 +363,7 @@ def _shown(value: Any) -> str:
 
     if isinstance(value, ModuleWrapPolicy):
         return f"ModuleWrapPolicy({_shown(compat.wrap_policy_classes(value))})"
-    if isinstance(value, type):
+    if isinstance(value, type) or inspect.isfunction(value):
         return value.__qualname__
     if isinstance(value, (list, tuple, set)) and value and all(isinstance(item, type) for item in value):
         names = ", ".join(sorted(item.__qualname__ for item in value))
