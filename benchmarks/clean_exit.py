@@ -40,7 +40,7 @@ from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-SCRIPT = REPO / "tests" / "scripts" / "clean_exit_run.py"
+SCRIPT = REPO / "tests" / "strategies" / "scripts" / "clean_exit_run.py"
 OUTPUT = HERE / "clean_exit.json"
 WAYS = ("run", "launch")
 WORLD = 2

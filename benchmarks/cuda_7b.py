@@ -49,7 +49,7 @@ def _planned_peak(args: argparse.Namespace, config: Any, ac_ratio: float) -> flo
 
     spec = PlanSpec(
         model=ModelShape.of(config), seq_len=args.seq, micro_batch=args.micro_batch, devices=1,
-        precision="bf16-mixed", zero_stage=3, wrap_blocks=True, ac_ratio=ac_ratio, kernels="reference",
+        precision="bf16-mixed", wrap_blocks=True, ac_ratio=ac_ratio, kernels="reference",
         optimizer="foreach" if args.device != "cpu" else "per-tensor", hccl_buffsize_mb=0.0, workspace_gib=0.0, fragmentation=0.0,
         device_memory_gib=1024.0,
     )

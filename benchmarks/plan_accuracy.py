@@ -200,12 +200,31 @@ BLOCKS = {"llama": "recipes.models.llama.model.TransformerBlock", "moe": "recipe
           "deepseek": "recipes.models.deepseek.model.DeepSeekBlock"}
 
 
+def case_options(case: dict[str, Any]) -> dict[str, Any]:
+    """The npu_fsdp options (``FSDPOptions`` names) of a case beside its block classes: its ZeRO stage, sharding,
+    tensor, context, expert and pipeline parallelism; what the measured run's strategy gets and the planner reads."""
+    return {
+        "zero_stage": case["zero"],
+        "sharding": case.get("sharding", "full"),
+        "tensor_parallel_size": case.get("tp", 1),
+        "context_parallel_size": case.get("cp", 1),
+        "context_parallel_algo": case.get("cp_algo", "ulysses"),
+        "sequence_parallel": case.get("sequence_parallel", True),
+        "loss_parallel": case.get("loss_parallel", True),
+        "expert_parallel_size": case.get("ep", 1),
+        "pipeline_parallel_size": case.get("pp", 1),
+        "pipeline_schedule": case.get("pp_schedule", "1F1B"),
+        "pipeline_microbatches": case.get("microbatches"),
+    }
+
+
 def case_spec(case: dict[str, Any]):
     """The planner's PlanSpec for a case (its family's profile, its ``lora``, if any, as the recipe's profile reads
     it), with the CPU's settings."""
     import importlib
 
-    from lightning_npu.plan import Parallelism, Pipelining, PlanSpec
+    from lightning_npu.facts.options import FSDPOptions
+    from lightning_npu.plan import PlanSpec
 
     family = case.get("family", "llama")
     module = importlib.import_module(BLOCKS[family].rpartition(".model.")[0] + ".memory_profile")
@@ -219,10 +238,8 @@ def case_spec(case: dict[str, Any]):
         micro_batch=case["batch"],
         devices=case["devices"],
         nodes=case.get("nodes", 1),
-        sharding=case.get("sharding", "full"),
         precision=case.get("precision", "32-true"),
         accumulate_grad_batches=case.get("accumulate", 1),
-        zero_stage=case["zero"],
         wrap_blocks=True,
         ac_ratio=case["ac"],
         kernels=case.get("kernels", "reference"),
@@ -231,12 +248,7 @@ def case_spec(case: dict[str, Any]):
         workspace_gib=0.0,
         fragmentation=0.0,
         device_memory_gib=1024.0,
-        parallel=Parallelism(tensor=case.get("tp", 1), context=case.get("cp", 1),
-                             context_algo=case.get("cp_algo", "ulysses"),
-                             sequence_parallel=case.get("sequence_parallel", True),
-                             loss_parallel=case.get("loss_parallel", True)),
-        pipeline=Pipelining(size=case.get("pp", 1), schedule=case.get("pp_schedule", "1F1B"),
-                            microbatches=case.get("microbatches")),
+        options=FSDPOptions(**case_options(case)),
         p2p_buffsize_mb=0.0,
     )
 
@@ -330,19 +342,9 @@ def worker(case: dict[str, Any], out: Path) -> None:
             _balanced_all_to_all()
     strategy = NPUFSDPStrategy(
         auto_wrap_policy=[block],
-        zero_stage=case["zero"],
         activation_checkpointing_policy=[block] if case["ac"] > 0 else None,
         activation_checkpointing_ratio=case["ac"] if case["ac"] > 0 else 1.0,
-        sharding=case.get("sharding", "full"),
-        tensor_parallel_size=case.get("tp", 1),
-        context_parallel_size=case.get("cp", 1),
-        context_parallel_algo=case.get("cp_algo", "ulysses"),
-        sequence_parallel=case.get("sequence_parallel", True),
-        loss_parallel=case.get("loss_parallel", True),
-        expert_parallel_size=case.get("ep", 1),
-        pipeline_parallel_size=case.get("pp", 1),
-        pipeline_schedule=case.get("pp_schedule", "1F1B"),
-        pipeline_microbatches=case.get("microbatches"),
+        **case_options(case),
         timeout=600,
         process_group_backend=backend,
     )

@@ -367,6 +367,11 @@ def model_parallel_sizes(strategy: Any) -> tuple[Any, Any]:
     return strategy._data_parallel_size, strategy._tensor_parallel_size
 
 
+def model_parallel_function(strategy: Any) -> Optional[Any]:
+    """Fabric ``ModelParallelStrategy``'s ``parallelize_fn``; None for the Trainer's, which has none."""
+    return getattr(strategy, "_parallelize_fn", None)
+
+
 def wrap_policy_classes(policy: Any) -> set[type]:
     """The module classes a torch ``ModuleWrapPolicy`` wraps."""
     return set(policy._module_classes)
@@ -572,12 +577,29 @@ def fsdp_gradient_sync_flags(unit: Any) -> Optional[tuple[bool, bool]]:
     FSDP2 has setters for these flags but no getters, so they are read from its parameter group(s):
     ``_fsdp_param_groups`` (a list, in recent torch) or ``_fsdp_param_group`` (one or None, in older torch).
     """
-    groups = getattr(unit._get_fsdp_state(), _FSDP_PARAM_GROUPS)
-    if not isinstance(groups, list):
-        groups = [] if groups is None else [groups]
+    groups = _fsdp_param_groups(unit)
     if not groups:
         return None
     return bool(groups[0].reduce_grads), bool(groups[0].all_reduce_grads)
+
+
+def _fsdp_param_groups(unit: Any) -> list:
+    """One FSDP2 unit's parameter groups: ``_fsdp_param_groups`` (a list, in recent torch) or ``_fsdp_param_group``
+    (one or None, in older torch), as a list."""
+    groups = getattr(unit._get_fsdp_state(), _FSDP_PARAM_GROUPS)
+    if not isinstance(groups, list):
+        groups = [] if groups is None else [groups]
+    return groups
+
+
+def fsdp_reshard_flags(unit: Any) -> tuple[bool, bool]:
+    """``(reshards_after_forward, is_unsharded)`` of one FSDP2 unit: whether it frees its gathered parameters after
+    its forward, and whether they are gathered now (a unit with no parameters: ``(False, True)``). FSDP2 has setters
+    but no getters, so both are read from its parameter group(s), as :func:`fsdp_gradient_sync_flags` reads."""
+    groups = _fsdp_param_groups(unit)
+    if not groups:
+        return False, True
+    return groups[0].post_forward_mesh_info is not None, all(group.is_unsharded for group in groups)
 
 
 def dtensor_with_local(dtensor: Any, local: Any) -> Any:

@@ -64,8 +64,7 @@ def sample_next_token(
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
-@torch.inference_mode()
-def generate(
+def decode(
     model: torch.nn.Module,
     prompt_ids: Tensor,
     max_new_tokens: int,
@@ -128,6 +127,11 @@ def generate(
     finally:
         model.train(was_training)
     return tokens[0] if squeeze else tokens
+
+
+#: ``decode`` under inference mode, for one-off generation. A training loop's rollouts call ``decode`` under
+#: ``torch.no_grad`` instead: inference tensors (FSDP2's gathered parameters among them) cannot be used by autograd later.
+generate = torch.inference_mode()(decode)
 
 
 def _check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:

@@ -35,13 +35,13 @@ from lightning.pytorch.cli import LightningCLI
 from torch import Tensor
 
 from lightning_npu import GracefulPreemption, NonFiniteLossGuard, TokenThroughputMonitor  # importing the plugin registers accelerator="npu" and npu_*
-from lightning_npu.facts.options import FSDPOptions, check_context_parallel_shapes
-from lightning_npu.facts.pipeline import blocks_per_stage
+from lightning_npu.facts import parallel_rules
+from lightning_npu.facts.options import FSDPOptions
+from lightning_npu.facts.parallel_rules import BatchShapes
 from recipes.decoder.data import NotPreparedError, TextDataModule, check_vocab_fits
 from recipes import families
 from recipes.decoder.module import DecoderLM
 from recipes.decoder.sft_data import SFTDataModule
-from recipes.decoder.tensor_parallel import check_tensor_parallel
 
 RECIPE_DIR = Path(__file__).resolve().parent
 #: The data of a run that configures none (no data: section, no --data... argument): text, the embedded corpus.
@@ -161,52 +161,24 @@ def check_run(model: DecoderLM, data: TextDataModule, trainer: Optional[Trainer]
             f" model.config.max_seq_len >= {data.seq_len}"
         )
     if trainer is not None:
-        options = getattr(trainer.strategy, "options", None)
-        tp = getattr(options, "tensor_parallel_size", 1)
-        if tp > 1:
-            check_tensor_parallel(model.config, tp, seq_len=data.seq_len, sequence_parallel=options.sequence_parallel,
-                                  lora=model.lora is not None)
-        check_context_parallel(model, data, trainer)
-        check_pipeline(model, data, trainer)
+        check_parallel_layout(model, data, trainer)
         prepare_before_launch(data, trainer)
 
 
-def check_context_parallel(model: DecoderLM, data: TextDataModule, trainer: Trainer) -> None:
-    """npu_fsdp's context_parallel_size against the model (its config's ``context_parallel_refusal()``, if it has
-    one), its heads and the sequence length, before workers start."""
+def check_parallel_layout(model: DecoderLM, data: TextDataModule, trainer: Trainer) -> None:
+    """npu_fsdp's tensor, context and pipeline parallelism against the model and the data, before workers start:
+    the rules the runtime and the planner read too (``lightning_npu.facts.parallel_rules``), then the model
+    config's own limits under context parallelism (its ``context_parallel_refusal()``, if it has one)."""
     options = getattr(trainer.strategy, "options", None)
-    if isinstance(options, FSDPOptions):
-        refusal = getattr(model.config, "context_parallel_refusal", None)  # a model config's own limits
-        reason = refusal() if refusal is not None and options.context_parallel_size > 1 else None
-        if reason is not None:
-            raise ValueError(f"context_parallel_size={options.context_parallel_size}: {reason}")
-        check_context_parallel_shapes(options.context_parallel_size, options.context_parallel_algo,
-                                      heads=model.config.n_heads, seq_len=data.seq_len,
-                                      tp=options.tensor_parallel_size)
-
-
-def check_pipeline(model: DecoderLM, data: TextDataModule, trainer: Trainer) -> None:
-    """npu_fsdp's pipeline_parallel_size against the model and the data, before workers start: what the stages
-    cannot split, and batches that do not split into the microbatches."""
-    options = getattr(trainer.strategy, "options", None)
-    if not isinstance(options, FSDPOptions) or options.pipeline_parallel_size == 1:
+    if not isinstance(options, FSDPOptions):
         return
-    config, stages = model.config, options.pipeline_parallel_size * options.stages_per_rank
-    problems = model.pipeline_problems() + [problem for given, problem in (
-        (isinstance(data, SFTDataModule),
-         f"data ({type(data).__name__}) packs samples into rows, and their boundaries (cu_seqlens) span the batch,"
-         " which the pipeline splits into microbatches; pretrain on TextDataModule"),
-        (data.batch_size % options.microbatches, f"data.batch_size={data.batch_size} does not split into"
-         f" pipeline_microbatches={options.microbatches} equal microbatches; make it a multiple"),
-    ) if given]
-    try:
-        blocks_per_stage(config.n_layers, stages, schedule=options.pipeline_schedule,
-                         layers_per_stage=options.pipeline_layers_per_stage)
-    except ValueError as err:
-        problems.append(str(err))
-    if problems:
-        raise ValueError(f"trainer.strategy.pipeline_parallel_size={options.pipeline_parallel_size} cannot run this"
-                         " model: " + "; ".join(problems))
+    packed_by = f"data ({type(data).__name__})" if isinstance(data, SFTDataModule) else None
+    parallel_rules.check(options, model.parallel_shapes(),
+                         BatchShapes(seq_len=data.seq_len, batch_size=data.batch_size, packed_by=packed_by))
+    refusal = getattr(model.config, "context_parallel_refusal", None)  # a model config's own limits
+    reason = refusal() if refusal is not None and options.context_parallel_size > 1 else None
+    if reason is not None:
+        raise ValueError(f"context_parallel_size={options.context_parallel_size}: {reason}")
 
 
 def check_resume_checkpoint(ckpt_path: str, config: Any) -> None:
@@ -298,7 +270,8 @@ def configures_data(argv: list[str]) -> bool:
     return False
 
 
-def main(args: Optional[list[str]] = None) -> Any:
+def main(args: Optional[list[str]] = None, model_class: type[DecoderLM] = DecoderLM) -> Any:
+    """The command line of ``model_class``, ``DecoderLM`` or a subclass of it (an objective: ``recipes/posttrain``)."""
     argv = list(sys.argv[1:] if args is None else args)
     # The data class is a choice (text or SFT): LightningCLI then requires a data section. A run that gives none gets
     # the text data here; a default class in the parser would instead hand its defaults (path, val_fraction, ...) to
@@ -310,7 +283,7 @@ def main(args: Optional[list[str]] = None) -> Any:
     if argv[:1] == ["prepare"]:
         return prepare(argv[1:])
     return RecipeCLI(
-        DecoderLM,
+        model_class,
         TextDataModule,
         subclass_mode_data=True,  # SFTDataModule too; a data: section without class_path is a TextDataModule
         trainer_defaults={"callbacks": [TokenThroughputMonitor(), RunSummary(), ModelCheckpoint(save_last=True),

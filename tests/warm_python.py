@@ -9,9 +9,10 @@ How it stays a fresh process for what the tests check:
 - A request is served warm only when a fresh interpreter would have imported the preloaded modules the same way:
   every environment variable those imports read (recorded while the zygote imported them) equals the zygote's,
   except the few the child sets again itself (Lightning's import-time rank, the temp dir); no ``PYTHON*`` or
-  ``LD_*`` variable other than ``PYTHONPATH`` / ``PYTHONUNBUFFERED`` differs; no new ``PYTHONPATH`` entry holds a
-  ``sitecustomize`` / ``usercustomize``, a module that shadows a preloaded one, or a ``torch.backends`` entry point
-  (torch loads those at import); the command line uses only ``-u``, ``-B``, ``-W``, ``-c``, ``-m`` or a script.
+  ``LD_*`` variable other than ``PYTHONPATH`` / ``PYTHONUNBUFFERED`` / ``PYTHONWARNINGS`` differs; no warning
+  option (``PYTHONWARNINGS``, ``-W``) turns warnings into errors (one raised at import would stop a fresh one); no
+  new ``PYTHONPATH`` entry holds a ``sitecustomize`` / ``usercustomize``, a module that shadows a preloaded one, or
+  a ``torch.backends`` entry point (torch loads those at import); the command line uses only ``-u``, ``-B``, ``-W``, ``-c``, ``-m`` or a script.
   Anything else runs cold: the shim ``exec``s the real interpreter. Tests about interpreter start-up itself (import
   order, what an import pulls in) ask for a fresh process (``run_python(..., fresh=True)``).
 - The child gets the caller's stdin / stdout / stderr (passed over the socket), working directory, CPU priority
@@ -56,8 +57,10 @@ PRELOAD = (
 #: tempfile caches, and the shell's own bookkeeping.
 SET_IN_CHILD = frozenset({"RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "TMPDIR", "TEMP", "TMP",
                           "PWD", "OLDPWD", "_", "SHLVL"})
-#: Interpreter variables the child applies itself; every other PYTHON* variable must equal the zygote's.
-APPLIED_IN_CHILD = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED"})
+#: Interpreter variables the child applies itself; every other PYTHON* variable must equal the zygote's. The zygote
+#: starts without PYTHONWARNINGS, so its warning filters are the interpreter's defaults plus what the imports added,
+#: and each child puts its own options between the two, where a fresh interpreter has them (``_apply_warnings``).
+APPLIED_IN_CHILD = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONWARNINGS"})
 #: Signals the shim passes on to its child (SIGKILL cannot be caught: the zygote sees the shim die instead).
 FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGCONT", "SIGTSTP")
 
@@ -129,7 +132,8 @@ class WarmPython:
     """
 
     def __init__(self) -> None:
-        self._environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", SOCKET_VARIABLE)}
+        self._environment = {k: v for k, v in os.environ.items()
+                             if k not in ("PYTHONPATH", "PYTHONWARNINGS", SOCKET_VARIABLE)}
         self._process: Optional[subprocess.Popen] = None
         self._lock = threading.Lock()
         self._directory: Optional[tempfile.TemporaryDirectory] = None
@@ -206,9 +210,18 @@ class WarmPython:
 PREFIX_SCANS = {"tqdm": "TQDM_", "fsspec": "FSSPEC_"}
 
 
+#: The warning filters the preloaded imports put before and after the interpreter's own (its defaults: the zygote
+#: has no warning options); None where the imports removed or reordered the defaults.
+_IMPORTED_FILTERS: Optional[tuple[list, list]] = None
+
+
 def _preload() -> tuple[set[str], tuple[str, ...], dict[str, str], dict[str, str]]:
     """Import PRELOAD; return the names of the environment variables those imports read, the prefixes of the
     variables they scanned for, the environment before them, and the variables they set (torch sets some)."""
+    global _IMPORTED_FILTERS
+    import warnings
+
+    defaults = list(warnings.filters)
     before = dict(os.environ)
     read: set[str] = set()
     prefixes: set[str] = set()
@@ -239,6 +252,11 @@ def _preload() -> tuple[set[str], tuple[str, ...], dict[str, str], dict[str, str
         for name, original in originals.items():
             setattr(environ, name, original)
     set_by_imports = {key: value for key, value in os.environ.items() if before.get(key) != value}
+    after = list(warnings.filters)
+    for start in range(len(after) - len(defaults) + 1):
+        if after[start:start + len(defaults)] == defaults:
+            _IMPORTED_FILTERS = after[:start], after[start + len(defaults):]
+            break
     return {key for key in read if isinstance(key, str)}, tuple(sorted(prefixes)), before, set_by_imports
 
 
@@ -265,6 +283,44 @@ def _command(argv: list[str]) -> Optional[dict[str, Any]]:
     return None  # an interactive interpreter
 
 
+def _warning_options(request: dict[str, Any], command: dict[str, Any]) -> list[str]:
+    """``sys.warnoptions`` of a fresh interpreter for the request: ``PYTHONWARNINGS``' entries, then the ``-W`` ones."""
+    return [entry for entry in request["env"].get("PYTHONWARNINGS", "").split(",") if entry] + command["warnings"]
+
+
+def _warnings_cold_reason(options: list[str]) -> Optional[str]:
+    """Why the child could not reproduce a fresh interpreter's warning options, or None."""
+    import warnings
+
+    if options and _IMPORTED_FILTERS is None:
+        return "warning options (the imports reordered the default filters)"
+    for option in options:
+        try:
+            action = warnings._getaction(option.split(":")[0].strip())
+        except warnings._OptionError:
+            return f"warning option {option!r} (invalid)"
+        if action == "error":
+            return f"warning option {option!r} (a warning at import would stop a fresh interpreter)"
+    return None
+
+
+def _apply_warnings(options: list[str]) -> None:
+    """Give this process a fresh interpreter's ``sys.warnoptions`` and filters: what the imports added before, the
+    options over the defaults (the last given first, as at start-up), what the imports appended after."""
+    import warnings
+
+    if not options:
+        return
+    before, after = _IMPORTED_FILTERS
+    warnings.filters[:] = [f for f in warnings.filters if f not in before and f not in after]  # the defaults
+    for option in options:
+        warnings._setoption(option)
+    warnings.filters[:0] = before
+    warnings.filters.extend(after)
+    warnings._filters_mutated()
+    sys.warnoptions[:] = options
+
+
 def _shadows(entry: str, preloaded: set[str]) -> bool:
     """Whether a new sys.path entry would change what a fresh interpreter imports at start-up or with torch."""
     try:
@@ -287,8 +343,12 @@ def _cold_reason(request: dict[str, Any], read_at_import: set[str], scanned: tup
     """Why a fresh interpreter could import differently from the zygote (``own``: its environment before the
     imports; ``set_by_imports``: what they set, such as torch's inductor cache dir, which a caller that imported
     torch itself passes on with the same value), or None."""
-    if _command(request["argv"]) is None:
+    command = _command(request["argv"])
+    if command is None:
         return "command line"
+    warnings_reason = _warnings_cold_reason(_warning_options(request, command))
+    if warnings_reason:
+        return warnings_reason
     env = request["env"]
     for key in read_at_import - SET_IN_CHILD:
         if env.get(key) != own.get(key) and not (key in set_by_imports and env.get(key) == set_by_imports[key]):
@@ -429,10 +489,7 @@ def become(request: dict[str, Any], fds: list[int], set_by_imports: dict[str, st
     sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=unbuffered)
     sys.stderr.reconfigure(line_buffering=True, write_through=unbuffered)
     sys.dont_write_bytecode = sys.dont_write_bytecode or command["no_bytecode"]
-    import warnings
-
-    for option in command["warnings"]:
-        warnings._setoption(option)
+    _apply_warnings(_warning_options(request, command))
     sys.executable = shim
     extra = [entry for entry in request["env"].get("PYTHONPATH", "").split(os.pathsep) if entry]
     first = {"script": os.path.dirname(os.path.abspath(command["target"])), "-m": os.getcwd(), "-c": ""}

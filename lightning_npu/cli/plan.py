@@ -11,10 +11,11 @@ are touched; placeholder paths are fine), and the model's memory profile is the 
 the model classes the config names (``recipes/models/llama/memory_profile.py``; the protocol is in
 ``lightning_npu.plan.profile``). Or a decoder given by its shapes (``--model-shape``; keys hidden, layers, heads,
 kv_heads, ffn, vocab, max_seq_len), planned as a LLaMA-style decoder (RMSNorm, grouped-query attention with
-rotary, SwiGLU MLP, untied embeddings, fp32 logits), each block an FSDP unit. Flags override the YAML; ``--tp``,
-``--cp`` and ``--cp-algo`` plan npu_fsdp's tensor and context parallelism (the strategy's options of those names,
-with its ``sequence_parallel`` and ``loss_parallel`` read from the config): one device's share of the split weights
-and of its part of each sequence, with Ulysses' or ring attention's tensors.
+rotary, SwiGLU MLP, untied embeddings, fp32 logits), each block an FSDP unit. Flags override the YAML; every npu_fsdp
+option is a flag generated from its declaration (``--tensor-parallel-size``, ``--pipeline-schedule``, ...; ``--tp``,
+``--cp``, ``--cp-algo``, ``--pp``, ``--pp-schedule`` and ``--microbatches`` are aliases: ``ALIASES``): tensor and
+context parallelism plan one device's share of the split weights and of its part of each sequence, with Ulysses' or
+ring attention's tensors.
 
 The estimate replays one training step as the allocations and frees FSDP2, autograd and AdamW make
 (``lightning_npu.plan.replay``). ``benchmarks/plan_accuracy.py`` checks it against the measured peak of real
@@ -30,17 +31,28 @@ Exit status: 0 when the configured zero_stage fits, 1 when it does not, 2 for a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import typing
+from typing import Any, Callable
 
 from lightning_npu.plan import ModelShape, PlanError, load_spec, render, report
 from lightning_npu.facts import weight_quant
 from lightning_npu.facts.chips import DEFAULT_PLAN_CHIP
-from lightning_npu.facts.options import CONTEXT_PARALLEL_ALGOS
-from lightning_npu.facts.pipeline import SCHEDULES
+from lightning_npu.facts.options import FSDPOptions
 from lightning_npu.plan.spec import KERNELS, OPTIMIZERS
 
 PROG = "lightning-npu plan"
+#: Short flags of npu_fsdp options (``option_flag`` gives each option's full one).
+ALIASES = {
+    "tensor_parallel_size": ("--tp",),
+    "context_parallel_size": ("--cp",),
+    "context_parallel_algo": ("--cp-algo",),
+    "pipeline_parallel_size": ("--pp",),
+    "pipeline_schedule": ("--pp-schedule",),
+    "pipeline_microbatches": ("--microbatches",),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, help="tokens per sample (overrides data.seq_len; default: the model's"
                         " max_seq_len)")
     parser.add_argument("--precision", help="overrides trainer.precision, e.g. bf16-mixed (default 32-true)")
-    parser.add_argument("--zero-stage", type=int, choices=(2, 3), help="the stage to judge (the table shows both)")
     parser.add_argument("--ac-ratio", type=float, help="share of blocks that recompute activations (0..1)")
     parser.add_argument("--device-memory", type=float, help="GiB per device (default: the chip's)")
     parser.add_argument("--chip", default=DEFAULT_PLAN_CHIP,
@@ -74,21 +85,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-base", choices=("none", *weight_quant.SCHEMES),
                         help="how a LoRA config's frozen base is stored (overrides model.lora.base_quantization): none"
                         " (the master dtype), int8 (per channel) or nf4 (blocks of 64)")
-    parser.add_argument("--tp", type=int, help="tensor_parallel_size: devices of a node that split each layer"
-                        " (overrides the strategy's; default 1)")
-    parser.add_argument("--cp", type=int, help="context_parallel_size: devices that split each sequence (overrides the"
-                        " strategy's; default 1)")
-    parser.add_argument("--cp-algo", choices=tuple(CONTEXT_PARALLEL_ALGOS),
-                        help="context_parallel_algo: ulysses (all-to-all over heads; default) or ring (keys and values"
-                        " around the ranks; any head count, long contexts)")
-    parser.add_argument("--pp", type=int, help="pipeline_parallel_size: ranks that each hold a stage of the blocks"
-                        " (overrides the strategy's; default 1)")
-    parser.add_argument("--pp-schedule", choices=tuple(SCHEDULES),
-                        help="pipeline_schedule (overrides the strategy's; default 1F1B)")
-    parser.add_argument("--microbatches", type=int, help="pipeline_microbatches: parts each step's micro-batch splits"
-                        " into (overrides the strategy's; default one per stage)")
     parser.add_argument("--hccl-buffsize", type=float, help="HCCL_BUFFSIZE in MB (default: the environment's, or 200)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_option_arguments(parser)
+
+
+def add_option_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per npu_fsdp option, generated from its declaration (``FSDPOptions``: the name with dashes, its
+    help), plus the short ``ALIASES``; a value replaces the config's ``trainer.strategy.init_args`` and is checked
+    as the strategy checks it."""
+    group = parser.add_argument_group(
+        "npu_fsdp's options (each overrides the config's trainer.strategy.init_args; values as in YAML)")
+    types = typing.get_type_hints(FSDPOptions)
+    for spec in dataclasses.fields(FSDPOptions):
+        flags = (option_flag(spec.name), *ALIASES.get(spec.name, ()))
+        group.add_argument(*flags, dest=spec.name, metavar="VALUE", type=_parser_of(types[spec.name]),
+                           help=f"{spec.metadata['help']} (default {spec.default!r})".replace("%", "%%"))
+
+
+def option_flag(name: str) -> str:
+    """The command-line flag of the npu_fsdp option ``name``."""
+    return "--" + name.replace("_", "-")
+
+
+def _parser_of(annotation: Any) -> Callable[[str], Any]:
+    """How a flag's text becomes the option's value: as it is for a string option, else read as YAML (``2``,
+    ``0.5``, ``true``, ``[1, 3, 3, 1]``), as in a config."""
+    kinds = [kind for kind in typing.get_args(annotation) if kind is not type(None)] or [annotation]
+    if all(kind is str or (typing.get_origin(kind) is typing.Literal
+                           and all(isinstance(value, str) for value in typing.get_args(kind))) for kind in kinds):
+        return str
+    return _yaml_value
+
+
+def _yaml_value(text: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a YAML value ({error})") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,11 +132,10 @@ def run(args: argparse.Namespace) -> int:
         spec = load_spec(
             args.config, model_shape=ModelShape.parse(args.model_shape) if args.model_shape else None,
             profile=args.profile, devices=args.devices, nodes=args.nodes, micro_batch=args.micro_batch,
-            seq_len=args.seq_len, precision=args.precision, zero_stage=args.zero_stage, ac_ratio=args.ac_ratio,
+            seq_len=args.seq_len, precision=args.precision, ac_ratio=args.ac_ratio,
             device_memory_gib=args.device_memory, chip=args.chip, kernels=args.kernels, optimizer=args.optimizer,
-            hccl_buffsize_mb=args.hccl_buffsize, lora_base=args.lora_base, tensor_parallel_size=args.tp,
-            context_parallel_size=args.cp, context_parallel_algo=args.cp_algo, pipeline_parallel_size=args.pp,
-            pipeline_schedule=args.pp_schedule, pipeline_microbatches=args.microbatches,
+            hccl_buffsize_mb=args.hccl_buffsize, lora_base=args.lora_base,
+            **{spec.name: getattr(args, spec.name) for spec in dataclasses.fields(FSDPOptions)},
         )
         plan = report(spec)
     except PlanError as error:

@@ -11,6 +11,7 @@ scales reshard as plain DTensor shards.
 
 from __future__ import annotations
 
+import functools
 import math
 
 #: Elements per fp32 scale by default: 2 x 1 byte + 2 x 4 / 256 bytes = 2.03 bytes of state per element.
@@ -27,8 +28,11 @@ def _chunk(size: int, shards: int, rank: int) -> int:
     return max(0, min(step, size - rank * step))
 
 
+@functools.lru_cache(maxsize=None)
 def quantizes(shape: tuple[int, ...], shards: int = 1, block_size: int = DEFAULT_BLOCK_SIZE) -> bool:
-    """Whether a tensor of ``shape``, sharded on dim 0 over ``shards`` ranks (1: not sharded), has 8-bit moments."""
+    """Whether a tensor of ``shape``, sharded on dim 0 over ``shards`` ranks (1: not sharded), has 8-bit moments.
+    Cached: a planner replay asks it for every tensor of every block, and a model repeats a few shapes (the check
+    walks every rank's chunk, which for a 671B MoE took most of a plan)."""
     numel = math.prod(shape)
     if numel < MIN_QUANTIZED_NUMEL or numel % block_size:
         return False

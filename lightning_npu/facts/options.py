@@ -150,42 +150,6 @@ def check_expert_parallel_size(value: Any, layout: "MeshLayout", sharding: str) 
     return value
 
 
-def indivisible_by_tensor_parallel(tp: int, sizes: Iterable[tuple[str, int]]) -> list[str]:
-    """The ``(name, value)`` sizes of a model that ``tp`` tensor-parallel ranks cannot split evenly, each as a problem
-    with its numbers (empty when all divide): what the recipe checks before workers start, and the planner too."""
-    return [f"{name}={value} is not divisible by tensor_parallel_size={tp}: each rank holds 1/{tp} of them"
-            for name, value in sizes if value % tp]
-
-
-def check_context_parallel_shapes(cp: int, algo: str, *, heads: int, seq_len: int, tp: int = 1) -> None:
-    """ValueError, with the numbers and the fix, unless ``cp`` context-parallel ranks can split a model of ``heads``
-    query heads (before ``tp``-way tensor parallelism) and ``seq_len``-token sequences by ``algo``: what a recipe
-    checks before any worker starts (the kernels check the same at run time). Any key/value head count works: Ulysses
-    repeats key/value heads where cp does not divide them."""
-    if cp == 1:
-        return
-    check_context_parallel_algo(algo)
-    if algo == "ulysses":
-        if heads % (tp * cp):
-            raise ValueError(
-                f"context_parallel_algo='ulysses' splits each rank's {heads} / tensor_parallel_size={tp} attention"
-                f" heads over context_parallel_size={cp} ranks, which needs heads % (tp x cp) == 0 ({heads} % {tp * cp}"
-                f" = {heads % (tp * cp)}); choose context_parallel_size (and tensor_parallel_size) whose product"
-                f" divides {heads}, or context_parallel_algo='ring' (any head count)"
-            )
-        if seq_len % cp:
-            raise ValueError(
-                f"seq_len={seq_len} does not split into context_parallel_size={cp} equal chunks (Ulysses gives each"
-                f" rank one); use a sequence length that is a multiple of {cp}"
-            )
-    elif seq_len % (2 * cp):
-        raise ValueError(
-            f"seq_len={seq_len} does not split into 2 x context_parallel_size = {2 * cp} equal chunks (ring attention"
-            f" gives each rank one chunk from each end, so causal work is balanced); use a sequence length that is a"
-            f" multiple of {2 * cp}"
-        )
-
-
 @dataclass(frozen=True, kw_only=True)
 class MeshLayout:
     """The sizes of npu_fsdp's mesh dimensions (``MESH_DIM_NAMES``) for one run, checked against the devices.
@@ -394,6 +358,10 @@ class FSDPOptions:
         None, None, "import path of (or) a function `plan(module) -> lightning_npu.parallel.ParallelPlan`: how the"
         " module splits over tensor-, context- and expert-parallel ranks; unset: the module's own `parallel_plan()`"
         " method, if any (see `lightning_npu.parallel.protocol`)")
+    parallelize_fn: Optional[Callable[..., Any]] = option(
+        None, None, "a function `parallelize_fn(module, device_mesh) -> module` (Lightning's ModelParallelStrategy"
+        " contract; the mesh's dimensions: `\"data_parallel\"`, `\"tensor_parallel\"`) that shards the module itself"
+        " instead of npu_fsdp; then the other sharding options must stay at their defaults (docs/porting.md)")
     expert_parallel_size: int = option(
         1, check_parallel_size, "devices (consecutive ranks of dp_shard x cp x tp) that split each MoE layer's experts"
         " between them and exchange its tokens by all_to_all; must divide dp_shard x cp x tp and every layer's expert"

@@ -3,14 +3,17 @@ them (``activation_checkpointing_policy`` and ``activation_checkpointing_ratio``
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_npu.facts.options import evenly_spaced  # torch-free: lightning-npu plan picks the same blocks
 
 
-def apply_activation_checkpointing(model: nn.Module, classes: tuple[type, ...], ratio: float) -> list[str]:
-    """Recompute the activations of a ``ratio`` share of the modules of ``classes`` (evenly spaced) in backward.
+def apply_activation_checkpointing(parts: Sequence[nn.Module], classes: tuple[type, ...], ratio: float) -> list[str]:
+    """Recompute the activations of a ``ratio`` share of the modules of ``classes`` (evenly spaced over the model's
+    ``parts``, in their order: ``[model]``, or a rank's pipeline stages) in backward.
 
     Uses the composable ``checkpoint``, which keeps parameter names (and so checkpoints) unchanged. Modules the
     user's code checkpointed already (see ``checkpointed_by_hand``) are left as they are, and so is every chosen
@@ -20,9 +23,9 @@ def apply_activation_checkpointing(model: nn.Module, classes: tuple[type, ...], 
     """
     from lightning_npu.compat import composable_checkpoint
 
-    matching = [(name, module) for name, module in model.named_modules() if isinstance(module, classes)]
+    matching = [(name, module) for part in parts for name, module in part.named_modules() if isinstance(module, classes)]
     chosen = [matching[i] for i in evenly_spaced(len(matching), ratio)]
-    by_hand = checkpointed_by_hand(model)
+    by_hand = [found for part in parts for found in checkpointed_by_hand(part)]
     if chosen and by_hand:
         covered = {id(sub) for _, module in by_hand for sub in module.modules()}  # checkpointed, or inside one
         around = [(name, module) for name, module in chosen

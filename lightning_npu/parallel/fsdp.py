@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Iterable
 from typing import Any, Optional, Union
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -185,6 +186,17 @@ def _modules_inside_fsdp(model: nn.Module, fsdp_type: type) -> set[int]:
     return inside
 
 
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Every buffer of ``model`` that is not on ``device`` (nor on the meta device, which the first values fill)
+    moved there; registered buffers stay registered. FSDP moves what its units hold; under a pipeline the buffers
+    outside every stage (on the LightningModule itself, or parameter-free modules beside the pipelined one) would
+    stay where they were built."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer is not None and not buffer.is_meta and buffer.device != device:
+                setattr(module, name, buffer.to(device))
+
+
 def reshard(module: nn.Module) -> None:
     """Register every FSDP unit's sharded parameters in ``module`` again: a unit keeps its parameters gathered after
     a forward no backward follows (evaluation; ``reshard_after_forward=False``), and a checkpoint must load into the
@@ -201,6 +213,7 @@ __all__ = [
     "apply_fsdp",
     "average_gradients_over_ranks",
     "fully_shard_options",
+    "move_buffers",
     "repeated_block_class",
     "reshard",
     "resolve_module_classes",

@@ -1,8 +1,11 @@
 """``parallelize``: every parallelism applied to a finished model, in order, for the Trainer and Fabric strategies
-alike (torchtitan's ``parallelize_llama`` shape): the pipeline split (this rank's stages), tensor parallelism by the
-model's plan, context parallelism to the modules it names, the experts (expert parallelism, tensor-parallel shares of
-rows), activation checkpointing, then FSDP: the experts, the blocks by policy, the model as the root unit (each stage
-as one under pipeline parallelism), and the pipeline's schedule."""
+alike (torchtitan's ``pipeline_llm`` / ``parallelize_llama`` shape). The model is split into its parts first:
+``[model]``, or under pipeline parallelism this rank's stages, each a module of its own. Then, to each part with the
+plan's names rooted at it: tensor parallelism by the model's plan, context parallelism to the modules it names, the
+experts (expert parallelism, tensor-parallel shares of rows), activation checkpointing, then FSDP: the experts, the
+blocks by policy, the part as the root unit. Under pipeline parallelism the pipeline's schedule runs the stages.
+What comes back is one handle, ``ParallelModel``: the parts, the schedule, the ``StateLayout`` the checkpoints
+read."""
 
 from __future__ import annotations
 
@@ -18,9 +21,11 @@ from lightning_npu.facts.options import FSDPOptions
 from lightning_npu.parallel.checkpointing import apply_activation_checkpointing
 from lightning_npu.parallel.context import ContextParallel, apply_context_parallel
 from lightning_npu.parallel.expert import apply_experts, check_experts, shard_experts
-from lightning_npu.parallel.fsdp import apply_fsdp, fully_shard_options, resolve_module_classes, wrap_classes
+from lightning_npu.parallel.fsdp import (apply_fsdp, fully_shard_options, move_buffers, resolve_module_classes,
+                                        wrap_classes)
+from lightning_npu.parallel.handle import ParallelModel, StateLayout
 from lightning_npu.parallel.mesh import ParallelMesh
-from lightning_npu.parallel.pipeline import Pipeline, PipelineSplit, check_split, split, tell_split_inputs
+from lightning_npu.parallel.pipeline import Pipeline, PipelineSplit, check_split, split
 from lightning_npu.parallel.protocol import ParallelPlan, PipelineLayout, find_modules
 from lightning_npu.parallel.tensor import apply_tensor_parallel, tensor_parallel_parameters
 from lightning_npu.precision import mixed_precision_policy
@@ -28,30 +33,29 @@ from lightning_npu.precision import mixed_precision_policy
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, precision: Optional[str],
                 plan: ParallelPlan, step_methods: Iterable[str] = (), device: Optional[torch.device] = None
-                ) -> Optional[Pipeline]:
+                ) -> ParallelModel:
     """Split and shard ``model`` over ``mesh`` as ``options`` and its ``plan`` say (the module docstring gives the
     order); ``precision``: the run's precision name (FSDP's mixed-precision policy); ``step_methods``: the model's
-    methods that run a step (each gathers the root unit's parameters, like ``forward``). Under pipeline parallelism
-    the plan's pipelined module is first pruned to this rank's stages, and the ``Pipeline`` its ``forward`` now runs
-    (on ``device``) is returned; None otherwise."""
+    methods that run a step (each gathers the root unit's parameters, like ``forward``). The model is split into
+    its parts first: ``[model]``, or under pipeline parallelism this rank's stages of the plan's pipelined module
+    (pruned to them; its ``forward`` then runs the schedule, on ``device``). Every parallelism is then applied to
+    each part, with the plan's names rooted at it."""
     # Chosen on the whole model: a pipeline stage may hold none of the blocks, or one.
     ac_classes = resolve_module_classes(options.activation_checkpointing_policy, model, "activation_checkpointing_policy")
     classes, chosen_by = wrap_classes(options.auto_wrap_policy, model)
-    order = [name for name, _ in model.named_parameters()]  # the whole model's, before a pipeline split
-    experts = plan.modules(model, "experts")  # the plan's names checked against the whole model
-    split_ = None
-    if mesh.pp is not None:
-        before = {name for name, _ in model.named_modules()}
-        split_ = _split(model, mesh, options, plan)
-        plan = plan.without(before - {name for name, _ in model.named_modules()})
-        experts = plan.modules(model, "experts")
+    order = tuple(name for name, _ in model.named_parameters())  # the whole model's, before a pipeline split
+    # Split first: the parts every parallelism below is applied to, each with the plan rooted at it, and the plan
+    # of what holds them (under a pipeline: the context-parallel modules outside every stage).
+    if mesh.pp is None:
+        split_, parts, holder_plan = None, [(model, plan)], ParallelPlan()
+    else:
+        split_, parts, holder_plan = _split(model, mesh, options, plan)
+    experts = [found for part, part_plan in parts for found in part_plan.modules(part, "experts")]
     check_experts(experts, options.expert_parallel_size)
     if mesh.tp is not None:
-        _tensor_parallel(model, mesh, options, plan, experts)
-        if split_ is not None and options.sequence_parallel:
-            tell_split_inputs(split_, mesh.layout.tp)
+        _tensor_parallel(parts, mesh, options, experts)
     if mesh.cp is not None:
-        _context_parallel(model, mesh, options, plan, split_)
+        _context_parallel(model, holder_plan, parts, mesh, options)
     experts_apart = bool(experts) and (options.expert_parallel_size > 1 or mesh.tp is not None)
     if experts_apart:
         ep_mesh = mesh.experts["ep"] if options.expert_parallel_size > 1 else None
@@ -61,7 +65,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, prec
             f"the experts of {len(experts)} modules")
         rows = f"; each of {tp} tensor-parallel ranks runs a share of their rows" if tp > 1 else ""
         rank_zero_info(f"npu_fsdp: {split}{rows}")
-    checkpointed = apply_activation_checkpointing(model, ac_classes, float(options.activation_checkpointing_ratio))
+    checkpointed = apply_activation_checkpointing([part for part, _ in parts], ac_classes,
+                                                  float(options.activation_checkpointing_ratio))
     policy = mixed_precision_policy(precision)
     if experts_apart:
         # Under a pipeline the experts' units stay gathered for the step, as the stages' (see the stages below).
@@ -69,27 +74,24 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, prec
                       reshard_after_forward=options.reshard_after_forward and split_ is None,
                       **fully_shard_options(mesh.expert_fsdp, policy, options.cpu_offload))
     shard = dict(wrap_classes=classes, mp_policy=policy, cpu_offload=options.cpu_offload, scalar_group=mesh.loss_group)
-    if split_ is None:
-        sharded = apply_fsdp(model, mesh.fsdp, reshard_after_forward=options.reshard_after_forward,
-                             step_methods=step_methods, **shard)
-    else:
-        # Each stage is a unit of its own (the root the schedule calls), its blocks kept gathered for the whole step
-        # (see parallel.pipeline: one all-gather per unit per step; the zero-bubble schedules need it).
-        sharded = [name for stage in split_.stages.values()
-                   for name in apply_fsdp(stage, mesh.fsdp, reshard_after_forward=False, **shard)]
-        if device is not None:
-            # FSDP moves what its units hold; buffers outside every stage (on the LightningModule itself, or
-            # parameter-free modules beside the pipelined one) would stay where they were built.
-            move_buffers(model, device)
+    # Without a pipeline the model is the root unit; under one each stage is a unit of its own (the root the
+    # schedule calls), its blocks kept gathered for the whole step (see parallel.pipeline: one all-gather per unit
+    # per step; the zero-bubble schedules need it).
+    reshard_after_forward = options.reshard_after_forward and split_ is None
+    sharded = [name for part, _ in parts
+               for name in apply_fsdp(part, mesh.fsdp, reshard_after_forward=reshard_after_forward,
+                                      step_methods=step_methods if split_ is None else (), **shard)]
+    if split_ is not None and device is not None:
+        move_buffers(model, device)  # those outside every stage, which no unit holds
     rank_zero_info(f"npu_fsdp: {len(sharded)} FSDP units ({chosen_by}; zero_stage={options.zero_stage},"
                    f" sharding={options.sharding!r}), activation checkpointing on {len(checkpointed)} modules")
     if split_ is None:
-        return None
+        return ParallelModel((model,), None, StateLayout(order, device=device))
     pipeline = Pipeline(split_, options.pipeline_schedule, options.microbatches, mesh.pp.get_group(), device,
-                        options.stages_per_rank, parameter_order=order,
-                        sequence_group=None if mesh.cp is None else mesh.cp.get_group())
+                        options.stages_per_rank, sequence_group=None if mesh.cp is None else mesh.cp.get_group())
     pipeline.install()
-    return pipeline
+    return ParallelModel(tuple(split_.stages[index] for index in sorted(split_.stages)), pipeline,
+                         StateLayout(order, mesh.pp.get_group(), device))
 
 
 def check_pipeline(model: nn.Module, options: FSDPOptions, plan: ParallelPlan) -> tuple[nn.Module, PipelineLayout]:
@@ -118,18 +120,12 @@ def check_pipeline(model: nn.Module, options: FSDPOptions, plan: ParallelPlan) -
     return module, layout
 
 
-def move_buffers(model: nn.Module, device: torch.device) -> None:
-    """Every buffer of ``model`` that is not on ``device`` (nor on the meta device, which the first values fill)
-    moved there; registered buffers stay registered."""
-    for module in model.modules():
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            if buffer is not None and not buffer.is_meta and buffer.device != device:
-                setattr(module, name, buffer.to(device))
-
-
-def _split(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: ParallelPlan) -> PipelineSplit:
-    """Prune the plan's pipelined module to this rank's stages (``parallel.pipeline.split``)."""
+def _split(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: ParallelPlan
+           ) -> tuple[PipelineSplit, list[tuple[nn.Module, ParallelPlan]], ParallelPlan]:
+    """Prune the plan's pipelined module to this rank's stages (``parallel.pipeline.split``): the split, each stage
+    with the plan rooted at it, and the plan of the modules outside every stage (``ParallelPlan.outside``)."""
     module, layout = check_pipeline(model, options, plan)
+    known = {name for name, _ in model.named_modules()}
     per_rank = options.stages_per_rank
     pp, pp_rank = mesh.layout.pp, mesh.pp.get_local_rank()
     stage_ids = pipeline_facts.stage_ids(options.pipeline_schedule, pp_rank, pp, per_rank)
@@ -138,16 +134,18 @@ def _split(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: Par
     held = [f"{stage}: {split_.blocks[stage]}" for stage in stage_ids]
     rank_zero_info(f"npu_fsdp: pipeline ({options.pipeline_schedule}, {options.microbatches} microbatches) over"
                    f" {pp * per_rank} stages; rank 0 runs stage(s) {', '.join(held)}")
-    return split_
+    prefix = plan.pipeline.module
+    parts = [(split_.stages[stage], plan.within(prefix, split_.stages[stage], known)) for stage in sorted(split_.stages)]
+    return split_, parts, plan.outside(prefix)
 
 
-def _tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: ParallelPlan,
+def _tensor_parallel(parts: list[tuple[nn.Module, ParallelPlan]], mesh: ParallelMesh, options: FSDPOptions,
                      experts: list[tuple[str, nn.Module]]) -> None:
-    planned = []
-    if plan.tensor_parallel is not None:
-        planned = apply_tensor_parallel(model, mesh.tp, plan.tensor_parallel, sequence_parallel=options.sequence_parallel,
-                                        loss_parallel=options.loss_parallel, experts=experts)
-    split = tensor_parallel_parameters(model)
+    planned = [name for part, plan in parts if plan.tensor_parallel is not None
+               for name in apply_tensor_parallel(part, mesh.tp, plan.tensor_parallel,
+                                                 sequence_parallel=options.sequence_parallel,
+                                                 loss_parallel=options.loss_parallel, experts=experts)]
+    split = [name for part, _ in parts for name in tensor_parallel_parameters(part)]
     if not split:
         rank_zero_warn(
             f"npu_fsdp: tensor_parallel_size={mesh.layout.tp}, but no parameter is split over the tensor-parallel"
@@ -160,13 +158,14 @@ def _tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions,
                    f"{' (plan: ' + ', '.join(planned) + ')' if planned else ''}")
 
 
-def _context_parallel(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions, plan: ParallelPlan,
-                      split_: Optional[PipelineSplit]) -> None:
+def _context_parallel(model: nn.Module, holder_plan: ParallelPlan, parts: list[tuple[nn.Module, ParallelPlan]],
+                      mesh: ParallelMesh, options: FSDPOptions) -> None:
+    """Context parallelism given to the modules each part's plan names, and to those of ``holder_plan`` in
+    ``model`` (under a pipeline: the modules outside every stage, such as the one that shards the batch)."""
     context_parallel = ContextParallel(mesh.cp.get_group(), options.context_parallel_algo)
-    given = apply_context_parallel(model, plan.context_parallel, context_parallel)
-    if split_ is not None and getattr(split_.module, "context_parallel", None) is context_parallel:
-        for view in split_.stages.values():  # shallow copies of the pipelined module, made before it got it
-            view.context_parallel = context_parallel
+    given = apply_context_parallel(model, holder_plan.context_parallel, context_parallel)
+    given += [name for part, plan in parts for name in apply_context_parallel(part, plan.context_parallel,
+                                                                              context_parallel)]
     if not given:
         rank_zero_warn(
             f"npu_fsdp: context_parallel_size={mesh.layout.cp}, but the model's ParallelPlan names no"
@@ -179,4 +178,4 @@ def _context_parallel(model: nn.Module, mesh: ParallelMesh, options: FSDPOptions
                    f" {len(given)} modules split the sequence")
 
 
-__all__ = ["check_pipeline", "move_buffers", "parallelize"]
+__all__ = ["check_pipeline", "parallelize"]

@@ -7,10 +7,10 @@ the contract is in ``lightning_npu.parallel.protocol``). This module:
 - splits it (:func:`split`): the model is pruned **in place** to this rank's stages: the parts no local stage holds
   become ``None`` and the blocks container keeps the local blocks under their original indices (``KeptBlocks``), so
   every parameter keeps its name (``layers.5.attention.wq.weight``) and optimizer states and checkpoints are keyed as
-  without PP: a sharded checkpoint saved under one layout loads under another. Each stage is a *view* of the
-  pruned model (a shallow copy with its own children and hook dicts, sharing the submodules), which FSDP shards as
-  a unit and the schedule runs; the model's own ``forward`` is then free to become the pipeline
-  (:meth:`Pipeline.install`);
+  without PP: a sharded checkpoint saved under one layout loads under another. Each stage is a module of its own,
+  made here before anything else is applied (a shallow copy of the pruned model with its own children and hook
+  dicts, sharing the submodules): ``parallelize`` applies every parallelism to each stage, FSDP included (the unit
+  the schedule runs), and the model's own ``forward`` is then free to become the pipeline (:meth:`Pipeline.install`);
 - runs a step (:class:`Pipeline`): the schedule (``scale_grads=False``) over the microbatches, the loss normalised
   by the batch's labelled tokens (the mean the unpipelined model gives, however unevenly labels fall on the
   microbatches), the step's loss broadcast from the rank holding the last stage to every rank of the pipeline. The
@@ -22,8 +22,9 @@ the contract is in ``lightning_npu.parallel.protocol``). This module:
   pipeline (:meth:`Pipeline.outputs`). Every microbatch must have
   the shapes of the first (torch infers its P2P buffers from microbatch 0): an uneven split is refused in training
   on every rank before any exchange (evaluation pads the batch with unlabelled rows), and a new shape builds the
-  schedule again, which infers the shapes again. Under sequence parallelism the stages exchange each sequence's part
-  (:func:`tell_split_inputs`);
+  schedule again, which infers the shapes again. Every stage gets the rows' positions as an input
+  (``PipelineLayout.positions``): under sequence parallelism a later stage receives a part of each sequence, and
+  under context parallelism every stage holds a part, so none of them can tell the positions from its input;
 - leaves the point-to-point exchanges to torch's schedules, whose mixed send/receive batches hold at most one task of
   each kind per peer: HCCL's rule (``facts.hccl``), which the strict fake enforces and the launched runs check.
 
@@ -98,13 +99,15 @@ class KeptBlocks(nn.Module):
 
 @dataclass
 class PipelineSplit:
-    """What :func:`split` made: ``module`` pruned to this rank's stages, ``stages`` each local stage's view by stage
-    index, of ``num_stages``, and the blocks of every stage (``blocks[s]``)."""
+    """What :func:`split` made: ``module`` pruned to this rank's stages, ``stages`` each local stage's module by
+    stage index, of ``num_stages``, the blocks of every stage (``blocks[s]``), and the keyword of the rows'
+    positions (``PipelineLayout.positions``)."""
 
     module: nn.Module
     stages: dict[int, nn.Module]
     num_stages: int
     blocks: list[list[int]]
+    positions: Optional[str] = None
 
 
 def split(module: nn.Module, layout: PipelineLayout, stage_ids: Sequence[int], num_stages: int,
@@ -125,17 +128,7 @@ def split(module: nn.Module, layout: PipelineLayout, stage_ids: Sequence[int], n
     indices = sorted(index for stage in stage_ids for index in blocks[stage])
     setattr(module, layout.blocks, KeptBlocks({index: container[index] for index in indices}))
     stages = {stage: _view(module, parts(stage), layout, blocks[stage]) for stage in stage_ids}
-    return PipelineSplit(module, stages, num_stages, blocks)
-
-
-def tell_split_inputs(split_: PipelineSplit, parts: int) -> None:
-    """Under sequence parallelism a stage sends its last block's output as the block leaves it, split by sequence
-    over the ``parts`` tensor-parallel ranks, and each later stage receives its part. A pipelined module whose class
-    declares ``input_sequence_parts`` (the recipes' decoders: their rotary positions cover the whole sequence) gets
-    the count on each later stage's view; others see their input as the part it is."""
-    for stage, view in split_.stages.items():
-        if stage > 0 and hasattr(type(view), "input_sequence_parts"):
-            view.input_sequence_parts = parts
+    return PipelineSplit(module, stages, num_stages, blocks, layout.positions)
 
 
 _CONTRACT = "see 'Pipeline parallelism' in docs/parallelism.md"
@@ -213,8 +206,10 @@ def _check_untied(module: nn.Module, layout: PipelineLayout, blocks: Sequence[Se
 
 
 def _view(module: nn.Module, keep: set[str], layout: PipelineLayout, indices: Sequence[int]) -> nn.Module:
-    """A shallow copy of ``module`` holding ``keep`` and the blocks ``indices``: its submodules are the module's, its
-    dicts (children, parameters, hooks) its own, so FSDP's hooks on a view stay on that view."""
+    """The stage's module, made at the split before anything else is applied: a shallow copy of ``module`` holding
+    ``keep`` and the blocks ``indices``, its submodules the module's, its dicts (children, parameters, hooks) its
+    own. ``parallelize`` then applies every parallelism to it as to a model of its own (what it sets on the stage,
+    FSDP's hooks included, stays on the stage); the pruned ``module`` gets nothing but the pipeline's ``forward``."""
     view = copy.copy(module)
     for key, value in list(vars(module).items()):
         if isinstance(value, (dict, set, list)):
@@ -301,19 +296,16 @@ class _PipelineLoss(torch.autograd.Function):
 class Pipeline:
     """This rank's share of a pipeline: its stages (``torch.distributed.pipelining.PipelineStage``), the schedule, the
     loss; :meth:`run` returns the batch's loss on every rank of ``pp_group``. ``split_.module``: the pruned model,
-    whose ``loss(output, labels, reduction)`` the last stage calls. ``parameter_order``: every parameter's name in the
-    whole model, in its order (what a checkpoint's param groups list, see ``checkpoints.optimizer_state``).
-    ``sequence_group``: the context-parallel ranks, each holding a part of every sequence (None: none); the loss
+    whose ``loss(output, labels, reduction)`` the last stage calls. ``sequence_group``: the context-parallel ranks, each holding a part of every sequence (None: none); the loss
     is then this rank's share of the mean over the group's labelled tokens, as ``ContextParallel.token_mean`` gives
     it without a pipeline."""
 
     def __init__(self, split_: PipelineSplit, schedule: str, microbatches: int, pp_group: Any, device: torch.device,
-                 per_rank: int, parameter_order: Sequence[str] = (), sequence_group: Any = None) -> None:
+                 per_rank: int, sequence_group: Any = None) -> None:
         from torch.distributed.pipelining import PipelineStage
 
         self.split = split_
         self.sequence_group = sequence_group
-        self.parameter_order = list(parameter_order)
         self.schedule_name = schedule
         self.microbatches = microbatches
         self.pp_group = pp_group
@@ -360,8 +352,7 @@ class Pipeline:
         """The batch's mean loss over its labelled tokens, on every rank of the pipeline. With autograd on, every
         microbatch's forward and backward run here, and the backward of the returned loss puts the gradients in
         ``.grad`` (:class:`_StepGradients`); otherwise the forward only. ``kwargs`` that are None are left out."""
-        kwargs = {name: value for name, value in kwargs.items() if value is not None}
-        x, labels, kwargs = self._check_shapes(x, labels, kwargs)
+        x, labels, kwargs = self._check_shapes(x, labels, self._keyword_inputs(x, kwargs))
         self.loss.tokens = self._labelled_tokens(labels)
         losses: list[Tensor] = []
         if not torch.is_grad_enabled():
@@ -394,9 +385,8 @@ class Pipeline:
         split into the microbatches is padded with copies of its last row, which are cut off again."""
         if torch.is_grad_enabled():
             raise RuntimeError("Pipeline.outputs runs the forward-only schedule: call it under torch.no_grad()")
-        kwargs = {name: value for name, value in kwargs.items() if value is not None}
         rows = x.shape[0]
-        x, _, kwargs = self._check_shapes(x, None, kwargs)
+        x, _, kwargs = self._check_shapes(x, None, self._keyword_inputs(x, kwargs))
         try:
             with _no_local_backward_handoff(self.stages):
                 output = self.schedule.eval(x, **kwargs)
@@ -414,6 +404,15 @@ class Pipeline:
             output = torch.empty(shape, dtype=dtype, device=self.device)
         dist.broadcast(output, src=source, group=self.pp_group)
         return output
+
+    def _keyword_inputs(self, x: Tensor, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """What every stage gets beside its input: ``kwargs`` but those that are None, and the rows' positions
+        (``0 .. seq - 1`` of ``x`` [rows, seq, ...]) where the layout names them and the caller gives none."""
+        kwargs = {name: value for name, value in kwargs.items() if value is not None}
+        name = self.split.positions
+        if name is not None and name not in kwargs:
+            kwargs[name] = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+        return kwargs
 
     def _check_shapes(self, x: Tensor, labels: Optional[Tensor], kwargs: dict[str, Any]
                       ) -> tuple[Tensor, Optional[Tensor], dict]:
@@ -488,5 +487,4 @@ def _no_local_backward_handoff(stages: Sequence[Any]) -> Iterator[None]:
             del stage.get_local_bwd_output, stage.set_local_bwd_input
 
 
-__all__ = ["IGNORE_INDEX", "KeptBlocks", "check_split", "inferring_shapes", "Pipeline", "PipelineSplit", "split",
-           "tell_split_inputs"]
+__all__ = ["IGNORE_INDEX", "KeptBlocks", "check_split", "inferring_shapes", "Pipeline", "PipelineSplit", "split"]

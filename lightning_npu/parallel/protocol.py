@@ -33,7 +33,9 @@ that returns the plan (``""`` is that module itself).
     module's ``forward(x, *, labels=None, **kwargs)`` gives, with ``labels``, the loss (the mean over the labels that
     are not -100), computed by its ``loss(output, labels, reduction)``; and it runs with parts set to ``None``: the
     first stage gets the inputs, the others the previous stage's activations (one tensor), the last returns the
-    output its ``loss`` takes (called with ``reduction="sum"``). ``kwargs`` (per-row tensors) reach every stage.
+    output its ``loss`` takes (called with ``reduction="sum"``). ``kwargs`` (per-row tensors) reach every stage;
+    with ``PipelineLayout.positions`` the rows' positions are one of them, given by the pipeline where the caller
+    gives none, so a later stage knows the whole sequence's positions whatever part of it its input holds.
     Every parameter lies in one part (none tied across stages), the blocks are an ``nn.ModuleList``: what
     ``parallel.pipeline.check_split`` checks, before workers start. Under pipeline parallelism npu_fsdp
     keeps each rank's stages of it (parameter names unchanged) and its ``forward`` with ``labels`` runs the schedule:
@@ -57,12 +59,15 @@ TensorParallelPlan = Callable[..., dict[str, Any]]
 class PipelineLayout:
     """The module that pipelines (``module``: its name, ``""`` for the one returning the plan) and, among its
     children, what the first stage holds (``inputs``), the container of repeated blocks (``blocks``) and what the
-    last stage holds (``outputs``). Its other children must hold no parameters (they stay on every stage)."""
+    last stage holds (``outputs``). Its other children must hold no parameters (they stay on every stage).
+    ``positions``: the keyword by which its ``forward`` takes the rows' positions ([rows, seq] integers; None: it
+    takes none), which the pipeline gives every stage (``0 .. seq - 1`` where the caller gives none)."""
 
     module: str
     inputs: tuple[str, ...]
     blocks: str
     outputs: tuple[str, ...]
+    positions: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -104,20 +109,40 @@ class ParallelPlan:
                             context_parallel=tuple(map(named, self.context_parallel)),
                             experts=tuple(map(named, self.experts)), pipeline=pipeline)
 
-    def without(self, removed: set[str]) -> "ParallelPlan":
-        """The same plan with the modules named in ``removed`` left out (what a pipeline split removed from this
-        rank: another stage's blocks), the tensor-parallel plan's entries for them too."""
+    def within(self, prefix: str, part: nn.Module, known: set[str]) -> "ParallelPlan":
+        """The plan of ``part``, a pipeline stage of the module this plan calls ``prefix``: the names under
+        ``prefix`` relative to it (``prefix`` itself becoming ``""``), but those of ``known`` (the whole model's
+        modules, before the split) that ``part`` does not hold (another stage's); names outside ``prefix`` left
+        out, the tensor-parallel plan's too. How ``parallelize`` roots the plan at each stage it applies it to (a name that
+        is nowhere stays, so applying it fails naming it)."""
         inner = self.tensor_parallel
+        held = {name for name, _ in part.named_modules()}
+
+        def relative(names: Iterable[str]) -> list[tuple[str, str]]:
+            found = []
+            for name in names:
+                if not prefix or name == prefix or name.startswith(prefix + "."):
+                    inside = name[len(prefix):].lstrip(".") if prefix else name
+                    if inside in held or name not in known:
+                        found.append((name, inside))
+            return found
 
         def tensor_parallel(tp_mesh: Any, **flags: Any) -> dict[str, Any]:
-            return {name: style for name, style in inner(tp_mesh, **flags).items() if name not in removed}
+            styles = inner(tp_mesh, **flags)
+            return {inside: styles[name] for name, inside in relative(styles)}
 
         def kept(names: tuple[str, ...]) -> tuple[str, ...]:
-            return tuple(name for name in names if name not in removed)
+            return tuple(inside for _, inside in relative(names))
 
         return ParallelPlan(tensor_parallel=None if inner is None else tensor_parallel,
-                            context_parallel=kept(self.context_parallel), experts=kept(self.experts),
-                            pipeline=self.pipeline)
+                            context_parallel=kept(self.context_parallel), experts=kept(self.experts))
+
+    def outside(self, prefix: str) -> "ParallelPlan":
+        """The plan's context-parallel modules that do not lie under ``prefix`` (the module that holds a pipeline's
+        stages: those outside every stage, such as a LightningModule that shards the batch); nothing else (every
+        parameter, so every tensor-parallel entry and every expert, lies in a stage)."""
+        return ParallelPlan(context_parallel=tuple(name for name in self.context_parallel
+                                                   if prefix and name != prefix and not name.startswith(prefix + ".")))
 
     def modules(self, root: nn.Module, field_name: str) -> list[tuple[str, nn.Module]]:
         """``(name, module)`` for each module the field ``field_name`` names, found in ``root``."""

@@ -17,8 +17,6 @@ from lightning_npu.plan.spec import (
     DEFAULT_HCCL_BUFFSIZE_MB,
     DEFAULT_P2P_BUFFSIZE_MB,
     ModelShape,
-    Parallelism,
-    Pipelining,
     PlanError,
     PlanSpec,
     canonical_precision,
@@ -43,7 +41,6 @@ def load_spec(
     micro_batch: Optional[int] = None,
     seq_len: Optional[int] = None,
     precision: Optional[str] = None,
-    zero_stage: Optional[int] = None,
     ac_ratio: Optional[float] = None,
     device_memory_gib: Optional[float] = None,
     chip: Optional[str] = None,
@@ -51,12 +48,7 @@ def load_spec(
     optimizer: Optional[str] = None,
     hccl_buffsize_mb: Optional[float] = None,
     lora_base: Optional[str] = None,
-    tensor_parallel_size: Optional[int] = None,
-    context_parallel_size: Optional[int] = None,
-    context_parallel_algo: Optional[str] = None,
-    pipeline_parallel_size: Optional[int] = None,
-    pipeline_schedule: Optional[str] = None,
-    pipeline_microbatches: Optional[int] = None,
+    **strategy: Any,
 ) -> PlanSpec:
     """A PlanSpec from a recipe YAML at ``path`` and/or the decoder shape ``model_shape``; keyword arguments win.
 
@@ -64,12 +56,10 @@ def load_spec(
     or the config's class paths: see ``lightning_npu.plan.profile``). ``optimizer`` defaults to ``adamw8bit`` when the
     config's model section says ``optimizer: adamw8bit``, else to ``fused``. With both a config and ``model_shape``
     the shapes replace the config's model, and a LoRA config's adapters sit on them. ``lora_base`` (``none``,
-    ``int8``, ``nf4``) replaces the adapters' ``base_quantization``; it needs a LoRA run. ``tensor_parallel_size``,
-    ``context_parallel_size`` and ``context_parallel_algo`` replace the strategy's values of the same names (its
-    ``sequence_parallel`` and ``loss_parallel`` are read as they are), and so do ``pipeline_parallel_size``,
-    ``pipeline_schedule`` and ``pipeline_microbatches`` (its ``pipeline_stages_per_rank`` and
-    ``pipeline_layers_per_stage`` are read as they are); the P2P buffers are the environment's
-    ``P2P_HCCL_BUFFSIZE`` or torch_npu's default."""
+    ``int8``, ``nf4``) replaces the adapters' ``base_quantization``; it needs a LoRA run. ``strategy``: npu_fsdp options
+    (``FSDPOptions``, by their names; ``None``: the config's) that replace the config's
+    ``trainer.strategy.init_args``, checked as the strategy checks them; ``zero_stage`` is also the stage the plan
+    judges. The P2P buffers are the environment's ``P2P_HCCL_BUFFSIZE`` or torch_npu's default."""
     if path is None and model_shape is None:
         raise PlanError("nothing to plan: give a recipe config (--config) or the model's shapes (--model-shape)")
     document = _read_yaml(Path(path)) if path is not None else {}
@@ -83,22 +73,13 @@ def load_spec(
         decoder = DecoderProfile(model_shape, name="decoder (--model-shape)", adapters=adapters)
     if lora_base is not None:
         decoder = _with_lora_base(decoder, lora_base)
-    overrides = {"tensor_parallel_size": tensor_parallel_size, "context_parallel_size": context_parallel_size,
-                 "context_parallel_algo": context_parallel_algo, "pipeline_parallel_size": pipeline_parallel_size,
-                 "pipeline_schedule": pipeline_schedule, "pipeline_microbatches": pipeline_microbatches}
     init_args = _strategy(trainer) if path is not None else {}
-    flags = {key: value for key, value in overrides.items() if value is not None}
+    flags = {key: value for key, value in strategy.items() if value is not None}
     notes = []
     options = _options(init_args, flags, path)
     ac_policy = _class_names(options.activation_checkpointing_policy, "activation_checkpointing_policy", decoder)
     wrap = _class_names(options.auto_wrap_policy, "auto_wrap_policy", decoder)
     ratio = float(options.activation_checkpointing_ratio) if ac_policy else 0.0
-    parallel = Parallelism(tensor=options.tensor_parallel_size, context=options.context_parallel_size,
-                           context_algo=options.context_parallel_algo, sequence_parallel=options.sequence_parallel,
-                           loss_parallel=options.loss_parallel)
-    pipeline = Pipelining(size=options.pipeline_parallel_size, schedule=options.pipeline_schedule,
-                          microbatches=options.pipeline_microbatches, stages_per_rank=options.pipeline_stages_per_rank,
-                          layers_per_stage=options.pipeline_layers_per_stage)
     decoder = decoder.with_expert_parallelism(options.expert_parallel_size)
     if ac_ratio is not None:
         ratio = float(ac_ratio)
@@ -120,19 +101,15 @@ def load_spec(
             nodes=int(nodes if nodes is not None else settings["num_nodes"]),
             precision=canonical_precision(precision if precision is not None else settings["precision"]),
             accumulate_grad_batches=int(settings["accumulate_grad_batches"]),
-            zero_stage=int(zero_stage if zero_stage is not None else options.zero_stage),
-            sharding=options.sharding,
             wrap_blocks=bool(wrap) or path is None,  # shapes alone: each block is an FSDP unit, as npu_fsdp advises
             ac_ratio=ratio,
-            cpu_offload=options.cpu_offload,
             kernels=kernels,
             optimizer=optimizer or ("adamw8bit" if class_arguments(model_section).get("optimizer") == "adamw8bit"
                                     else "fused"),
             hccl_buffsize_mb=buffsize,
             device_memory_gib=float(memory),
             chip=chip or DEFAULT_PLAN_CHIP,
-            parallel=parallel,
-            pipeline=pipeline,
+            options=options,
             p2p_buffsize_mb=float(os.environ.get(env.P2P_HCCL_BUFFSIZE, DEFAULT_P2P_BUFFSIZE_MB)),
             notes=tuple(notes),
         )
@@ -221,6 +198,7 @@ def _options(init_args: Mapping[str, Any], flags: Mapping[str, Any], path: Optio
     where = f"config {str(path)!r}"
     try:
         check_option_names(init_args, f"{where}: trainer.strategy.init_args")
+        check_option_names(flags, "load_spec")
         return FSDPOptions(**{**init_args, **flags})
     except TypeError as error:
         raise PlanError(str(error)) from None

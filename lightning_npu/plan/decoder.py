@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Iterable, Optional
 
 from lightning_npu.facts import weight_quant
-from lightning_npu.facts.options import indivisible_by_tensor_parallel
+from lightning_npu.facts.parallel_rules import ModelShapes
 from lightning_npu.plan.shape import ModelShape, Parallelism, PlanError
 
 Shape = tuple[int, ...]
@@ -47,8 +47,6 @@ EXPERT_PROJECTIONS = ("expert_gate", "expert_up", "expert_down")
 #: A dropout mask's bytes per element on the fused (NPU) path: torch's native_dropout keeps a bool mask. The CPU
 #: paths (reference, eager) run torch's unfused dropout, which keeps its scaled noise in the input's dtype.
 FUSED_DROPOUT_MASK_BYTES = 1
-#: The tensor-parallel sizes a model's divisibility problems suggest instead (a node's devices split evenly).
-TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 
 
 class RankLocalShape(tuple):
@@ -226,6 +224,11 @@ class DecoderProfile:
             )
 
     @property
+    def router_aux_loss_coef(self) -> float:
+        """The weight of an MoE load-balancing loss (none here; ``MoEProfile`` sets it)."""
+        return 0.0
+
+    @property
     def n_blocks(self) -> int:
         """The blocks FSDP wraps and activation checkpointing chooses from, in forward order: the trunk's layers,
         then one per multi-token-prediction depth."""
@@ -247,51 +250,23 @@ class DecoderProfile:
         """Ranks each layer's experts are split over; 1 for a decoder without experts."""
         return 1
 
-    def with_parallelism(self, parallel: Parallelism, *, seq_len: int) -> "DecoderProfile":
-        """This profile counting one rank's share under ``parallel`` (for ``seq_len``-token sequences); PlanError
-        naming every size tensor parallelism cannot split, and the sizes that would work."""
-        if self.mtp_depths and parallel.context > 1:
-            raise PlanError(
-                f"context_parallel_size={parallel.context} with {self.mtp_depths} multi-token-prediction depth(s):"
-                " a depth reads the tokens up to that many ahead of each, which at the end of a rank's part of a"
-                " sequence another context-parallel rank holds (the recipe refuses it too); plan with"
-                " context_parallel_size=1, or without multi-token prediction"
-            )
-        problems = self.tensor_parallel_problems(parallel.tensor, seq_len=seq_len,
-                                                 sequence_parallel=parallel.sequence_parallel)
-        if problems:
-            fitting = [size for size in TENSOR_PARALLEL_SIZES if size < parallel.tensor and not
-                       self.tensor_parallel_problems(size, seq_len=seq_len,
-                                                     sequence_parallel=parallel.sequence_parallel)]
-            raise PlanError(
-                f"tensor_parallel_size={parallel.tensor} cannot split {self.name}: " + "; ".join(problems)
-                + f". Use a tensor_parallel_size that divides them ({', '.join(map(str, fitting))})"
-                + (", or change the model config" if fitting else "; change the model config")
-            )
+    def with_parallelism(self, parallel: Parallelism) -> "DecoderProfile":
+        """This profile counting one rank's share under ``parallel`` (``PlanSpec`` checks first that it can split:
+        ``facts.parallel_rules`` with ``parallel_shapes``)."""
         return dataclasses.replace(self, parallel=parallel)
 
-    def tensor_parallel_problems(self, tp: int, *, seq_len: int, sequence_parallel: bool) -> list[str]:
-        """What keeps ``tp`` ranks from splitting this model as the recipe's plan does (its checks: heads, kv heads,
-        ffn and vocabulary, the sequence with sequence parallelism: ``tensor_parallel_sizes``), each with its
-        numbers; a profile with parts no plan splits (``unsplit_parts``: an MLP other than the decoder's that says
-        nothing of tensor parallelism), a root unit other than the decoder's or adapters has no plan to model."""
-        if tp == 1:
-            return []
-        sizes = self.tensor_parallel_sizes()
-        problems = indivisible_by_tensor_parallel(tp, sizes + ([("data.seq_len", seq_len)] if sequence_parallel
-                                                               else []))
-        problems += self.unsplit_parts()
+    def parallel_shapes(self) -> ModelShapes:
+        """What the parallel rules read of this model (``lightning_npu.facts.parallel_rules``, the recipe's too):
+        the sizes tensor parallelism splits (``tensor_parallel_sizes``), the parts no plan splits (``unsplit_parts``,
+        and a root unit other than the decoder's embedding, final norm and head), the features a layout refuses."""
+        unsplit = self.unsplit_parts()
         if type(self).root_parameters is not DecoderProfile.root_parameters:
-            problems.append("its root unit is not the decoder's embedding, final norm and output head, which the"
-                            " recipe's plan splits by vocabulary")
-        if self.adapters is not None:
-            problems.append("LoRA adapters have no tensor-parallel plan (a LoRA run trains few parameters: plain"
-                            " npu_fsdp sharding fits the frozen base)")
-        if self.mtp_depths:
-            problems.append(f"its {self.mtp_depths} multi-token-prediction depth(s) have no tensor-parallel plan"
-                            " (the recipe refuses them too); train with data, expert and context parallelism, or"
-                            " without multi-token prediction")
-        return problems
+            unsplit.append("its root unit is not the decoder's embedding, final norm and output head, which the"
+                           " recipe's plan splits by vocabulary")
+        return ModelShapes(name=self.name, n_layers=self.shape.n_layers, n_heads=self.shape.n_heads,
+                           tensor_parallel_sizes=tuple(self.tensor_parallel_sizes()), unsplit_parts=tuple(unsplit),
+                           tie_embeddings=self.tie_embeddings, mtp_layers=self.mtp_depths,
+                           router_aux_loss_coef=self.router_aux_loss_coef, lora=self.adapters is not None)
 
     def tensor_parallel_sizes(self) -> list[tuple[str, int]]:
         """The model's sizes the tensor-parallel ranks split (each must divide by tp): heads, kv heads, vocabulary

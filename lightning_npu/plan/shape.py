@@ -1,5 +1,5 @@
-"""What the planner's modules share below the spec: the model's shape, the run's parallelism beside FSDP, and
-``PlanError``. The decoder profile (``decoder``) and the spec (``spec``) import it; it imports neither. No torch."""
+"""What the planner's modules share below the spec: the model's shape, the run's parallelism beside FSDP (views of
+npu_fsdp's ``FSDPOptions``), and ``PlanError``. The decoder profile (``decoder``) and the spec (``spec``) import it; it imports neither. No torch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_npu.facts import options
+from lightning_npu.facts import options, parallel_rules
 from lightning_npu.facts import pipeline as schedules
 
 
@@ -18,22 +18,39 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Parallelism:
-    """How npu_fsdp splits each layer beside FSDP (its options of the same names): ``tensor`` ranks
-    (tensor_parallel_size) split the block matrices, embedding and head; ``context`` ranks (context_parallel_size)
-    split every sequence, attention seeing the whole by ``context_algo`` (``"ulysses"`` | ``"ring"``);
-    ``sequence_parallel`` splits the norms and residuals between blocks by sequence over the tensor-parallel ranks;
-    ``loss_parallel`` keeps the logits split by vocabulary. The defaults: plain sharding."""
+    """How npu_fsdp splits each layer beside FSDP, read from its ``options`` (the planner declares none of its own):
+    ``tensor`` ranks (tensor_parallel_size) split the block matrices, embedding and head; ``context`` ranks
+    (context_parallel_size) split every sequence, attention seeing the whole by ``context_algo``
+    (context_parallel_algo: ``"ulysses"`` | ``"ring"``); ``sequence_parallel`` splits the norms and residuals between
+    blocks by sequence over the tensor-parallel ranks; ``loss_parallel`` keeps the logits split by vocabulary. The
+    default options: plain sharding."""
 
-    tensor: int = 1
-    context: int = 1
-    context_algo: str = options.DEFAULT_CONTEXT_PARALLEL_ALGO
-    sequence_parallel: bool = True
-    loss_parallel: bool = True
+    options: options.FSDPOptions = dataclasses.field(default_factory=options.FSDPOptions)
 
-    def __post_init__(self) -> None:
-        checked(options.check_parallel_size, "tensor_parallel_size", self.tensor)
-        checked(options.check_parallel_size, "context_parallel_size", self.context)
-        checked(options.check_context_parallel_algo, self.context_algo)
+    @property
+    def tensor(self) -> int:
+        return self.options.tensor_parallel_size
+
+    @property
+    def context(self) -> int:
+        return self.options.context_parallel_size
+
+    @property
+    def context_algo(self) -> str:
+        return self.options.context_parallel_algo
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.options.sequence_parallel
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.options.loss_parallel
+
+    @property
+    def splits(self) -> bool:
+        """Whether tensor or context parallelism splits anything (else: plain sharding)."""
+        return self.tensor > 1 or self.context > 1
 
     @property
     def between_blocks(self) -> int:
@@ -45,6 +62,11 @@ class Parallelism:
     def split_vocabulary(self) -> bool:
         """Whether the logits stay split by vocabulary over the tensor-parallel ranks (loss_parallel)."""
         return self.tensor > 1 and self.loss_parallel
+
+    def report(self) -> dict[str, Any]:
+        """The split as the plan's JSON gives it."""
+        return {"tensor": self.tensor, "context": self.context, "context_algo": self.context_algo,
+                "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel}
 
     def describe(self) -> str:
         parts = []
@@ -59,29 +81,25 @@ class Parallelism:
 
 @dataclass(frozen=True)
 class Pipelining:
-    """npu_fsdp's pipeline (its options ``pipeline_parallel_size``, ``pipeline_schedule``, ``pipeline_microbatches``,
-    ``pipeline_stages_per_rank``, ``pipeline_layers_per_stage``): ``size`` ranks each hold ``per_rank`` stages of
-    contiguous blocks (the embedding on the first stage, the final norm and head on the last), and every step's
-    micro-batch runs through them as ``microbatches`` parts in the schedule's order. The default: no pipeline."""
+    """npu_fsdp's pipeline, read from its ``options`` (``pipeline_parallel_size``, ``pipeline_schedule``,
+    ``pipeline_microbatches``, ``pipeline_stages_per_rank``, ``pipeline_layers_per_stage``; the planner declares none
+    of its own): ``size`` ranks each hold ``per_rank`` stages of contiguous blocks (the embedding on the first stage,
+    the final norm and head on the last), and every step's micro-batch runs through them as ``parts`` microbatches
+    in the schedule's order. The default options: no pipeline."""
 
-    size: int = 1
-    schedule: str = schedules.DEFAULT_SCHEDULE
-    microbatches: Optional[int] = None
-    stages_per_rank: Optional[int] = None
-    layers_per_stage: Optional[tuple[int, ...]] = None
+    options: options.FSDPOptions = dataclasses.field(default_factory=options.FSDPOptions)
 
-    def __post_init__(self) -> None:
-        checked(options.check_parallel_size, "pipeline_parallel_size", self.size)
-        checked(schedules.check_schedule, self.schedule)
-        if self.layers_per_stage is not None:
-            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
-        if self.size > 1:
-            checked(schedules.check_microbatches, self.schedule, self.parts, self.size, self.per_rank)
-            checked(schedules.actions, self.schedule, 0, self.size, self.parts, self.per_rank)  # modelled at all
+    @property
+    def size(self) -> int:
+        return self.options.pipeline_parallel_size
+
+    @property
+    def schedule(self) -> str:
+        return self.options.pipeline_schedule
 
     @property
     def per_rank(self) -> int:
-        return checked(schedules.stages_per_rank, self.schedule, self.stages_per_rank)
+        return self.options.stages_per_rank
 
     @property
     def num_stages(self) -> int:
@@ -90,14 +108,11 @@ class Pipelining:
     @property
     def parts(self) -> int:
         """The microbatches each step's batch splits into (one per stage unless given)."""
-        if self.microbatches is not None:
-            return self.microbatches
-        return schedules.default_microbatches(self.schedule, self.size, self.per_rank)
+        return self.options.microbatches
 
     def stage_blocks(self, n_layers: int) -> list[list[int]]:
-        """The blocks of each stage (``facts.pipeline.blocks_per_stage``: the recipes' split rule)."""
-        return checked(schedules.blocks_per_stage, n_layers, self.num_stages, schedule=self.schedule,
-                       layers_per_stage=self.layers_per_stage)
+        """The blocks of each stage (``facts.parallel_rules.stage_blocks``: the recipes' split rule)."""
+        return checked(parallel_rules.stage_blocks, self.options, n_layers)
 
     def bubble(self) -> float:
         """The share of a step the idlest rank waits, with torch's order replayed (``replayed_bubble``); 0 without
@@ -105,6 +120,14 @@ class Pipelining:
         if self.size == 1:
             return 0.0
         return max(schedules.replayed_bubble(self.schedule, self.size, self.parts, self.per_rank))
+
+    def report(self) -> dict[str, Any]:
+        """The pipeline as the plan's JSON gives it."""
+        given = self.options
+        return {"size": self.size, "schedule": self.schedule, "microbatches": given.pipeline_microbatches,
+                "stages_per_rank": given.pipeline_stages_per_rank,
+                "layers_per_stage": (None if given.pipeline_layers_per_stage is None
+                                     else list(given.pipeline_layers_per_stage))}
 
     def describe(self) -> str:
         if self.size == 1:

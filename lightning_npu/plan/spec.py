@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_npu.facts import options, precisions
+from lightning_npu.facts import options, parallel_rules, precisions
+from lightning_npu.facts import pipeline as schedules
 from lightning_npu.facts.chips import (
     ATLAS_TRAINING_DEVICES_PER_SERVER,
     CHIP_MEMORY_GIB,
@@ -20,6 +21,7 @@ from lightning_npu.facts.chips import (
 )
 from lightning_npu.facts.precisions import PRECISION_DTYPES, PrecisionDtypes
 from lightning_npu.plan.decoder import DecoderProfile
+from lightning_npu.facts.parallel_rules import BatchShapes
 from lightning_npu.plan.shape import ModelShape, Parallelism, Pipelining, PlanError, check_positive_ints, checked
 
 GIB = 1024**3
@@ -100,11 +102,8 @@ class PlanSpec:
     nodes: int = 1
     precision: str = "bf16-mixed"
     accumulate_grad_batches: int = 1
-    zero_stage: int = options.DEFAULT_ZERO_STAGE
-    sharding: str = options.DEFAULT_SHARDING
     wrap_blocks: bool = True
     ac_ratio: float = 0.0
-    cpu_offload: bool = False
     kernels: str = "fused"
     #: How AdamW steps (OPTIMIZERS): what it holds while stepping depends on it.
     optimizer: str = "fused"
@@ -114,10 +113,11 @@ class PlanSpec:
     device_memory_gib: float = CHIP_MEMORY_GIB[DEFAULT_PLAN_CHIP]
     chip: str = DEFAULT_PLAN_CHIP
     profile: Optional[DecoderProfile] = None
-    #: Tensor and context parallelism (npu_fsdp's mesh beside FSDP); the default is plain sharding.
-    parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
-    #: Pipeline parallelism: each rank holds its stages' blocks; the estimate is the fullest rank's.
-    pipeline: Pipelining = dataclasses.field(default_factory=Pipelining)
+    #: npu_fsdp's options, the planner's only declaration of them: it reads its ZeRO stage (the one the plan judges),
+    #: sharding, CPU offload, tensor, context and pipeline parallelism from them (``parallel``, ``pipeline``); the
+    #: defaults are plain sharding. (The blocks FSDP wraps and the share that recomputes are ``wrap_blocks`` and
+    #: ``ac_ratio``: what the planner models of the policies.)
+    options: options.FSDPOptions = dataclasses.field(default_factory=options.FSDPOptions)
     #: P2P_HCCL_BUFFSIZE (MB, taken as MiB): the buffer each pipeline neighbour's point-to-point communicator holds
     #: twice.
     p2p_buffsize_mb: float = DEFAULT_P2P_BUFFSIZE_MB
@@ -130,8 +130,6 @@ class PlanSpec:
             raise PlanError(f"profile {self.profile.name!r} has the shape {self.profile.shape}, not {self.model}")
         check_positive_ints(self, ["seq_len", "micro_batch", "devices", "nodes", "accumulate_grad_batches"])
         object.__setattr__(self, "precision", canonical_precision(self.precision))
-        check_zero_stage(self.zero_stage)
-        checked(options.check_sharding, self.sharding)
         checked(options.check_activation_checkpointing_ratio, self.ac_ratio)
         if self.kernels not in KERNELS:
             raise PlanError(f"kernels={self.kernels!r} is not one of {', '.join(KERNELS)}")
@@ -159,39 +157,49 @@ class PlanSpec:
                 " server (two or four from the same half, 0-3 or 4-7); use 1, 2, 4 or 8 devices per node"
             )
 
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage the plan judges (npu_fsdp's ``zero_stage``; the table shows both)."""
+        return self.options.zero_stage
+
+    @property
+    def sharding(self) -> str:
+        return self.options.sharding
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self.options.cpu_offload
+
+    @property
+    def parallel(self) -> Parallelism:
+        """Tensor and context parallelism (npu_fsdp's mesh beside FSDP)."""
+        return Parallelism(self.options)
+
+    @property
+    def pipeline(self) -> Pipelining:
+        """Pipeline parallelism: each rank holds its stages' blocks; the estimate is the fullest rank's."""
+        return Pipelining(self.options)
+
     def _check_parallelism(self) -> None:
         """The mesh npu_fsdp would build (the strategy's own checks: tp inside a node, tp x cp dividing the world),
-        the model's shapes against it (the recipe's: heads, kv heads, ffn and vocabulary by tp; heads by tp x cp
-        for Ulysses; the sequence by 2 x cp for ring), and the profile split accordingly."""
-        parallel = self.parallel
-        if self.pipeline.size > 1:
-            self._check_pipeline()
-        if parallel == Parallelism() and self.profile.parallel == parallel and self.pipeline.size == 1:
+        the model's shapes and the micro-batch against it (``facts.parallel_rules``, which the recipe's pre-launch
+        checks and the runtime read too), and the profile split accordingly."""
+        parallel, pipeline = self.parallel, self.pipeline
+        shapes = self.profile.parallel_shapes()
+        batch = BatchShapes(seq_len=self.seq_len, batch_size=self.micro_batch)
+        if pipeline.size > 1:
+            checked(schedules.actions, pipeline.schedule, 0, pipeline.size, pipeline.parts, pipeline.per_rank)  # modelled
+            checked(parallel_rules.check_pipeline, self.options, shapes, batch)
+        if not parallel.splits and not self.profile.parallel.splits and pipeline.size == 1:
             return
         layout = checked(options.MeshLayout.for_run, num_nodes=self.nodes, devices_per_node=self.devices,
                           sharding=self.sharding, tensor_parallel_size=parallel.tensor,
-                          context_parallel_size=parallel.context, pipeline_parallel_size=self.pipeline.size)
+                          context_parallel_size=parallel.context, pipeline_parallel_size=pipeline.size)
         if self.profile.expert_parallel_size > 1:
             checked(options.check_expert_parallel_size, self.profile.expert_parallel_size, layout, self.sharding)
-        checked(options.check_context_parallel_shapes, parallel.context, parallel.context_algo,
-                 heads=self.model.n_heads, seq_len=self.seq_len, tp=parallel.tensor)
-        object.__setattr__(self, "profile", self.profile.with_parallelism(parallel, seq_len=self.seq_len))
-
-    def _check_pipeline(self) -> None:
-        """What the recipes' pipeline split needs: blocks for every stage, an untied head, a micro-batch that splits
-        into the schedule's microbatches."""
-        self.pipeline.stage_blocks(self.model.n_layers)
-        if self.profile.tie_embeddings:
-            raise PlanError(f"pipeline_parallel_size={self.pipeline.size}: {self.profile.name} ties its embedding to"
-                            " its head, which sit on the first and the last stage; untie them (tie_embeddings: false)"
-                            " or plan without a pipeline")
-        if self.profile.mtp_depths:
-            raise PlanError(f"pipeline_parallel_size={self.pipeline.size}: {self.profile.name} trains"
-                            f" {self.profile.mtp_depths} multi-token-prediction depth(s), which the recipe does not"
-                            " split into stages; plan with mtp_layers: 0 or without a pipeline")
-        if self.micro_batch % self.pipeline.parts:
-            raise PlanError(f"micro_batch={self.micro_batch} does not split into pipeline_microbatches="
-                            f"{self.pipeline.parts} equal parts; use a multiple of {self.pipeline.parts}")
+        checked(parallel_rules.check_context_parallel, self.options, shapes, batch)
+        checked(parallel_rules.check_tensor_parallel, self.options, shapes, batch)
+        object.__setattr__(self, "profile", self.profile.with_parallelism(parallel))
 
     @property
     def world_size(self) -> int:

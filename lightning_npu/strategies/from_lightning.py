@@ -237,6 +237,13 @@ def _tensor_parallel_size(strategy: Any, run: Run) -> Translated:
     return given, {"tensor_parallel_size": tp}, note
 
 
+def _parallelize_fn(strategy: Any, run: Run) -> Translated:
+    function = compat.model_parallel_function(strategy)
+    if function is None:  # the Trainer's: the LightningModule's configure_model parallelizes
+        return None
+    return function, {"parallelize_fn": function}, "called with the module and the NPUs' DeviceMesh, as Lightning does"
+
+
 def _save_distributed_checkpoint(strategy: Any, run: Run) -> Translated:
     sharded = compat.saves_distributed_checkpoint(strategy)
     return sharded, {"state_dict_type": "sharded" if sharded else "full"}, ""
@@ -297,6 +304,9 @@ TRANSLATIONS = (
                 "`\"auto\"`: `1` (Lightning's own `\"auto\"` is every device of a node: give the size to split layers);"
                 " an int: `tensor_parallel_size=`; `self.device_mesh[\"tensor_parallel\"]` in `configure_model` is"
                 " that group", "-", _tensor_parallel_size),
+    Translation("parallelize_fn", (MODEL_PARALLEL,),
+                "Fabric's: `parallelize_fn=` (the function shards; npu_fsdp's own sharding options stay unset)", "-",
+                _parallelize_fn),
     Translation("save_distributed_checkpoint", (MODEL_PARALLEL,),
                 "`True`: `state_dict_type=\"sharded\"`; `False`: `\"full\"`", "-", _save_distributed_checkpoint),
 )
@@ -322,12 +332,6 @@ def as_npu_fsdp(flag: Any, *, trainer: bool, num_nodes: int, devices_per_node: i
     if isinstance(flag, str):
         registry = trainer_strategies.StrategyRegistry if trainer else fabric_strategies.STRATEGY_REGISTRY
         flag = registry.get(flag)
-    if name == MODEL_PARALLEL and not trainer:
-        raise ValueError(
-            "Fabric's ModelParallelStrategy(parallelize_fn) has no exact counterpart on accelerator='npu', where it"
-            " would run as strategy='npu_fsdp' (FSDP2), which shards by module class and splits layers by a plan,"
-            " not by calling a function over the whole model. Nearest setting: NPUFabricFSDPStrategy(auto_wrap_policy="
-            "{Block}) (and tensor_parallel_size with a parallel_plan)")
     run = Run(strategy=name, num_nodes=num_nodes, devices_per_node=devices_per_node, precision=precision)
     options: dict[str, Any] = {}
     became = []
@@ -359,7 +363,7 @@ def _shown(value: Any) -> str:
 
     if isinstance(value, ModuleWrapPolicy):
         return f"ModuleWrapPolicy({_shown(compat.wrap_policy_classes(value))})"
-    if isinstance(value, type):
+    if isinstance(value, type) or inspect.isfunction(value):
         return value.__qualname__
     if isinstance(value, (list, tuple, set)) and value and all(isinstance(item, type) for item in value):
         names = ", ".join(sorted(item.__qualname__ for item in value))

@@ -36,7 +36,7 @@ from lightning_npu.facts.options import (
 from lightning_npu.parallel.fsdp import STEP_METHODS, reshard
 from lightning_npu.parallel.mesh import ParallelMesh
 from lightning_npu.parallel.parallelize import check_pipeline, parallelize
-from lightning_npu.parallel.pipeline import Pipeline
+from lightning_npu.parallel.handle import ParallelModel, StateLayout
 from lightning_npu.parallel.protocol import plan_of, resolve_parallel_plan
 from lightning_npu.parallel.tensor import loss_parallel_if
 from lightning_npu.precision import precision_name
@@ -57,6 +57,7 @@ from lightning_npu.strategies.fsdp1 import fsdp1_wrap_reported, refuse_fsdp1_api
 from lightning_npu.strategies.grad_norm import clip_grad_norm_, use_for_trainer_clipping
 from lightning_npu.strategies.rebind import ReplacedParameters
 from lightning_npu.strategies.sync_batchnorm import host_sync_batchnorm
+from lightning_npu.strategies.user_parallelize import check_parallelize_fn, parallelize_with
 
 # Lightning warns that any strategy overriding model_sharded_context cannot support `trainer.init_module()`;
 # npu_fsdp shards and initialises models built there like any other (tests/strategies/test_compatibility.py).
@@ -132,6 +133,7 @@ class _FSDPStrategyBase(BackendFromRuntime):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_option_names(kwargs, type(self).__name__)
         self.options = FSDPOptions(*args, **kwargs)
+        check_parallelize_fn(self.options)
         self._plan_function = resolve_parallel_plan(self.options.parallel_plan)
         timeout = as_timedelta(self.options.timeout)
         super().__init__(
@@ -144,7 +146,8 @@ class _FSDPStrategyBase(BackendFromRuntime):
         # What rank 0's configure_model built (Trainer), and which parameters sharding replaced (Fabric).
         self._built_in_configure_model: Optional[initial_state.BuiltParameters] = None
         self._replaced = ReplacedParameters()
-        self._pipeline: Optional[Pipeline] = None  # this rank's stages under pipeline parallelism
+        # The model as parallelize left it (its parts, the pipeline's schedule, its state's layout); none yet.
+        self._parallel = ParallelModel((), None, StateLayout(()))
 
     __init__.__signature__ = constructor_signature()  # type: ignore[attr-defined]  # what LightningCLI reads
     __init__.__doc__ = options_docstring()
@@ -216,8 +219,13 @@ class _FSDPStrategyBase(BackendFromRuntime):
             self._built_in_configure_model = None
             refuse_fsdp1_units(model)
             refuse_fsdp1_apis()
-            self._pipeline = parallelize(model, self.parallel_mesh, self.options, precision_name(precision_plugin),
-                                         plan_of(model, self._plan_function), step_methods, self.root_device)
+            if self.options.parallelize_fn is not None:  # the user's function shards (user_parallelize)
+                order = tuple(name for name, _ in model.named_parameters())  # before its wrappers rename them
+                parallelize_with(self.options.parallelize_fn, model, self.parallel_mesh.lightning, state)
+                self._parallel = ParallelModel((model,), None, StateLayout(order, device=self.root_device))
+            else:
+                self._parallel = parallelize(model, self.parallel_mesh, self.options, precision_name(precision_plugin),
+                                             plan_of(model, self._plan_function), step_methods, self.root_device)
             # Initialised on the mesh's device, whose generator DTensor offsets per rank, then offloaded.
             initial_state.apply(model, state, self.root_device)
             if self.options.cpu_offload:
@@ -335,8 +343,8 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        if self._pipeline is not None and not compat.saves_distributed_checkpoint(self):
-            return full_model_state(self.model, self._pipeline)  # every stage's, onto global rank 0
+        if self._parallel.layout.split and not compat.saves_distributed_checkpoint(self):
+            return full_model_state(self.model, self._parallel.layout)  # every stage's, onto global rank 0
         return get_model_state_dict(self.model, options=self._state_dict_options())
 
     @override
@@ -345,7 +353,7 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         # parameters as optimizer.state_dict() does, as Lightning's FSDP strategies write it (without FSDP1 APIs).
         optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         reshard(self.model)  # after an evaluation forward the root holds gathered parameters, not the optimizer's
-        return optimizer_state_dict(self.model, optimizer, self._state_dict_options(), self._pipeline)
+        return optimizer_state_dict(self.model, optimizer, self._state_dict_options(), self._parallel.layout)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -368,7 +376,7 @@ class NPUFSDPStrategy(_FSDPStrategyBase, ModelParallelStrategy):
         optimizers = self.optimizers if fitting else []
         state = {"state_dict": self.model, **{f"optimizer_{i}": opt for i, opt in enumerate(optimizers)}}
         return load_into(path, state, strict=self.lightning_module.strict_loading, optimizer_states_from_list=True,
-                         weights_only=weights_only, pipeline=self._pipeline)
+                         weights_only=weights_only, layout=self._parallel.layout)
 
     @override
     def on_train_end(self) -> None:
@@ -441,7 +449,7 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
         path = Path(self.broadcast(path))
         options = self._state_dict_options()
         tensors, metadata = split_fabric_state(state, options.full_state_dict, filter, options.cpu_offload,
-                                               self._pipeline)
+                                               layout=self._parallel.layout)
         if compat.saves_distributed_checkpoint(self):
             self._checkpoints.save_sharded(self, path, tensors, metadata)
         else:
@@ -459,7 +467,7 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
                 reshard(item)
         if isinstance(state, nn.Module) and is_sharded_checkpoint(path):
             raise directory_error(path, "loading into a bare module (fabric.load_raw)")
-        if isinstance(state, nn.Module) and self._pipeline is not None:
+        if isinstance(state, nn.Module) and self._parallel.layout.split:
             # Lightning's raw load broadcasts rank 0's tensors, which under a pipeline are its stages' only: each
             # rank takes its own stages' share of the file instead.
             load_local_model_state(state, torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only),
@@ -469,7 +477,7 @@ class NPUFabricFSDPStrategy(_FSDPStrategyBase, RestoresBackwardSync, FabricModel
             raise directory_error(path, "fabric.load(path) without a state to load into")
         if not isinstance(state, dict) or not state:
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        return load_into(path, state, strict=strict, weights_only=weights_only, pipeline=self._pipeline)
+        return load_into(path, state, strict=strict, weights_only=weights_only, layout=self._parallel.layout)
 
 
 def _set_memory_fraction(fraction: Optional[float], accelerator: Any, device: torch.device) -> None:

@@ -31,11 +31,11 @@ class HFFormat:
     cannot hold exactly. ``config_dict(config, dtype=..., extra=...)``: the ``config.json`` of an equal HF model.
     ``name_map(config)``: recipe parameter name -> the HF names it is made of, more than one for a fused weight
     (the HF tensors concatenated along dim 0 in that order). ``peft_targets``: LoRA target -> the HF submodule of a
-    decoder layer that PEFT adapts for it (``lora_export.py``). ``from_saved_layout(hf_state_dict, config)`` and
-    ``to_saved_layout(hf_state_dict, config)``, when set: where the tensors a checkpoint stores differ from those
-    ``name_map`` names (transformers 5 keeps MoE experts stacked in memory but saves one tensor per expert, as
-    transformers 4 did), any stored layout the family reads -> the named one, and back to what ``save_pretrained``
-    writes. ``fp32_names``: endings of the HF tensor names transformers keeps in fp32 whatever the model's dtype (its
+    decoder layer that PEFT adapts for it (``lora_export.py``). ``expert_layout(config)``, when set: how the
+    family's checkpoints store one expert (``hf_adapter.ExpertLayout``; its default otherwise).
+    ``dropped_names(config, names)``, when set: the stored names among ``names`` a model of ``config`` does not
+    read (DeepSeek's multi-token-prediction layers beyond ``mtp_layers``). ``config_from_weights(config, names)``:
+    ``config`` completed by what the stored names say. ``fp32_names``: endings of the HF tensor names transformers keeps in fp32 whatever the model's dtype (its
     ``_keep_in_fp32_modules_strict``: DeepSeek-V3's router), left out when a checkpoint's one dtype is worked out.
     """
 
@@ -44,8 +44,8 @@ class HFFormat:
     config_dict: Callable[..., dict[str, Any]]
     name_map: Callable[[Any], dict[str, tuple[str, ...]]]
     peft_targets: Mapping[str, str]
-    from_saved_layout: Optional[Callable[[dict[str, Any], Any], dict[str, Any]]] = None
-    to_saved_layout: Optional[Callable[[dict[str, Any], Any], dict[str, Any]]] = None
+    expert_layout: Optional[Callable[[Any], Any]] = None
+    dropped_names: Optional[Callable[[Any, Any], Any]] = None
     config_from_weights: Optional[Callable[[Any, Any], Any]] = None
     fp32_names: tuple[str, ...] = ()
 
@@ -53,15 +53,15 @@ class HFFormat:
     def of_module(cls, hf: Any) -> "HFFormat":
         """The format a family's ``hf.py`` module defines under the conventional names: ``MODEL_TYPES``,
         ``config_from_hf``, ``hf_config_dict``, ``hf_name_map``, ``PEFT_TARGETS`` and optionally
-        ``from_saved_layout``, ``to_saved_layout``, ``config_from_weights`` and ``FP32_NAMES``."""
+        ``expert_layout``, ``dropped_names``, ``config_from_weights`` and ``FP32_NAMES``."""
         return cls(
             model_types=hf.MODEL_TYPES,
             config_from_hf=hf.config_from_hf,
             config_dict=hf.hf_config_dict,
             name_map=hf.hf_name_map,
             peft_targets=hf.PEFT_TARGETS,
-            from_saved_layout=getattr(hf, "from_saved_layout", None),
-            to_saved_layout=getattr(hf, "to_saved_layout", None),
+            expert_layout=getattr(hf, "expert_layout", None),
+            dropped_names=getattr(hf, "dropped_names", None),
             config_from_weights=getattr(hf, "config_from_weights", None),
             fp32_names=getattr(hf, "FP32_NAMES", ()),
         )

@@ -29,13 +29,12 @@ from recipes.decoder.checkpoint_layout import (
     tokenizer_from_metadata,
 )
 from recipes import families
+from recipes.decoder.hf_adapter import (  # noqa: F401  (HF_EMBEDDING, HF_HEAD: what the families' name maps use)
+    HF_EMBEDDING, HF_HEAD, Piece, Plan, ReadSlice, StoredTensor, check_tied, export_plan, import_plan, read_region, read_whole,
+)
 from recipes.decoder.rope_scaling import ROPE_SCALING_KEYS, ROPE_SCALING_TYPE, normalise_rope_scaling
 from recipes.decoder.tokenizer import has_tokenizer, load_tokenizer
 
-# Buffers that old HF checkpoints saved and that the recipe recomputes.
-_HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-#: The token embedding and output head of every HF ``*ForCausalLM`` (the tied-embedding rules below use them).
-HF_EMBEDDING, HF_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -190,77 +189,34 @@ def hf_decoder_entries(config: Any, *, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def hf_to_recipe_state_dict(hf_state_dict: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
-    """Rename (and fuse, where the name map joins several HF tensors into one) an HF state dict into the recipe's
-    layout, by the name map of ``config``'s family (after its ``from_saved_layout``, if it has one).
-
-    Rotary buffers (``rotary_emb.inv_freq``) are dropped; any other unknown name, a missing tensor or
-    a shape that disagrees with ``config`` raises ``CheckpointError`` naming the Hugging Face tensor. With
-    ``config.tie_embeddings`` the checkpoint may omit ``lm_head.weight`` (Hugging Face saves tied weights once);
-    one that has it must hold the embedding matrix there.
-    """
-    name_map = hf_name_map(config)
-    shapes = expected_shapes(config)
-    hf_state_dict = dict(hf_state_dict)
-    from_saved = families.of_config(config).hf.from_saved_layout
-    if from_saved is not None:
-        hf_state_dict = from_saved(hf_state_dict, config)
-    embedding, head = hf_state_dict.get(HF_EMBEDDING), hf_state_dict.get(HF_HEAD)
-    if config.tie_embeddings and embedding is not None:
-        if head is None:
-            # The recipe's state dict names the tied matrix twice (see model.py); loading copies into one parameter.
-            hf_state_dict[HF_HEAD] = embedding
-        elif head.shape != embedding.shape or not torch.equal(head, embedding):
-            raise CheckpointError(
-                f"config.json sets tie_word_embeddings=true but {HF_HEAD!r} differs from {HF_EMBEDDING!r}; "
-                "a tied model has one matrix. Set tie_word_embeddings=false if the checkpoint is untied."
-            )
-    known = {hf for parts in name_map.values() for hf in parts}
-    unknown = [k for k in hf_state_dict if k not in known and not k.endswith(_HF_IGNORED_SUFFIXES)]
-    if unknown:
-        raise CheckpointError(
-            f"The Hugging Face checkpoint has {len(unknown)} tensor(s) that the recipe's model of this config.json "
-            f"({type(config).__name__}) does not: {some_names(unknown)}. Only checkpoints of the architecture its"
-            " family implements can be converted."
-        )
-    out: dict[str, Tensor] = {}
-    for ours, theirs in name_map.items():
-        missing = [hf for hf in theirs if hf not in hf_state_dict]
-        if missing:
-            raise CheckpointError(
-                f"The Hugging Face checkpoint lacks {missing[0]!r} (needed for {ours!r}). Is a weight shard missing, "
-                f"or does num_hidden_layers={config.n_layers} in config.json overstate the layers?"
-            )
-        want = list(shapes[ours])
-        want[0] //= len(theirs)
-        for hf in theirs:
-            if list(hf_state_dict[hf].shape) != want:
-                raise CheckpointError(
-                    f"Hugging Face tensor {hf!r} has shape {tuple(hf_state_dict[hf].shape)} but config.json "
-                    f"({describe_shape(config)}) implies {tuple(want)}. The weights and config.json disagree."
-                )
-        tensors = [hf_state_dict[hf] for hf in theirs]
-        out[ours] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
-    return out
+    """An in-memory HF state dict in the recipe's layout, by the import plan of ``config``'s family
+    (``hf_adapter.import_plan``, which raises ``CheckpointError`` naming an unknown, missing or misshapen tensor)."""
+    stored = {name: StoredTensor(tuple(t.shape), t.dtype) for name, t in hf_state_dict.items()}
+    plan = import_plan(config, stored)
+    read = _in_memory(hf_state_dict)
+    check_tied(plan, stored, read)
+    return {name: read_whole(name, plan, stored, read) for name in plan.tensors}
 
 
 def recipe_to_hf_state_dict(state_dict: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
-    """Inverse of ``hf_to_recipe_state_dict``: split gate/up and rename, after ``check_state_dict``, then the
-    family's ``to_saved_layout``, if it has one; a tied model gets no ``lm_head.weight``. The gate/up halves are
-    copies, not views: safetensors refuses tensors that share a
-    buffer."""
+    """Inverse of ``hf_to_recipe_state_dict``, after ``check_state_dict``: the tensors an export writes
+    (``hf_adapter.export_plan``), each a copy (safetensors refuses tensors that share a buffer)."""
     check_state_dict(state_dict, config, source="The recipe checkpoint")
-    out: dict[str, Tensor] = {}
-    for ours, theirs in hf_name_map(config).items():
-        tensor = state_dict[ours]
-        if config.tie_embeddings and theirs == (HF_HEAD,):
-            continue  # tied: Hugging Face stores the matrix once, as the embedding (and ties lm_head at load)
-        if len(theirs) == 1:
-            out[theirs[0]] = tensor.contiguous()
-        else:
-            for hf, part in zip(theirs, tensor.chunk(len(theirs), dim=0), strict=True):
-                out[hf] = part.clone()
-    to_saved = families.of_config(config).hf.to_saved_layout
-    return out if to_saved is None else to_saved(out, config)
+    plan = export_plan(config)
+    return {piece.hf_name: hf_tensor(piece, state_dict[ours])
+            for ours, pieces in plan.tensors.items() for piece in pieces}
+
+
+def hf_tensor(piece: Piece, recipe_tensor: Tensor) -> Tensor:
+    """The HF tensor ``piece`` of ``recipe_tensor`` (its own copy when it is a part)."""
+    if piece.shape == tuple(recipe_tensor.shape):
+        return recipe_tensor.contiguous()
+    region = recipe_tensor[tuple(slice(o, o + n) for o, n in zip(piece.offset, piece.shape))]
+    return region.reshape(piece.hf_shape).clone()
+
+
+def _in_memory(tensors: Mapping[str, Tensor]) -> ReadSlice:
+    return lambda name, index: tensors[name][index]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,14 +229,100 @@ def is_hf_directory(path: PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / "config.json").is_file()
 
 
-def load_hf_state_dict(hf_dir: PathLike) -> dict[str, Tensor]:
-    """Every tensor of an HF directory: ``model.safetensors``, ``pytorch_model.bin``, or their sharded
-    forms (``*.index.json`` + shards), on the CPU, names as stored; each file shown as it is read, on rank 0."""
+#: safetensors' dtype names (``get_dtype()``) -> torch dtypes.
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class HFWeights:
+    """The weight files of an HF directory, opened lazily: their headers are read (and checked) at once, tensor
+    data only as slices are asked for (safetensors' ``pread`` backend: no file mapped into the process, so only
+    what is read is held). ``stored``: every tensor's name -> shape and dtype. ``pytorch_model.bin`` files are
+    memory-mapped whole (their format has no slices)."""
+
+    def __init__(self, hf_dir: PathLike) -> None:
+        self.directory = existing_path(hf_dir, "Hugging Face directory")
+        self.files = _weight_files(self.directory)
+        self.stored: dict[str, StoredTensor] = {}
+        self.file_of: dict[str, str] = {}
+        self._open: dict[str, Any] = {}
+        for file_name in self.files:
+            for name, (shape, dtype) in self._header(file_name).items():
+                self.stored[name] = StoredTensor(shape, dtype)
+                self.file_of[name] = file_name
+        self._check_index()
+
+    def _header(self, file_name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        path = self.directory / file_name
+        if path.suffix != ".safetensors":
+            tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            self._open[file_name] = tensors
+            return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+        from safetensors import safe_open
+
+        handle = safe_open(str(path), framework="pt", device="cpu", backend="pread")
+        self._open[file_name] = handle
+        header = {}
+        for name in handle.keys():
+            part = handle.get_slice(name)
+            header[name] = (tuple(part.get_shape()), _SAFETENSORS_DTYPES[part.get_dtype()])
+        return header
+
+    def _check_index(self) -> None:
+        for index_name in _HF_INDEX_FILES:
+            index_path = self.directory / index_name
+            if index_path.is_file():
+                for name, file_name in json.loads(index_path.read_text())["weight_map"].items():
+                    if self.file_of.get(name) != file_name:
+                        raise CheckpointError(
+                            f"{index_path} places {name!r} in {file_name!r}, but that file does not hold it"
+                            f" ({'it is in ' + repr(self.file_of[name]) if name in self.file_of else 'no file does'})."
+                            " Is a shard truncated or from another download? Download the model again."
+                        )
+                return
+
+    def read(self, name: str, index: tuple[slice, ...]) -> Tensor:
+        """The slice ``index`` of the stored tensor ``name`` (only those bytes are read)."""
+        handle = self._open[self.file_of[name]]
+        if isinstance(handle, dict):
+            return handle[name][index]
+        return handle.get_slice(name)[index]
+
+    def read_all(self, name: str) -> Tensor:
+        return self.read(name, tuple(slice(0, n) for n in self.stored[name].shape))
+
+
+def open_hf_checkpoint(hf_dir: PathLike) -> tuple[Any, HFWeights, Plan]:
+    """A local HF directory as its model config, its weight files (headers read) and the plan that reads the
+    recipe's tensors from them, checked against the config (``hf_adapter.import_plan``): nothing read yet."""
     hf_dir = existing_path(hf_dir, "Hugging Face directory")
-    state_dict: dict[str, Tensor] = {}
-    for name in progress_over(_weight_files(hf_dir), f"read {hf_dir}"):
-        state_dict.update(_load_weight_file(hf_dir / name))
-    return state_dict
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{hf_dir} has no config.json; it is not a Hugging Face model directory.")
+    config = config_from_hf(json.loads(config_path.read_text()), source=str(config_path))
+    weights = HFWeights(hf_dir)
+    from_weights = families.of_config(config).hf.config_from_weights
+    if from_weights is not None:  # what config.json leaves open, the weights say (DeepSeek-V3's MTP layers)
+        config = from_weights(config, weights.stored.keys())
+    plan = import_plan(config, weights.stored, source=f"The Hugging Face checkpoint {hf_dir}")
+    return config, weights, plan
+
+
+def tensors_by_file(weights: HFWeights, plan: Plan, names: Optional[Any] = None) -> list[tuple[str, list[str]]]:
+    """The recipe tensors of ``plan`` (those in ``names``, default all) grouped by the file of their first stored
+    piece, in file order: a load reads them file by file, one progress line each."""
+    groups: dict[str, list[str]] = {file_name: [] for file_name in weights.files}
+    for name, pieces in plan.tensors.items():
+        if names is None or name in names:
+            groups[weights.file_of[pieces[0].hf_name]].append(name)
+    return [(file_name, group) for file_name, group in groups.items() if group]
+
+
+def load_hf_state_dict(hf_dir: PathLike) -> dict[str, Tensor]:
+    """Every tensor of an HF directory, names as stored, on the CPU."""
+    weights = HFWeights(hf_dir)
+    return {name: weights.read_all(name) for name in weights.stored}
 
 
 def _weight_files(hf_dir: Path) -> list[str]:
@@ -301,19 +343,51 @@ def _weight_files(hf_dir: Path) -> list[str]:
     )
 
 
+def local_region(tensor: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """The part of ``tensor`` this process holds and where it starts in the whole tensor: a DTensor's local shard
+    and its offset (as DCP plans its reads: ``__create_chunk_list__``), a plain tensor whole at 0."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor, (0,) * tensor.dim()
+    local = tensor.to_local()
+    chunks = tensor.__create_chunk_list__()
+    return local, tuple(chunks[0].offsets) if chunks else (0,) * tensor.dim()
+
+
+#: The most bytes of a shard ``read_into`` fills from one read (a larger shard is read in blocks of rows).
+READ_BLOCK_BYTES = 16 * 2**20
+
+
+def read_into(tensors: Mapping[str, Tensor], weights: HFWeights, plan: Plan) -> None:
+    """Fill this process's part of each of ``tensors`` (recipe names, plain or DTensors: a model's state dict, in
+    place) from the stored slices that cover it, file by file (one progress line each): a rank holding a shard of
+    every tensor reads only its shards' bytes, at most ``READ_BLOCK_BYTES`` of one at a time."""
+    with torch.no_grad():
+        for _, names in progress_over(tensors_by_file(weights, plan, tensors.keys()), f"read {weights.directory}",
+                                      name=lambda item: item[0]):
+            for name in names:
+                local, offset = local_region(tensors[name])
+                if not local.numel() or not local.dim():
+                    if local.numel():
+                        read_region(local, offset, plan.tensors[name], weights.read)
+                    continue
+                rows = max(1, READ_BLOCK_BYTES * local.shape[0] // (local.numel() * local.element_size()))
+                for start in range(0, local.shape[0], rows):  # a large shard in blocks of rows: smaller slices
+                    read_region(local[start:start + rows], (offset[0] + start, *offset[1:]), plan.tensors[name],
+                                weights.read)
+
+
 def load_hf_checkpoint(hf_dir: PathLike) -> tuple[Any, dict[str, Tensor]]:
-    """A local HF directory as ``(model config, recipe state dict)``; weights keep their dtype."""
-    hf_dir = existing_path(hf_dir, "Hugging Face directory")
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{hf_dir} has no config.json; it is not a Hugging Face model directory.")
-    hf_config = json.loads(config_path.read_text())
-    config = config_from_hf(hf_config, source=str(config_path))
-    hf_state_dict = load_hf_state_dict(hf_dir)
-    from_weights = families.of_config(config).hf.config_from_weights
-    if from_weights is not None:  # what config.json leaves open, the weights say (DeepSeek-V3's MTP layers)
-        config = from_weights(config, hf_state_dict.keys())
-    return config, hf_to_recipe_state_dict(hf_state_dict, config)
+    """A local HF directory as ``(model config, recipe state dict)``, each file shown as it is read; weights keep
+    their dtype (FP8 ones are dequantized to bf16)."""
+    config, weights, plan = open_hf_checkpoint(hf_dir)
+    check_tied(plan, weights.stored, weights.read)
+    state_dict: dict[str, Tensor] = {}
+    for _, names in progress_over(tensors_by_file(weights, plan), f"read {weights.directory}",
+                                  name=lambda item: item[0]):
+        state_dict.update({name: read_whole(name, plan, weights.stored, weights.read) for name in names})
+    return config, {name: state_dict[name] for name in plan.tensors}
 
 
 def save_hf_checkpoint(
@@ -368,14 +442,6 @@ def _save_tokenizer(tokenizer_path: PathLike, out_dir: Path) -> dict[str, Any]:
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer.save_pretrained(str(out_dir))
     return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-
-
-def _load_weight_file(path: Path) -> dict[str, Tensor]:
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path), device="cpu")
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,11 +26,14 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
 
 from lightning_npu import compat
+from lightning_npu.facts import parallel_rules
 from lightning_npu.facts.options import FSDPOptions
+from lightning_npu.facts.parallel_rules import ModelShapes
 from lightning_npu.optim import AdamW8bit
 from lightning_npu.parallel import ParallelPlan
 from lightning_npu.parallel.tensor import local_tensor
 from recipes import families
+from recipes.decoder.transformer import positions_in_samples
 from recipes.decoder.lora import (
     LoRAConfig,
     active_adapter_params,
@@ -41,6 +44,7 @@ from recipes.decoder.lora import (
     is_adapter_name,
     quantized_base_state,
 )
+from recipes.decoder.tensor_parallel import model_shapes
 
 
 #: The recipe's ``model.optimizer`` choices.
@@ -124,32 +128,19 @@ class DecoderLM(LightningModule):
         trainer = compat.attached_trainer(self)
         options = getattr(trainer.strategy, "options", None) if trainer is not None else None
         self._pipelined = isinstance(options, FSDPOptions) and options.pipeline_parallel_size > 1
-        if self._pipelined:
-            # train.py checks this before workers start; a script building the module itself gets it here, on every
+        if isinstance(options, FSDPOptions):
+            # train.py checks these before workers start; a script building the module itself gets them here, on every
             # rank alike, before the split (where the load-balancing loss would fail in a second backward).
-            problems = self.pipeline_problems()
-            if problems:
-                raise ValueError(f"pipeline_parallel_size={options.pipeline_parallel_size} cannot run this model: "
-                                 + "; ".join(problems))
+            parallel_rules.check(options, self.parallel_shapes())
         if self.model is None:
             with torch.device("meta") if _shards_parameters(self) else nullcontext():
                 self.model = self.family.model_class(self.config)
                 if self.lora is not None:
                     add_lora(self.model, self.lora)  # before the strategy wraps it: FSDP2 copies requires_grad
 
-    def pipeline_problems(self) -> list[str]:
-        """What of this model a pipeline cannot split, each with the fix (empty when it can)."""
-        config = self.config
-        return [problem for given, problem in (
-            (getattr(config, "tie_embeddings", False), "model.config.tie_embeddings=true: the embedding (first stage)"
-             " and the head (last stage) would be one matrix on two ranks; train it untied"),
-            (getattr(config, "mtp_layers", 0), f"model.config.mtp_layers={getattr(config, 'mtp_layers', 0)}:"
-             " multi-token prediction runs the embedding again after the last block, on the last stage; set"
-             " mtp_layers=0"),
-            (getattr(config, "router_aux_loss_coef", 0), f"model.config.router_aux_loss_coef="
-             f"{getattr(config, 'router_aux_loss_coef', 0)}: the load-balancing loss sums the routing of MoE layers"
-             " that lie on different stages; set it to 0 (router_bias_update_rate balances without a loss)"),
-        ) if given]
+    def parallel_shapes(self) -> ModelShapes:
+        """What the parallel rules read of this model (``lightning_npu.facts.parallel_rules``)."""
+        return model_shapes(self.config, lora=self.lora is not None)
 
     def parallel_plan(self) -> ParallelPlan:
         """How the model splits over ranks under ``npu_fsdp`` (``lightning_npu.parallel.protocol``): the model's own
@@ -181,7 +172,7 @@ class DecoderLM(LightningModule):
         cp = self.context_parallel
         if cp is None:
             return self.model(input_ids)
-        logits = self.model(cp.shard(input_ids))
+        logits = self.model(cp.shard(input_ids), position_ids=cp.shard(_positions(input_ids, None)))
         return cp.gather(logits.full_tensor() if hasattr(logits, "full_tensor") else logits)  # vocabulary-split: whole
 
     def _loss(self, batch: dict[str, Any]) -> Tensor:
@@ -210,9 +201,11 @@ class DecoderLM(LightningModule):
         return loss if ahead is None else loss + ahead(batch["labels"])
 
     def _sequence_shard(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """This context-parallel rank's part of each sequence of ``batch`` (ids, labels, packed positions; the
-        sample boundaries ``cu_seqlens`` stay the whole batch's)."""
+        """This context-parallel rank's part of each sequence of ``batch`` (ids, labels, positions: the batch's, or
+        made here for the whole sequences; the sample boundaries ``cu_seqlens`` stay the whole batch's)."""
         by_sequence = ("input_ids", "labels", "position_ids")
+        if batch.get("position_ids") is None:
+            batch = {**batch, "position_ids": _positions(batch["input_ids"], batch.get("cu_seqlens"))}
         return {key: self.context_parallel.shard(value) if key in by_sequence else value
                 for key, value in batch.items()}
 
@@ -281,9 +274,10 @@ class DecoderLM(LightningModule):
         if self.lora is not None:
             # A LoRA checkpoint holds no base weights: they come from init_from on a resume too. A fresh run also
             # gets its first adapters here, drawn from the seed alone (identical under every strategy).
-            load_pretrained(self.model, self.hparams.init_from, self.config, lora=self.lora, fresh_adapters=fresh)
+            load_pretrained(self.model, self.hparams.init_from, self.config, lora=self.lora, fresh_adapters=fresh,
+                            pipelined=self._pipelined)
         elif self.hparams.init_from and fresh:  # a resumed full fine-tune restores its own weights
-            load_pretrained(self.model, self.hparams.init_from, self.config)
+            load_pretrained(self.model, self.hparams.init_from, self.config, pipelined=self._pipelined)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Not in load_state_dict: strategies call that for other reasons (npu_fsdp hands out the first weights).
@@ -337,6 +331,15 @@ class DecoderLM(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def _positions(input_ids: Tensor, cu_seqlens: Any) -> Tensor:
+    """Each token's position in its row [batch, seq], or with the packed rows' boundaries ``cu_seqlens`` in its
+    sample."""
+    if cu_seqlens is None:
+        return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
+    return positions_in_samples(bounds, device=input_ids.device).view_as(input_ids)
+
+
 def _shards_parameters(module: LightningModule) -> bool:
     """Whether the module is being set up by a strategy that shards parameters (FSDP2) and so initialises
     modules built on the meta device itself."""
@@ -361,7 +364,8 @@ def _without_prefix(state_dict: Any, prefix: str) -> dict[str, Any]:
 
 
 def load_pretrained(
-    model: torch.nn.Module, path: str, config: Any, *, lora: Optional[LoRAConfig] = None, fresh_adapters: bool = False
+    model: torch.nn.Module, path: str, config: Any, *, lora: Optional[LoRAConfig] = None, fresh_adapters: bool = False,
+    pipelined: bool = False,
 ) -> None:
     """Copy weights from a Hugging Face directory or a recipe checkpoint into ``model`` (sharded or not).
 
@@ -369,12 +373,19 @@ def load_pretrained(
     ``lora.base_quantization`` says so), and with ``fresh_adapters`` the adapters get their first values too
     (``lora.initial_adapter_state`` from rank 0's seed).
 
-    Only rank 0 reads the weights (a full host copy: 13.5 GB for 7B in bf16); every rank receives its shard from
-    rank 0. Rank 0's checks (shapes, config) reach every rank, so all fail together with the same message.
+    From a Hugging Face directory (no pipeline stages, no quantized base) every rank reads only the slices of the
+    files its own tensors hold (``load_hf_slices``). Otherwise only rank 0 reads the weights (a full host copy:
+    13.5 GB for 7B in bf16) and every rank receives its shard from rank 0. Either way the checks (names, shapes,
+    config) reach every rank before a tensor is read, so all fail together with the same message.
     """
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    from recipes.decoder.hf_checkpoint import is_hf_directory
+
+    if is_hf_directory(path) and not pipelined and (lora is None or lora.base_quantization is None):
+        load_hf_slices(model, path, config, lora=lora, fresh_adapters=fresh_adapters)
+        return
     distributed = dist.is_available() and dist.is_initialized()
     state_dict: dict[str, Tensor] = {}
     problem: list[Optional[ValueError]] = [None]
@@ -397,6 +408,55 @@ def load_pretrained(
         _check_keys(model, state_dict, distributed)
     options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=distributed)
     set_model_state_dict(model, state_dict, options=options)
+
+
+def load_hf_slices(
+    model: torch.nn.Module, path: str, config: Any, *, lora: Optional[LoRAConfig] = None, fresh_adapters: bool = False
+) -> None:
+    """``load_pretrained`` from the Hugging Face directory ``path``, each rank reading only the slices of the files
+    its own tensors (its shards of a sharded model) hold: every rank reads the headers and checks them against
+    ``config`` (``hf_checkpoint.open_hf_checkpoint``); a problem on any rank is raised on all before any tensor is
+    read. Fresh adapters are drawn from rank 0's seed on every rank, each keeping its part."""
+    import torch.distributed as dist
+
+    from recipes.decoder.hf_checkpoint import check_tied, local_region, open_hf_checkpoint, read_into
+
+    distributed = dist.is_available() and dist.is_initialized()
+    problem: Optional[ValueError] = None
+    try:
+        source_config, weights, plan = open_hf_checkpoint(path)
+        _check_config(path, source_config, config)
+        check_tied(plan, weights.stored, weights.read)
+    except ValueError as error:  # CheckpointError included
+        problem = error
+    problems = [problem]
+    if distributed:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    if any(problems):
+        raise next(p for p in problems if p is not None)
+    seed = [torch.initial_seed()]
+    adapters: dict[str, Tensor] = {}
+    if lora is not None and fresh_adapters:
+        if distributed:
+            dist.broadcast_object_list(seed, src=0)
+        adapters = initial_adapter_state(config, lora, seed=seed[0])
+    if lora is None or fresh_adapters:
+        _check_keys(model, {**dict.fromkeys(plan.tensors), **adapters}, distributed)
+    held = model.state_dict()
+    read_into({name: tensor for name, tensor in held.items() if name in plan.tensors}, weights, plan)
+    with torch.no_grad():
+        for name, full in adapters.items():
+            local, offset = local_region(held[name])
+            local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))])
+
+
+def _check_config(path: str, source_config: Any, config: Any) -> None:
+    if source_config != config:
+        raise ValueError(
+            f"init_from={path!r} holds a model of shape {source_config} but the recipe is configured as {config};"
+            " set model.preset / model.config to match the weights"
+        )
 
 
 def _check_keys(model: torch.nn.Module, state_dict: dict[str, Tensor], distributed: bool) -> None:
@@ -428,10 +488,6 @@ def read_pretrained(path: str, config: Any) -> dict[str, Tensor]:
     from recipes.decoder.hf_checkpoint import is_hf_directory, load_hf_checkpoint
 
     source_config, state_dict = (load_hf_checkpoint if is_hf_directory(path) else load_recipe_checkpoint)(path)
-    if source_config != config:
-        raise ValueError(
-            f"init_from={path!r} holds a model of shape {source_config} but the recipe is configured as {config};"
-            " set model.preset / model.config to match the weights"
-        )
+    _check_config(path, source_config, config)
     check_state_dict(state_dict, config, source=path)
     return state_dict

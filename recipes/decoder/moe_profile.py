@@ -58,7 +58,7 @@ class MoEProfile(DecoderProfile):
     ``n_experts`` SwiGLU experts of ``expert_hidden_dim`` (softmax, top-k, renormalised with ``norm_topk_prob``),
     plus a shared expert of ``shared_expert_hidden_dim`` (0: none); the shape's ``ffn_hidden_dim`` is the dense
     layers' width. ``shared_expert_gate``: the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE;
-    DeepSeek's shared experts have none). ``aux_loss``: the load-balancing loss is trained.
+    DeepSeek's shared experts have none). ``router_aux_loss_coef`` > 0: the load-balancing loss is trained.
     ``expert_parallel_size``: ranks the experts of a layer are split over. (The choice of experts, group-limited
     or biased, keeps nothing for backward: only its ids reach the gradient, through the gather of the scores.)"""
 
@@ -69,7 +69,7 @@ class MoEProfile(DecoderProfile):
     shared_expert_gate: bool = True
     dense_layers: tuple[int, ...] = ()
     norm_topk_prob: bool = True
-    aux_loss: bool = False
+    router_aux_loss_coef: float = 0.0
     expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -255,7 +255,7 @@ class MoEProfile(DecoderProfile):
     def saved_by_final_norm(self, kernels: str, act_bytes: int) -> float:
         """The final norm's tensors, plus the load-balancing loss's: the softmax of every MoE layer's logits (fp32)
         and their top-k ids (int64)."""
-        aux = self.moe_layers * (FP32_BYTES * self.n_experts + INT64_BYTES * self.top_k) if self.aux_loss else 0
+        aux = self.moe_layers * (FP32_BYTES * self.n_experts + INT64_BYTES * self.top_k) if self.router_aux_loss_coef else 0
         return super().saved_by_final_norm(kernels, act_bytes) + aux
 
     def forward_scratch(self, kernels: str, act_bytes: int, seq_len: int, checkpointed: bool) -> float:

@@ -1,5 +1,6 @@
 """How a decoder of the recipe splits over tensor-parallel ranks: the plan of the recipe's ``ParallelPlan``
-(``DecoderLM.parallel_plan``), and the checks of a model against a tensor-parallel size, run before any worker starts.
+(``DecoderLM.parallel_plan``), and what the parallel rules read of a model's config (``model_shapes``; the rules,
+checked before any worker starts, are in ``lightning_npu.facts.parallel_rules``).
 
 The plan is Megatron's layout in torch's ``parallelize_module`` styles:
 
@@ -25,54 +26,30 @@ from typing import Any, Callable
 
 from torch import nn
 
-from lightning_npu.facts.options import indivisible_by_tensor_parallel
+from lightning_npu.facts.parallel_rules import ModelShapes
 from lightning_npu.parallel import ParallelPlan, PipelineLayout
 
 #: How a ``CausalDecoder`` splits into pipeline stages: the embedding first, the blocks, the final norm and head last.
-PIPELINE = PipelineLayout(module="", inputs=("tok_embeddings",), blocks="layers", outputs=("norm", "output"))
+PIPELINE = PipelineLayout(module="", inputs=("tok_embeddings",), blocks="layers", outputs=("norm", "output"),
+                          positions="position_ids")
 #: The plan of one block's attention: ``(prefix, attention, sequence_parallel=...) -> {module name: ParallelStyle}``,
 #: its modules named under ``prefix`` (``"layers.3.attention."``), ``wo`` (or what ends it) giving the residual
 #: stream's layout. ``attention_plan`` below is the grouped-query attention's; DeepSeek's MLA has its own.
 AttentionPlan = Callable[..., dict]
 
 
-def tensor_parallel_problems(config: Any, tp: int, *, seq_len: int, sequence_parallel: bool,
-                             lora: bool = False) -> list[str]:
-    """What keeps the model of ``config`` (with LoRA adapters if ``lora``) from splitting over ``tp`` ranks (empty
-    when it can): each problem with its numbers."""
-    if tp == 1:
-        return []
+def model_shapes(config: Any, *, lora: bool = False) -> ModelShapes:
+    """What the parallel rules (``lightning_npu.facts.parallel_rules``) read of a model of the recipe's ``config``
+    (with LoRA adapters if ``lora``): its blocks and heads, the sizes this module's plan splits over the
+    tensor-parallel ranks (heads, kv heads, vocabulary, the dense MLPs' widths), and the features a layout refuses."""
     sizes = [("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads), ("vocab_size", config.vocab_size)]
     for width in ("ffn_hidden_dim", "dense_hidden_dim", "shared_expert_hidden_dim"):  # the dense MLPs' widths
         if getattr(config, width, None):
             sizes.append((width, getattr(config, width)))
-    if sequence_parallel:
-        sizes.append(("data.seq_len", seq_len))
-    problems = indivisible_by_tensor_parallel(tp, sizes)
-    if getattr(config, "mtp_layers", 0):
-        problems.append(
-            f"mtp_layers={config.mtp_layers}: the multi-token-prediction modules have no tensor-parallel plan; train"
-            " them without tensor_parallel_size (data, context or expert parallelism), or set mtp_layers=0"
-        )
-    if lora:
-        problems.append(
-            "LoRA adapters have no tensor-parallel plan (a LoRA run trains few parameters: plain npu_fsdp sharding"
-            " fits the frozen base)"
-        )
-    return problems
-
-
-def check_tensor_parallel(config: Any, tp: int, *, seq_len: int, sequence_parallel: bool, lora: bool = False) -> None:
-    """ValueError listing every problem of :func:`tensor_parallel_problems`, with the sizes that would work."""
-    problems = tensor_parallel_problems(config, tp, seq_len=seq_len, sequence_parallel=sequence_parallel, lora=lora)
-    if problems:
-        fitting = [size for size in (1, 2, 4, 8) if size < tp and not tensor_parallel_problems(
-            config, size, seq_len=seq_len, sequence_parallel=sequence_parallel, lora=lora)]
-        raise ValueError(
-            f"trainer.strategy.tensor_parallel_size={tp} cannot split this model: " + "; ".join(problems)
-            + f". Use a tensor_parallel_size that divides them ({', '.join(map(str, fitting))})"
-            + (", or change the model config" if fitting else "; change the model config")
-        )
+    return ModelShapes(n_layers=config.n_layers, n_heads=config.n_heads, tensor_parallel_sizes=tuple(sizes),
+                       tie_embeddings=bool(getattr(config, "tie_embeddings", False)),
+                       mtp_layers=getattr(config, "mtp_layers", 0),
+                       router_aux_loss_coef=getattr(config, "router_aux_loss_coef", 0), lora=lora)
 
 
 def decoder_parallel_plan(model: nn.Module, attention: AttentionPlan | None = None) -> ParallelPlan:
@@ -198,5 +175,4 @@ def _moe_plan(prefix: str, moe: nn.Module, sequence_parallel: bool) -> dict:
     return plan
 
 
-__all__ = ["AttentionPlan", "attention_plan", "check_tensor_parallel", "decoder_parallel_plan", "decoder_plan",
-           "tensor_parallel_problems"]
+__all__ = ["AttentionPlan", "attention_plan", "decoder_parallel_plan", "decoder_plan", "model_shapes"]

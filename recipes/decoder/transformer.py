@@ -142,6 +142,8 @@ class Attention(nn.Module):
         start_pos: int = 0,
         cu_seqlens: Optional[list[int]] = None,
     ) -> Tensor:
+        if cache is not None and self.context_parallel is not None:
+            raise ValueError("Decoding with a KV cache runs without context parallelism; generate outside npu_fsdp.")
         batch, seq, _ = x.shape
         rows, length = (1, batch * seq) if cu_seqlens is not None else (batch, seq)
         # Heads as -1: under tensor parallelism each rank holds n_heads / tp of them (and as many KV heads).
@@ -248,6 +250,13 @@ class DecoderBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def _holds_a_part_of_each_sequence(blocks: Iterable[nn.Module]) -> bool:
+    """Whether the blocks' attention runs under context parallelism (npu_fsdp gives every block's attention its
+    ``context_parallel``), so their input is a part of each sequence."""
+    first = next(iter(blocks), None)
+    return getattr(getattr(first, "attention", None), "context_parallel", None) is not None
+
+
 def positions_in_samples(cu_seqlens: Sequence[int], device: Optional[torch.device] = None) -> Tensor:
     """Each token's position inside its sample, [cu_seqlens[-1]] int64, for the sample boundaries ``cu_seqlens``."""
     if not cu_seqlens or cu_seqlens[0] != 0 or any(b <= a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])):
@@ -265,16 +274,10 @@ class CausalDecoder(nn.Module):
     ``config`` needs ``vocab_size``, ``dim``, ``n_layers``, ``n_kv_heads``, ``head_dim``, ``max_seq_len``,
     ``norm_eps`` and ``tie_embeddings``; ``v_head_dim`` where values are narrower than keys (MLA's cache).
 
-    Under context parallelism (``context_parallel``, set by npu_fsdp) ``tokens`` (and ``position_ids``) are this
-    rank's part of each sequence (``context_parallel.shard``), rotary gets their global positions, ``cu_seqlens`` are
-    the whole batch's, and the logits are this rank's tokens'.
+    The positions come in with the input (``position_ids``) wherever the input is a part of each sequence: a
+    context-parallel rank's part (``tokens`` and ``position_ids`` sharded alike, ``cu_seqlens`` the whole batch's:
+    the logits are this rank's tokens'), or a later pipeline stage's input under sequence parallelism.
     """
-
-    #: Set by npu_fsdp under context parallelism (``lightning_npu.parallel.context.ContextParallel``).
-    context_parallel = None
-    #: Set by npu_fsdp on a later pipeline stage under sequence parallelism (``lightning_npu.parallel.pipeline``): the
-    #: stage receives the residual stream split by sequence into this many parts; its rotary positions cover them all.
-    input_sequence_parts = 1
 
     def __init__(self, config: Any, blocks: Iterable[nn.Module]) -> None:
         super().__init__()
@@ -314,9 +317,8 @@ class CausalDecoder(nn.Module):
         return decoder_parallel_plan(self)
 
     def context_parallel_modules(self) -> list[str]:
-        """The names of the modules that take part in context parallelism (``""``: this one, which shards the
-        positions; the attention modules), those whose class declares a ``context_parallel`` attribute: what the
-        recipe's ``ParallelPlan`` names."""
+        """The names of the modules that take part in context parallelism (the attention modules), those whose class
+        declares a ``context_parallel`` attribute: what the recipe's ``ParallelPlan`` names."""
         return [name for name, module in self.named_modules() if hasattr(type(module), "context_parallel")]
 
     def expert_modules(self) -> list[str]:
@@ -395,7 +397,8 @@ class CausalDecoder(nn.Module):
         sample boundaries over the batch flattened to batch x seq tokens (``[0, ..., batch * seq]``; a list of ints,
         or an integer tensor, read on the host once), and each sample is attended to alone, with rotary positions
         ``position_ids`` [batch, seq] (by default each sample's positions from 0). Every sample then gets the logits
-        it would get run on its own.
+        it would get run on its own. Without packing, ``position_ids`` (every row's the same) place a part of each
+        sequence: a context-parallel rank's, or what a later pipeline stage receives under sequence parallelism.
 
         As a pipeline stage (``parallel_plan().pipeline``) the parts it does not hold are None: without the embedding
         ``tokens`` are the previous stage's hidden states [batch, seq, dim], and without the head it returns its
@@ -424,62 +427,66 @@ class CausalDecoder(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor, Optional[list[int]]]:
         """What the blocks take, after checking :meth:`forward`'s arguments: the embedded tokens (on a later pipeline
         stage, ``tokens`` are already hidden states), the rotary cos/sin of their positions and the sample boundaries
-        (a list, or None without packing)."""
+        (a list, or None without packing). The positions are ``position_ids`` where given (the input may then be a
+        part of each sequence, whose positions only the caller knows), else ``start_pos ..`` or, packed, each
+        sample's from 0."""
         if self.tok_embeddings is not None and tokens.dim() != 2:
             raise ValueError(
                 f"{type(self).__name__} expects token ids of shape [batch, seq]; got shape {tuple(tokens.shape)}. "
                 "Add a batch dimension with tokens.unsqueeze(0)."
             )
-        batch, seq = tokens.shape[:2]
-        seq *= self.input_sequence_parts  # a later pipeline stage's part of each sequence's hidden states
-        cp = self.context_parallel
-        full = seq if cp is None else seq * cp.size  # the whole sequence's length, of which tokens are a part
-        if cp is not None and cache is not None:
-            raise ValueError("Decoding with a KV cache runs without context parallelism; generate outside npu_fsdp.")
+        batch = tokens.shape[0]
+        if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[0] != batch or (
+                self.tok_embeddings is not None and position_ids.shape[1] != tokens.shape[1])):
+            raise ValueError(
+                f"position_ids have shape {tuple(position_ids.shape)}; they must match tokens {tuple(tokens.shape[:2])}."
+            )
+        if position_ids is None and _holds_a_part_of_each_sequence(self.layers):
+            raise ValueError(
+                f"{type(self).__name__}'s attention runs under context parallelism, so tokens are this rank's part of"
+                " each sequence, whose positions only the caller knows: pass position_ids=context_parallel.shard("
+                "<the whole rows' positions>) (DecoderLM does), or call the model outside npu_fsdp."
+            )
+        seq = tokens.shape[1] if position_ids is None else position_ids.shape[1]
         if start_pos < 0:
             raise ValueError(f"start_pos={start_pos} must be >= 0.")
         if start_pos and cache is None:
             raise ValueError(
                 f"start_pos={start_pos} needs a KV cache holding positions 0..{start_pos - 1}; pass cache=..."
             )
-        if start_pos + full > self.config.max_seq_len:
+        if start_pos + seq > self.config.max_seq_len:
             raise ValueError(
-                f"Sequence of {start_pos + full} positions (start_pos={start_pos} + {full} tokens) exceeds "
+                f"Sequence of {start_pos + seq} positions (start_pos={start_pos} + {seq} tokens) exceeds "
                 f"max_seq_len={self.config.max_seq_len}; shorten the input or build the model with a larger "
                 "max_seq_len (rotary embeddings extrapolate poorly beyond the trained length)."
             )
         if cache is not None:
             cache.check(batch, start_pos, seq)
-        if position_ids is not None and cu_seqlens is None:
-            raise ValueError(
-                "position_ids are read only with cu_seqlens (packed rows); without them positions are start_pos .., "
-                "so pass cu_seqlens with the sample boundaries, or drop position_ids."
-            )
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)  # a later pipeline stage's input
-        if cu_seqlens is None:
-            bounds = None
-            if cp is None:
-                cos, sin = self.rotary(start_pos, seq, h.device, h.dtype)
-            else:
-                cos, sin = self.rotary_at(cp.positions(full, h.device), h.dtype)
-        else:
+        bounds = None
+        if cu_seqlens is not None:
             if cache is not None:
                 raise ValueError("Packed rows (cu_seqlens) are for training and scoring; decode without cu_seqlens.")
             bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
-            if not bounds or bounds[-1] != batch * full:
+            if position_ids is None and (not bounds or bounds[-1] != batch * seq):
                 raise ValueError(
-                    f"cu_seqlens={bounds} must end at the token count T={batch * full} (batch x seq of tokens "
-                    f"{(batch, full)}): they are the sample boundaries over the batch flattened to one sequence."
+                    f"cu_seqlens={bounds} must end at the token count T={batch * seq} (batch x seq of tokens "
+                    f"{(batch, seq)}): they are the sample boundaries over the batch flattened to one sequence."
                 )
             if position_ids is None:
-                position_ids = positions_in_samples(bounds, device=tokens.device)
-                if cp is not None:
-                    position_ids = cp.shard(position_ids.view(batch, full))
-            elif tuple(position_ids.shape) != (batch, seq):
-                raise ValueError(
-                    f"position_ids have shape {tuple(position_ids.shape)}; they must match tokens {(batch, seq)}."
-                )
+                position_ids = positions_in_samples(bounds, device=tokens.device).view(batch, seq)
             cos, sin = self.rotary_at(position_ids.flatten(), h.dtype)
+        elif position_ids is not None:  # unpacked rows share one rotary table: row 0's positions, checked to be all's
+            if batch > 1 and not torch.equal(position_ids[1:], position_ids[:1].expand(batch - 1, -1)):
+                row = 1 + int((position_ids[1:] != position_ids[:1]).any(dim=1).nonzero()[0])
+                raise ValueError(
+                    f"position_ids of row {row} ({position_ids[row, :8].tolist()}...) differ from row 0's"
+                    f" ({position_ids[0, :8].tolist()}...): without cu_seqlens every row is at the same positions (one"
+                    " rotary table). Pack rows with positions of their own with cu_seqlens, or give every row the same."
+                )
+            cos, sin = self.rotary_at(position_ids[0], h.dtype)
+        else:
+            cos, sin = self.rotary(start_pos, seq, h.device, h.dtype)
         return h, cos, sin, bounds
 
     def no_loss(self) -> Tensor:

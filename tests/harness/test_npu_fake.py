@@ -150,7 +150,8 @@ def test_install_is_undone_with_the_monkeypatch_and_torch_accelerator_works_afte
     finds the fake as the real torch_npu registers itself; afterwards it finds no accelerator and no device, as in
     a process without torch_npu, and nothing else of the fake."""
     with pytest.MonkeyPatch.context() as mp:
-        fake = install_fake_torch_npu(mp, device_count=2)
+        install_fake_torch_npu(mp)
+        fake = install_fake_torch_npu(mp, device_count=2)  # a second install in one test: torch finds the last one
         import torch.npu as registered
         import torch_npu
 

@@ -69,6 +69,37 @@ def test_a_request_whose_imports_would_differ_runs_cold(tmp_path):
     assert _probe(tmp_path)["executable"] == sys.executable
 
 
+WARNING_PROBE = textwrap.dedent("""
+    import json, sys, warnings
+    from tests.warm_python import PRELOAD
+    for module in PRELOAD:
+        __import__(module)
+    print(json.dumps({"executable": sys.executable, "warnoptions": sys.warnoptions, "filters": [
+        [action, getattr(message, "pattern", message), category.__qualname__, getattr(module, "pattern", module),
+         lineno]
+        for action, message, category, module, lineno in warnings.filters]}))
+""")
+
+
+def test_warning_options_run_warm_with_the_filters_of_a_fresh_interpreter(tmp_path):
+    """Catches PYTHONWARNINGS sending a process cold (the planner-accuracy benchmark sets it for every case: 24
+    processes and their ranks imported torch again) or a warm child whose ``sys.warnoptions`` or filters differ
+    from a fresh one's (its options ahead of what torch and Lightning add at import, or missing); an option that
+    turns warnings into errors runs cold, since a warning at import would stop a fresh interpreter."""
+    script = tmp_path / "warnings_probe.py"
+    script.write_text(WARNING_PROBE)
+    command = ["-W", "always::UserWarning", str(script)]
+    env = {"PYTHONWARNINGS": "ignore::DeprecationWarning,default:::json"}
+    warm, fresh = (json.loads(run_python(command, simulate=None, env=env, fresh=fresh).stdout.splitlines()[-1])
+                   for fresh in (False, True))
+    assert warm["executable"] == WARM_PYTHON.shim and fresh["executable"] == sys.executable
+    assert warm["warnoptions"] == fresh["warnoptions"] == [
+        "ignore::DeprecationWarning", "default:::json", "always::UserWarning"]
+    assert warm["filters"] == fresh["filters"]
+    errors = run_python([str(script)], simulate=None, env={"PYTHONWARNINGS": "error::FutureWarning"})
+    assert json.loads(errors.stdout.splitlines()[-1])["executable"] == sys.executable
+
+
 @pytest.mark.parametrize("code, status, stderr", [
     ("import sys; print('out'); sys.exit(3)", 3, ""),
     ("raise ValueError('boom')", 1, "ValueError: boom"),

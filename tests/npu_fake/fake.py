@@ -748,8 +748,10 @@ def install_fake_torch_npu(
     monkeypatch.setattr(torch, "npu", fake.npu)  # as torch._register_device_module("npu", torch_npu.npu) does
     monkeypatch.setitem(sys.modules, "torch.npu", fake.npu)
     # torch.get_device_module (torch.accelerator's way to torch.npu) caches what it finds for good, which torch_npu's
-    # module is; this test's fake is not: looked up afresh while installed, the cache keeps _NO_TORCH_NPU.
-    monkeypatch.setattr(torch, "get_device_module", torch.get_device_module.__wrapped__)
+    # module is; this test's fake is not: looked up afresh while installed, the cache keeps _NO_TORCH_NPU. (A second
+    # install in one test finds the uncached function already there.)
+    uncached = getattr(torch.get_device_module, "__wrapped__", torch.get_device_module)
+    monkeypatch.setattr(torch, "get_device_module", uncached)
     scaler = fake.api.get("sharded_grad_scaler") or {}
     if scaler.get("replaces"):
         # What importing torch_npu does (its distributed patches): FSDP's scaler name becomes torch_npu's class.

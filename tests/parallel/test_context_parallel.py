@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from lightning_npu.facts.options import check_context_parallel_shapes
+from lightning_npu.facts.parallel_rules import check_context_parallel_shapes
 from tests.helpers import REPO, read_json, room_scripts, run_python
 from tests.recipe_runs import train_tiny
 from tests.kernels.test_kernels import _take_npu_branch, install_cann

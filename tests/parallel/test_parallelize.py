@@ -27,7 +27,7 @@ def test_activation_checkpointing_ratio_is_evenly_spaced(count, ratio, expected)
 def test_activation_checkpointing_keeps_parameter_names():
     net = Net()
     names = [name for name, _ in net.named_parameters()]
-    chosen = apply_activation_checkpointing(net, (Block,), 0.5)
+    chosen = apply_activation_checkpointing([net], (Block,), 0.5)
     assert chosen == ["blocks.1", "blocks.3"]
     assert [name for name, _ in net.named_parameters()] == names  # checkpoints stay loadable
 
@@ -84,7 +84,7 @@ def test_modules_checkpointed_by_hand_are_recomputed_once_not_twice(checkpoint_o
     torch_apply_activation_checkpointing(blocks[2], check_fn=lambda module: module is blocks[2].first)
     with pytest.warns(UserWarning, match=r"already contains checkpointed layers \(0, 1.first, 2.first; .*the 3"
                                           r" modules of the policy inside or around them are not checkpointed again"):
-        chosen = apply_activation_checkpointing(blocks, (CountedBlock,), 1.0)
+        chosen = apply_activation_checkpointing([blocks], (CountedBlock,), 1.0)
     assert chosen == ["3"]
     # Each checkpointed layer runs twice (forward, one recomputation); a layer nobody checkpointed runs once.
     assert _forward_calls_in_one_step(blocks) == [(2, 2), (2, 1), (2, 1), (2, 2)]
@@ -98,7 +98,7 @@ def test_a_module_given_checkpoint_by_hand_is_not_given_it_again(checkpoint_on_t
     blocks = nn.Sequential(CountedBlock(), CountedBlock())
     checkpoint(blocks[0])
     with pytest.warns(UserWarning, match="already contains checkpointed layers"):
-        assert apply_activation_checkpointing(blocks, (CountedBlock,), 1.0) == ["1"]
+        assert apply_activation_checkpointing([blocks], (CountedBlock,), 1.0) == ["1"]
     assert _forward_calls_in_one_step(blocks) == [(2, 2)] * 2
 
 

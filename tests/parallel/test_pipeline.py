@@ -6,6 +6,7 @@ and (slow) Trainer and Fabric runs against plain npu_fsdp with as many data-para
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from torch import nn
 from lightning_npu.facts import pipeline as facts
 from lightning_npu.facts.options import FSDPOptions
 from lightning_npu.parallel import ParallelPlan, PipelineLayout
+from lightning_npu.parallel.context import apply_context_parallel
 from lightning_npu.parallel.pipeline import _PipelineLoss, _StepGradients, split
 from recipes.decoder.tensor_parallel import PIPELINE
 from tests.helpers import REPO
@@ -117,6 +119,35 @@ def test_stages_chained_in_one_process_give_the_models_loss_and_keep_parameter_n
     hidden = first.stages[0](tokens)
     assert hidden.shape == (2, 16, model.config.dim)
     torch.testing.assert_close(last.stages[1](hidden, labels=labels), expected, rtol=0, atol=0)
+
+
+def test_what_the_plan_sets_after_the_split_reaches_every_stage_and_nothing_is_pushed_into_the_holder():
+    """Each stage is a module of its own that parallelize applies the plan to, rooted at it (ParallelPlan.within):
+    what the plan sets after the split (context parallelism here; a TP style or a flag alike) is on every stage the
+    schedule runs, a block's on the stage holding it; the modules outside every stage keep their part of the plan
+    (ParallelPlan.outside: the LightningModule, which shards the batch), and the pruned holder gets nothing."""
+    from recipes.decoder.module import DecoderLM
+
+    torch.manual_seed(0)
+    lm = DecoderLM(preset="tiny", config={"n_layers": 4, "max_seq_len": 16})
+    lm.configure_model()
+    plan = dataclasses.replace(lm.parallel_plan(), context_parallel=("", "model", "model.layers.1.attention",
+                                                                     "model.layers.2.attention"))
+    known = {name for name, _ in lm.named_modules()}
+    split_ = split(lm.model, PIPELINE, [0, 1], 2)
+    marker = object()  # what apply_context_parallel gives: a ContextParallel, here any object
+    rooted = {index: plan.within("model", stage, known) for index, stage in split_.stages.items()}
+    assert {index: part.context_parallel for index, part in rooted.items()} == {
+        0: ("", "layers.1.attention"), 1: ("", "layers.2.attention")}
+    for index, stage in split_.stages.items():
+        assert apply_context_parallel(stage, rooted[index].context_parallel, marker) == list(
+            rooted[index].context_parallel)
+    first, last = split_.stages[0], split_.stages[1]
+    assert first is not last and first is not split_.module
+    assert first.context_parallel is marker and last.context_parallel is marker
+    assert first.layers[1].attention.context_parallel is marker and last.layers[2].attention.context_parallel is marker
+    assert "context_parallel" not in vars(split_.module)
+    assert plan.outside("model").context_parallel == ("",)
 
 
 def test_a_model_that_does_not_fit_its_layout_is_refused_by_name():
@@ -341,12 +372,12 @@ def _check(config: dict | None = None, data: str = "text", batch_size: int = 8, 
     from recipes.decoder.data import TextDataModule
     from recipes.decoder.module import DecoderLM
     from recipes.decoder.sft_data import SFTDataModule
-    from recipes.train import check_pipeline
+    from recipes.train import check_parallel_layout
 
     model = DecoderLM(family=family, preset="tiny", config=config or {})
     data_module = (TextDataModule if data == "text" else SFTDataModule)(batch_size=batch_size, seq_len=32)
     strategy = SimpleNamespace(options=FSDPOptions(pipeline_parallel_size=2, pipeline_microbatches=4, **options))
-    check_pipeline(model, data_module, SimpleNamespace(strategy=strategy))
+    check_parallel_layout(model, data_module, SimpleNamespace(strategy=strategy))
 
 
 @pytest.mark.parametrize("config, data, batch_size, family, problem", [

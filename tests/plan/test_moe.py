@@ -387,7 +387,8 @@ def test_multi_token_prediction_is_refused_where_the_recipe_or_the_planner_canno
     """Context parallelism (the model refuses it: a depth reads tokens another rank holds), tensor parallelism (no
     plan for the depths, nor for MLA), and a LoRA run (the depths stay frozen without adapters, not modelled): each
     refusal names the value, why, and what to plan instead."""
-    from lightning_npu.plan import Parallelism, PlanSpec
+    from lightning_npu.facts.options import FSDPOptions
+    from lightning_npu.plan import PlanSpec
     from recipes.models.deepseek.memory_profile import lightning_npu_memory_profile as deepseek_profile
 
     model = {"family": "deepseek", "config": {"mtp_layers": 1}}
@@ -395,25 +396,25 @@ def test_multi_token_prediction_is_refused_where_the_recipe_or_the_planner_canno
                                          r" full training only .* plan the LoRA run with mtp_layers=0"):
         deepseek_profile({**model, "lora": dict(rank=8, targets=["o"])})
     profile = deepseek_profile(model)
-    with pytest.raises(PlanError, match=r"context_parallel_size=2 with 1 multi-token-prediction depth\(s\): .*"
-                                        r" plan with context_parallel_size=1"):
+    with pytest.raises(PlanError, match=r"context_parallel_size=2: model.config.mtp_layers=1: multi-token prediction"
+                                        r" reads .* train it with context_parallel_size=1, or set mtp_layers=0"):
         PlanSpec(model=profile.shape, profile=profile, seq_len=64, micro_batch=1, devices=2,
-                 parallel=Parallelism(context=2))
-    with pytest.raises(PlanError, match=r"tensor_parallel_size=2 cannot split .* its 1 multi-token-prediction"
-                                        r" depth\(s\) have no tensor-parallel plan"):
+                 options=FSDPOptions(context_parallel_size=2))
+    with pytest.raises(PlanError, match=r"tensor_parallel_size=2 cannot split .* mtp_layers=1: the"
+                                        r" multi-token-prediction modules have no tensor-parallel plan"):
         PlanSpec(model=profile.shape, profile=profile, seq_len=64, micro_batch=1, devices=2,
-                 parallel=Parallelism(tensor=2))
+                 options=FSDPOptions(tensor_parallel_size=2))
 
 
 def _heavy_experts_spec(ep: int, devices: int = 4, **changes):
     """A tiny MoE whose experts outweigh the rest of each block (16 experts of width 512), fp32, as the CPU runs it."""
-    from lightning_npu.plan import Parallelism, PlanSpec
+    from lightning_npu.plan import PlanSpec
 
     profile = lightning_npu_memory_profile({"family": "moe", "preset": "tiny",
                                             "config": dict(n_experts=16, expert_hidden_dim=512)})
     settings = dict(model=profile.shape, profile=profile.with_expert_parallelism(ep), seq_len=32, micro_batch=2,
-                    devices=devices, precision="32-true", zero_stage=3, kernels="reference", optimizer="per-tensor",
-                    hccl_buffsize_mb=0.0, workspace_gib=0.0, fragmentation=0.0, parallel=Parallelism())
+                    devices=devices, precision="32-true", kernels="reference", optimizer="per-tensor",
+                    hccl_buffsize_mb=0.0, workspace_gib=0.0, fragmentation=0.0)
     return PlanSpec(**{**settings, **changes})
 
 
@@ -534,13 +535,14 @@ def test_expert_parallelism_with_context_parallelism_splits_the_experts_and_the_
 # FSDP-sharded over dp_shard x cp x tp / ep) and all-gathers the rows' outputs over the TP group.
 
 
-def _tp_spec(tp: int = 2, ep: int = 1, devices: int = 2, overrides: dict = QWEN2, **parallel):
-    from lightning_npu.plan import Parallelism, PlanSpec
+def _tp_spec(tp: int = 2, ep: int = 1, devices: int = 2, overrides: dict = QWEN2, **options):
+    from lightning_npu.facts.options import FSDPOptions
+    from lightning_npu.plan import PlanSpec
 
     profile = lightning_npu_memory_profile({"family": "moe", "preset": "tiny", "config": overrides})
     return PlanSpec(model=profile.shape, profile=profile.with_expert_parallelism(ep), seq_len=64, micro_batch=2,
                     devices=devices, precision="32-true", kernels="reference",
-                    parallel=Parallelism(tensor=tp, **parallel))
+                    options=FSDPOptions(tensor_parallel_size=tp, **options))
 
 
 def test_tensor_parallelism_splits_an_moe_layer_s_attention_and_shared_expert_not_its_routed_experts():
@@ -582,7 +584,7 @@ def test_expert_parallelism_under_tensor_parallelism_borrows_the_tensor_parallel
     of the routed rows. Fails on the planner before, which refused tensor parallelism on MoE models."""
     from lightning_npu.plan.replay import _units
 
-    spec = _tp_spec(tp=tp, ep=ep, devices=devices, overrides={}, context=cp)
+    spec = _tp_spec(tp=tp, ep=ep, devices=devices, overrides={}, context_parallel_size=cp)
     config = MoEConfig.from_preset("tiny")
     units = _units(spec)
     layer = config.moe_layers[0]
@@ -613,7 +615,8 @@ def test_an_moe_layer_under_tensor_parallelism_keeps_its_share_of_the_routed_row
 def test_tensor_parallelism_on_moe_models_is_refused_where_the_design_cannot_split_them():
     """A shared expert or dense width the tensor-parallel ranks cannot split, an expert_parallel_size that does
     not divide dp_shard x cp x tp, hybrid sharding with experts split, and DeepSeek's MLA (no TP plan yet)."""
-    from lightning_npu.plan import Parallelism, PlanSpec
+    from lightning_npu.facts.options import FSDPOptions
+    from lightning_npu.plan import PlanSpec
     from recipes.models.deepseek.memory_profile import lightning_npu_memory_profile as deepseek_profile
 
     with pytest.raises(PlanError, match=r"shared_expert_hidden_dim=50 is not divisible by tensor_parallel_size=4"):
@@ -623,12 +626,12 @@ def test_tensor_parallelism_on_moe_models_is_refused_where_the_design_cannot_spl
         _tp_spec(tp=2, ep=4, devices=2, overrides={})
     moe = lightning_npu_memory_profile({"family": "moe", "preset": "tiny"}).with_expert_parallelism(2)
     with pytest.raises(PlanError, match=r"expert_parallel_size=2 works with sharding='full' only"):
-        PlanSpec(model=moe.shape, profile=moe, seq_len=64, micro_batch=1, devices=2, nodes=2, sharding="hybrid",
-                 parallel=Parallelism(tensor=2))
+        PlanSpec(model=moe.shape, profile=moe, seq_len=64, micro_batch=1, devices=2, nodes=2,
+                 options=FSDPOptions(sharding="hybrid", tensor_parallel_size=2))
     deepseek = deepseek_profile({"family": "deepseek", "preset": "tiny"})
     with pytest.raises(PlanError, match=r"its attention is MLA, which the recipe's tensor-parallel plan does not"):
         PlanSpec(model=deepseek.shape, profile=deepseek, seq_len=64, micro_batch=1, devices=2,
-                 parallel=Parallelism(tensor=2))
+                 options=FSDPOptions(tensor_parallel_size=2))
 
 
 def test_the_plan_names_its_expert_parallelism(tmp_path, capsys):

@@ -13,10 +13,11 @@ import pytest
 import yaml
 
 from lightning_npu.cli import main
-from lightning_npu.facts.options import check_context_parallel_shapes
+from lightning_npu.facts.options import FSDPOptions
+from lightning_npu.facts import parallel_rules
+from lightning_npu.facts.parallel_rules import BatchShapes
 from lightning_npu.plan import (
     GIB,
-    Parallelism,
     PlanError,
     PlanSpec,
     estimate,
@@ -37,16 +38,16 @@ CONFIG_128K = CONFIGS / "llama3_8b_128k.yaml"
 TINY = lightning_npu_memory_profile({"preset": "tiny"})  # dim 128, 4 heads, 2 kv heads, ffn 352, vocab 2048
 
 
-def _tiny(devices: int = 2, seq_len: int = 64, ac_ratio: float = 0.0, kernels: str = "reference", **parallel):
+def _tiny(devices: int = 2, seq_len: int = 64, ac_ratio: float = 0.0, kernels: str = "reference", **options):
     return PlanSpec(model=TINY.shape, profile=TINY, seq_len=seq_len, micro_batch=2, devices=devices,
-                    precision="32-true", ac_ratio=ac_ratio, kernels=kernels, parallel=Parallelism(**parallel))
+                    precision="32-true", ac_ratio=ac_ratio, kernels=kernels, options=FSDPOptions(**options))
 
 
 def test_tensor_parallelism_halves_each_ranks_block_matrices_and_splits_the_vocabulary():
     """tp=2 on 2 devices (no FSDP sharding left: shard group 1) holds half of every projection and of the
     embedding and head, and the whole norms; catches weights not divided by tp (plain sharding's count) and norms
     divided too."""
-    split = _tiny(devices=2, tensor=2)
+    split = _tiny(devices=2, tensor_parallel_size=2)
     assert split.shard_group == 1
     m = TINY.shape
     kv = m.n_kv_heads * m.head_dim
@@ -80,14 +81,15 @@ def test_context_parallelism_plans_each_rank_for_its_part_of_every_sequence():
     def replayed(**parallel) -> _StepReplay:
         return _StepReplay(_tiny(ac_ratio=1.0, **parallel), 3, 2)
 
-    plain, ring, ulysses = replayed(), replayed(context=2, context_algo="ring"), replayed(context=2)
+    plain = replayed()
+    ring, ulysses = replayed(context_parallel_size=2, context_parallel_algo="ring"), replayed(context_parallel_size=2)
     assert (plain.tokens, ring.tokens, ulysses.tokens) == (128, 64, 64)
-    for split in (ring, ulysses, replayed(tensor=2)):
+    for split in (ring, ulysses, replayed(tensor_parallel_size=2)):
         assert split.residual == plain.residual / 2
-    assert replayed(tensor=2, sequence_parallel=False).residual == plain.residual
-    for split in (ring, ulysses, replayed(tensor=2)):
+    assert replayed(tensor_parallel_size=2, sequence_parallel=False).residual == plain.residual
+    for split in (ring, ulysses, replayed(tensor_parallel_size=2)):
         assert split.logits_fp32 == plain.logits_fp32 / 2
-    assert replayed(tensor=2, loss_parallel=False).logits_fp32 == plain.logits_fp32
+    assert replayed(tensor_parallel_size=2, loss_parallel=False).logits_fp32 == plain.logits_fp32
     extra = FP32_BYTES * TINY.shape.q_dim * ulysses.tokens  # the kernel's head-split output beside wo's input
     assert [saved for saved, _ in ulysses.saved] == [saved / 2 + extra for saved, _ in plain.saved]
     no_overheads = dict(hccl_buffsize_mb=0.0, workspace_gib=0.0, fragmentation=0.0)
@@ -101,7 +103,7 @@ def test_loss_parallel_keeps_the_logits_split_by_vocabulary():
     shifted copy and the result, aten's the logits and the result. Catches the logits counted at full width under
     loss_parallel, and loss_parallel's shifted copy left out."""
     fp32_logits = FP32_BYTES * 2 * 64 * TINY.shape.vocab_size
-    split, whole = (estimate(_tiny(tensor=2, **options)) for options in ({}, {"loss_parallel": False}))
+    split, whole = (estimate(_tiny(tensor_parallel_size=2, **options)) for options in ({}, {"loss_parallel": False}))
     assert split.peak_phase == whole.peak_phase == "forward: log-softmax"
     assert split.items["logits"] == 3 * fp32_logits / 2
     assert whole.items["logits"] == 2 * fp32_logits
@@ -115,8 +117,8 @@ def test_ulysses_and_ring_keep_their_own_tensors():
     m, a = TINY.shape, FP32_BYTES
     q, kv = m.q_dim, m.n_kv_heads * m.head_dim
     plain = sum(TINY.saved_by_block("reference", a, 64).all.values())
-    ulysses = _tiny(context=2, context_algo="ulysses").profile
-    ring = _tiny(context=2, context_algo="ring").profile
+    ulysses = _tiny(context_parallel_size=2, context_parallel_algo="ulysses").profile
+    ring = _tiny(context_parallel_size=2, context_parallel_algo="ring").profile
     assert sum(ulysses.saved_by_block("reference", a, 64).all.values()) == plain + a * q
     kept = ring.saved_by_block("reference", a, 64).attention
     assert kept["ring attention q, k, v"] == a * (q + 2 * kv)
@@ -128,8 +130,8 @@ def test_ulysses_and_ring_keep_their_own_tensors():
     assert forward == 2 * 2 * 2 * kv + 2 * q + 2 * 8 * FP32_BYTES * m.n_heads
     assert backward == forward + FP32_BYTES * (q + 4 * kv)
     # tp 2 x cp 2: one kv head per rank, repeated to 2 for Ulysses' two ranks.
-    assert _tiny(devices=4, tensor=2, context=2).profile.ulysses_kv_repeat == 2
-    assert _tiny(context=2).profile.ulysses_kv_repeat == 1
+    assert _tiny(devices=4, tensor_parallel_size=2, context_parallel_size=2).profile.ulysses_kv_repeat == 2
+    assert _tiny(context_parallel_size=2).profile.ulysses_kv_repeat == 1
 
 
 def test_each_new_communicator_holds_two_hccl_buffers():
@@ -138,23 +140,34 @@ def test_each_new_communicator_holds_two_hccl_buffers():
         spec = dataclasses.replace(_tiny(devices=4, **parallel), hccl_buffsize_mb=100.0)
         return estimate(spec).items["comm"] / (2 * 100 * 2**20)
 
-    assert (comm(), comm(tensor=2), comm(context=2), comm(tensor=2, context=2)) == (1, 3, 2, 4)
+    assert (comm(), comm(tensor_parallel_size=2), comm(context_parallel_size=2),
+            comm(tensor_parallel_size=2, context_parallel_size=2)) == (1, 3, 2, 4)
 
 
-@pytest.mark.parametrize("parallel, message", [
-    (dict(tensor=3), r"tensor_parallel_size=3 does not divide the 6 devices|n_heads=4 is not divisible"),
-    (dict(tensor=8), r"n_heads=4 is not divisible by tensor_parallel_size=8.*n_kv_heads=2 is not divisible.*"
-                     r"Use a tensor_parallel_size that divides them \(1, 2\)"),
-    (dict(tensor=2, context=4, context_algo="ulysses"),
+@pytest.mark.parametrize("options, message", [
+    (dict(tensor_parallel_size=3), r"tensor_parallel_size=3 does not divide the 6 devices|n_heads=4 is not divisible"),
+    (dict(tensor_parallel_size=8), r"n_heads=4 is not divisible by tensor_parallel_size=8.*n_kv_heads=2 is not"
+                                   r" divisible.*Use a tensor_parallel_size that divides them \(1, 2\)"),
+    (dict(tensor_parallel_size=2, context_parallel_size=4, context_parallel_algo="ulysses"),
      r"heads % \(tp x cp\) == 0 \(4 % 8 = 4\).*or context_parallel_algo='ring'"),
-    (dict(context=8, context_algo="ring"), r"seq_len=72 does not split into 2 x context_parallel_size = 16"),
-    (dict(context=3, context_algo="sideways"), r"context_parallel_algo='sideways' is not supported; use 'ulysses'"),
-    (dict(tensor=0), r"tensor_parallel_size=0 must be a positive integer"),
+    (dict(context_parallel_size=8, context_parallel_algo="ring"),
+     r"seq_len=72 does not split into 2 x context_parallel_size = 16"),
 ])
-def test_sizes_that_do_not_divide_are_refused_with_the_numbers_and_the_fix(parallel, message):
-    devices = {3: 6, 8: 8}.get(parallel.get("tensor"), 8)
+def test_sizes_that_do_not_divide_are_refused_with_the_numbers_and_the_fix(options, message):
+    devices = {3: 6, 8: 8}.get(options.get("tensor_parallel_size"), 8)
     with pytest.raises(PlanError, match=message):
-        _tiny(devices=devices, seq_len=72, **parallel)
+        _tiny(devices=devices, seq_len=72, **options)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(context_parallel_size=3, context_parallel_algo="sideways"),
+     r"context_parallel_algo='sideways' is not supported; use 'ulysses'"),
+    (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 must be a positive integer"),
+])
+def test_option_values_the_strategy_refuses_the_planner_refuses_with_its_message(options, message):
+    """The planner checks its options as npu_fsdp does (``FSDPOptions``): a PlanError with the strategy's words."""
+    with pytest.raises(PlanError, match=message):
+        load_spec(model_shape=TINY.shape, devices=8, seq_len=72, micro_batch=2, **options)
 
 
 def test_lora_is_refused_under_tensor_parallelism_and_tied_embeddings_and_experts_plan_under_tp_and_cp(tmp_path):
@@ -164,24 +177,26 @@ def test_lora_is_refused_under_tensor_parallelism_and_tied_embeddings_and_expert
     plans under tensor parallelism as the parallel core splits it."""
     tied = lightning_npu_memory_profile({"preset": "llama3.2-1b"})
     split_tied = PlanSpec(model=tied.shape, profile=tied, seq_len=512, micro_batch=1, devices=2,
-                          parallel=Parallelism(tensor=2))
+                          options=FSDPOptions(tensor_parallel_size=2))
     vocab, dim = tied.shape.vocab_size, tied.shape.dim
     assert split_tied.profile.root_parameters().shapes == [(vocab // 2, dim), (dim,)]
     lora = lightning_npu_memory_profile({"preset": "tiny", "lora": {"rank": 8, "targets": ["q", "v"]}})
     with pytest.raises(PlanError, match=r"LoRA adapters have no tensor-parallel plan"):
-        PlanSpec(model=lora.shape, profile=lora, seq_len=64, micro_batch=1, devices=2, parallel=Parallelism(tensor=2))
+        PlanSpec(model=lora.shape, profile=lora, seq_len=64, micro_batch=1, devices=2,
+                 options=FSDPOptions(tensor_parallel_size=2))
     from recipes.models.moe.memory_profile import lightning_npu_memory_profile as moe_profile
 
     moe = moe_profile({"family": "moe", "preset": "tiny"})
     # An MoE model plans under tensor parallelism as the parallel core's design splits it (tests/plan/test_moe.py).
-    split = PlanSpec(model=moe.shape, profile=moe, seq_len=64, micro_batch=1, devices=2, parallel=Parallelism(tensor=2))
+    split = PlanSpec(model=moe.shape, profile=moe, seq_len=64, micro_batch=1, devices=2,
+                     options=FSDPOptions(tensor_parallel_size=2))
     assert split.profile.parallel.tensor == 2
     plain = PlanSpec(model=moe.shape, profile=moe, seq_len=64, micro_batch=2, devices=2)
-    cp = dataclasses.replace(plain, parallel=Parallelism(context=2, context_algo="ring"))
+    cp = dataclasses.replace(plain, options=FSDPOptions(context_parallel_size=2, context_parallel_algo="ring"))
     assert estimate(cp).items["activations"] < estimate(plain).items["activations"]
     # With expert parallelism too (ep borrows its ranks from dp_shard x cp): see tests/plan/test_moe.py.
     ep = PlanSpec(model=moe.shape, profile=moe.with_expert_parallelism(2), seq_len=64, micro_batch=1, devices=4,
-                  parallel=Parallelism(context=2))
+                  options=FSDPOptions(context_parallel_size=2))
     assert (ep.shard_group, ep.local_seq_len, ep.profile.expert_parallel_size) == (4, 32, 2)
 
 
@@ -195,11 +210,12 @@ def test_the_config_s_strategy_values_are_read_and_the_flags_override_them(tmp_p
         "      sequence_parallel: false\n      loss_parallel: false\n"
     )
     spec = load_spec(config)
-    assert spec.parallel == Parallelism(tensor=2, sequence_parallel=False, loss_parallel=False)
+    assert spec.parallel.report() == {"tensor": 2, "context": 1, "context_algo": "ulysses", "sequence_parallel": False,
+                                      "loss_parallel": False}
     assert spec.shard_group == 2
     flagged = load_spec(config, tensor_parallel_size=1, context_parallel_size=4, context_parallel_algo="ring")
-    assert flagged.parallel == Parallelism(context=4, context_algo="ring", sequence_parallel=False,
-                                           loss_parallel=False)
+    assert flagged.parallel.report() == {"tensor": 1, "context": 4, "context_algo": "ring", "sequence_parallel": False,
+                                         "loss_parallel": False}
     assert (flagged.shard_group, flagged.local_seq_len) == (4, 32)
     assert main(["plan", "--config", str(config), "--tp", "2", "--cp", "2", "--cp-algo", "ulysses", "--json"]) == 0
     printed = capsys.readouterr().out
@@ -214,7 +230,7 @@ def test_the_parallel_configs_fit_on_64_gib_npus_and_pass_the_recipes_checks(con
     """``lightning-npu plan --config`` says the 70B (tp 8 x FSDP 4 on 4 x 8) and the 128k-token (ring cp 8 on 8)
     configs fit on the default 64 GiB 910B, under the recipe's own shape checks (what check_run runs before
     workers start)."""
-    from recipes.decoder.tensor_parallel import check_tensor_parallel
+    from recipes.decoder.tensor_parallel import model_shapes
     from recipes.models.llama.config import LLaMAConfig
 
     spec = load_spec(config)
@@ -225,9 +241,7 @@ def test_the_parallel_configs_fit_on_64_gib_npus_and_pass_the_recipes_checks(con
     model = LLaMAConfig.from_preset(document["model"]["preset"])
     seq_len = document["data"]["seq_len"]
     tp, cp = options.get("tensor_parallel_size", 1), options.get("context_parallel_size", 1)
-    check_tensor_parallel(model, tp, seq_len=seq_len, sequence_parallel=options.get("sequence_parallel", True))
-    check_context_parallel_shapes(cp, options.get("context_parallel_algo", "ulysses"), heads=model.n_heads,
-                                  seq_len=seq_len, tp=tp)
+    parallel_rules.check(FSDPOptions(**options), model_shapes(model), BatchShapes(seq_len=seq_len))
     assert seq_len <= model.max_seq_len and (tp, cp) == (spec.parallel.tensor, spec.parallel.context)
     if config == CONFIG_128K:
         assert (seq_len, spec.parallel.context_algo, spec.local_seq_len) == (131072, "ring", 16384)

@@ -9,7 +9,8 @@ import pytest
 
 from lightning_npu.cli import main
 from lightning_npu.facts import pipeline as schedules
-from lightning_npu.plan import ModelShape, Pipelining, PlanError, PlanSpec, estimate, load_spec
+from lightning_npu.facts.options import FSDPOptions
+from lightning_npu.plan import ModelShape, PlanError, PlanSpec, estimate, load_spec
 from lightning_npu.plan.stages import estimate_ranks
 
 TINY = "recipes/models/llama/configs/tiny.yaml"
@@ -94,9 +95,12 @@ def test_dualpipev_replayed_leaves_zbvs_bubble():
                 schedules.replayed_bubble("ZBVZeroBubble", pp, microbatches, 2), abs=1e-9), (pp, microbatches)
 
 
-def _spec(**pipeline) -> PlanSpec:
+def _spec(size: int = 1, schedule: str = schedules.DEFAULT_SCHEDULE, microbatches=None, **options) -> PlanSpec:
+    """A plan of SHAPE whose pipeline has ``size`` ranks (npu_fsdp's pipeline_parallel_size, pipeline_schedule,
+    pipeline_microbatches) and the other npu_fsdp ``options``."""
     return PlanSpec(model=SHAPE, seq_len=2048, micro_batch=8, devices=8, precision="bf16-mixed",
-                    pipeline=Pipelining(**pipeline))
+                    options=FSDPOptions(pipeline_parallel_size=size, pipeline_schedule=schedule,
+                                        pipeline_microbatches=microbatches, **options))
 
 
 def test_each_rank_holds_its_stages_and_the_first_keeps_the_most_activations_under_1f1b():
@@ -146,18 +150,20 @@ def test_the_vs_middle_stage_hands_its_output_over_instead_of_holding_a_copy(nam
 
 
 def test_bad_pipelines_are_refused_with_the_fix():
-    with pytest.raises(PlanError, match="micro_batch=6 does not split into pipeline_microbatches=4"):
+    with pytest.raises(PlanError, match="batch_size=6 does not split into pipeline_microbatches=4"):
         dataclasses.replace(_spec(size=2, microbatches=4), micro_batch=6)
-    with pytest.raises(PlanError, match="ties its embedding"):
-        PlanSpec(model=SHAPE, seq_len=2048, micro_batch=8, devices=8, pipeline=Pipelining(size=2),
+    with pytest.raises(PlanError, match="tie_embeddings=true: the embedding .first stage. and the head .last stage."):
+        PlanSpec(model=SHAPE, seq_len=2048, micro_batch=8, devices=8, options=FSDPOptions(pipeline_parallel_size=2),
                  profile=dataclasses.replace(_spec().profile, tie_embeddings=True))
-    with pytest.raises(PlanError, match="needs at least as many microbatches as stages"):
-        _spec(size=4, microbatches=2)
     with pytest.raises(PlanError, match="do not spread over 16 pipeline stages"):
         PlanSpec(model=dataclasses.replace(SHAPE, n_layers=8), seq_len=2048, micro_batch=16, devices=16,
-                 pipeline=Pipelining(size=8, schedule="Interleaved1F1B"))
+                 options=FSDPOptions(pipeline_parallel_size=8, pipeline_schedule="Interleaved1F1B"))
+    # Option values npu_fsdp refuses, the planner refuses as it does (FSDPOptions' checks), as a PlanError.
+    with pytest.raises(PlanError, match="needs at least as many microbatches as stages"):
+        load_spec(model_shape=SHAPE, devices=8, pipeline_parallel_size=4, pipeline_microbatches=2)
     with pytest.raises(PlanError, match="'DualPipeV' needs at least as many microbatches as stages"):
-        _spec(size=2, schedule="DualPipeV", microbatches=3)
+        load_spec(model_shape=SHAPE, devices=8, pipeline_parallel_size=2, pipeline_schedule="DualPipeV",
+                  pipeline_microbatches=3)
 
 
 def test_plan_pp_flags_print_the_schedule_the_bubble_and_each_rank(capsys):
@@ -175,11 +181,8 @@ def test_plan_pp_flags_print_the_schedule_the_bubble_and_each_rank(capsys):
 def test_sequence_parallelism_splits_what_the_stages_exchange_over_the_tensor_parallel_ranks():
     """Under sequence parallelism a stage sends its last block's residual stream as the block leaves it, split by
     sequence: torch's receive buffers (one per microbatch) are 1 / tp of those without."""
-    from lightning_npu.plan import Parallelism
-
     def buffers(sequence_parallel: bool) -> float:
-        spec = dataclasses.replace(_spec(size=2, microbatches=4),
-                                   parallel=Parallelism(tensor=4, sequence_parallel=sequence_parallel))
+        spec = _spec(size=2, microbatches=4, tensor_parallel_size=4, sequence_parallel=sequence_parallel)
         return estimate_ranks(spec)[1].items["pipeline"]
 
     assert buffers(True) == pytest.approx(buffers(False) / 4) and buffers(True) > 0
@@ -189,10 +192,8 @@ def test_context_parallelism_under_a_pipeline_plans_each_ranks_part_of_the_seque
     """The stages exchange each context-parallel rank's part of every sequence (pp2_cp2_* in
     benchmarks/plan_accuracy.py measure the whole estimate); npu_fsdp ran a pipeline without it before, and the
     planner refused it as the strategy did."""
-    from lightning_npu.plan import Parallelism
-
     def buffers(cp: int) -> float:
-        spec = dataclasses.replace(_spec(size=2, microbatches=4), parallel=Parallelism(context=cp))
+        spec = _spec(size=2, microbatches=4, context_parallel_size=cp)
         return estimate_ranks(spec)[1].items["pipeline"]
 
     assert buffers(2) == pytest.approx(buffers(1) / 2) and buffers(2) > 0
@@ -209,7 +210,8 @@ def test_load_spec_reads_the_pipeline_options_of_a_config(tmp_path):
         "class_path: lightning_npu.NPUFSDPStrategy\n    init_args:\n      pipeline_parallel_size: 2\n"
         "      pipeline_schedule: GPipe\n      pipeline_microbatches: 2\n      pipeline_layers_per_stage: [1, 3]\n"))
     spec = load_spec(config, devices=2, profile="recipes.models.llama.memory_profile")
-    assert spec.pipeline == Pipelining(size=2, schedule="GPipe", microbatches=2, layers_per_stage=(1, 3))
+    assert spec.pipeline.report() == {"size": 2, "schedule": "GPipe", "microbatches": 2, "stages_per_rank": None,
+                                      "layers_per_stage": [1, 3]}
     assert spec.pipeline.stage_blocks(spec.model.n_layers) == [[0], [1, 2, 3]]
 
 
@@ -261,12 +263,12 @@ def test_the_replay_never_frees_what_it_did_not_hold():
     from benchmarks.plan_accuracy import CASES, case_spec
     from lightning_npu.plan.stages import _RankReplay
 
-    specs = [dataclasses.replace(_spec(**pipeline), **extra)
+    specs = [dataclasses.replace(_spec(**pipeline, **options), **extra)
              for pipeline in (dict(size=2, microbatches=4), dict(size=2, schedule="ZBVZeroBubble", microbatches=4),
                               dict(size=2, schedule="Interleaved1F1B", microbatches=4),
                               dict(size=2, schedule="DualPipeV", microbatches=4),
                               dict(size=4, schedule="DualPipeV", microbatches=8))
-             for extra in ({}, {"cpu_offload": True}, {"accumulate_grad_batches": 2})]
+             for options, extra in (({}, {}), ({"cpu_offload": True}, {}), ({}, {"accumulate_grad_batches": 2}))]
     specs.append(case_spec({**CASES["moe_pp2_ep2"], "precision": "bf16-mixed"}))
     for spec in specs:
         for rank in range(spec.pipeline.size):

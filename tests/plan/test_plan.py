@@ -39,7 +39,7 @@ def test_hybrid_sharding_shards_within_a_node_and_replicates_across_nodes():
     hybrid = load_spec(CONFIG_7B_2NODES)
     assert (hybrid.world_size, hybrid.shard_group) == (16, 8)
     assert state_bytes(hybrid)["parameters"] == PARAMS_7B * 4 // 8
-    full = dataclasses.replace(hybrid, sharding="full")
+    full = dataclasses.replace(hybrid, options=dataclasses.replace(hybrid.options, sharding="full"))
     assert state_bytes(full)["parameters"] == PARAMS_7B * 4 // 16
 
 

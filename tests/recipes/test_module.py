@@ -60,15 +60,36 @@ def test_loss_of_a_batch_is_next_token_cross_entropy():
 
 
 @pytest.mark.slow
-def test_init_from_is_read_on_rank_zero_only_and_reaches_every_shard(tmp_path):
-    """Catches every rank reading the full checkpoint (rank 1 is given a path that does not exist), a shard
-    that does not receive rank 0's weights, and a config mismatch seen by rank 0 alone (rank 1 would hang)."""
+def test_init_from_reaches_every_shard_and_each_rank_reads_only_its_slices_of_an_hf_directory(tmp_path):
+    """A recipe checkpoint: catches every rank reading the full checkpoint (rank 1 is given a path that does not
+    exist), a shard that does not receive rank 0's weights, and a config mismatch seen by rank 0 alone (rank 1 would
+    hang). An HF directory (85 MB of fp32, largest tensor 16 MiB) under FSDP on 2 ranks: catches a rank reading
+    more than its half of the file or holding a whole-model copy (the former rank-0 read peaked at +1.0 of the
+    file): each rank reads at most 0.55 of the file's bytes and peaks at most 10% of the file plus one tensor (and
+    8 MiB of allocator slack) above its memory before the load; the shards hold the file's tensors exactly. An FP8
+    DeepSeek-V3 directory read into shards on dim 0 (experts), dim 1 and replicas: catches a slice of per-expert
+    tensors or block scales read at the wrong offset."""
+    from recipes.decoder.hf_checkpoint import save_hf_checkpoint
+    from tests.recipes.models.test_deepseek import write_fp8_directory
+
+    config = LLaMAConfig.from_preset("tiny", vocab_size=8192, dim=512, n_heads=8, n_kv_heads=4, ffn_hidden_dim=1408)
+    torch.manual_seed(0)
+    save_hf_checkpoint(config, LLaMA(config).state_dict(), tmp_path / "hf", max_shard_bytes=32 * 2**20)
+    file_bytes = sum(path.stat().st_size for path in (tmp_path / "hf").glob("*.safetensors"))
+    largest = 4 * config.vocab_size * config.dim
+    write_fp8_directory(tmp_path / "fp8")
     run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 str(SCRIPTS / "init_from_run.py"), str(tmp_path)], simulate=None)
     first, second = (read_json(tmp_path / f"rank{rank}.json") for rank in (0, 1))
     assert first["equal"] is True and first["keys"] == len(LLaMA(LLaMAConfig.from_preset("tiny")).state_dict())
     assert first["mismatch"] == second["mismatch"]
     assert first["mismatch"].startswith("init_from=") and "n_layers=1" in first["mismatch"]
+    assert first["hf_equal"] is True
+    assert first["fp8_equal"] == second["fp8_equal"] == {"0": True, "1": True, "None": True}
+    assert first["hf_mismatch"] == second["hf_mismatch"] and "n_layers=1" in first["hf_mismatch"]
+    for rank in (first, second):
+        assert rank["hf_read"] <= 0.55 * file_bytes, (rank["hf_read"], file_bytes)
+        assert rank["hf_peak_above"] <= 0.10 * file_bytes + largest + 8 * 2**20, (rank["hf_peak_above"], file_bytes)
 
 
 def test_the_run_summary_prints_the_steps_losses_not_lightnings_accumulation_share(tmp_path, capsys):

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from recipes.decoder.checkpoint_layout import save_recipe_checkpoint
-from recipes.decoder.tensor_parallel import check_tensor_parallel, decoder_plan
+from lightning_npu.facts.options import FSDPOptions
+from lightning_npu.facts.parallel_rules import BatchShapes, check_tensor_parallel
+from recipes.decoder.tensor_parallel import decoder_plan, model_shapes
 from recipes.models.llama.config import LLaMAConfig
 from recipes.models.llama.model import LLaMA
 from recipes.models.moe.config import MoEConfig
@@ -46,8 +48,9 @@ def test_the_plan_splits_every_projection_and_the_vocabulary_and_leaves_nothing_
 )
 def test_a_model_the_plan_cannot_split_is_refused_with_the_numbers(config, tp, seq_len, message):
     with pytest.raises(ValueError, match=message):
-        check_tensor_parallel(config, tp, seq_len=seq_len, sequence_parallel=True)
-    check_tensor_parallel(config, 1, seq_len=seq_len, sequence_parallel=True)  # plain sharding takes any model
+        check_tensor_parallel(FSDPOptions(tensor_parallel_size=tp), model_shapes(config), BatchShapes(seq_len=seq_len))
+    # plain sharding takes any model
+    check_tensor_parallel(FSDPOptions(), model_shapes(config), BatchShapes(seq_len=seq_len))
 
 
 def test_the_plan_of_an_moe_model_splits_attention_and_the_shared_expert_and_leaves_the_experts_and_router():
@@ -57,7 +60,7 @@ def test_the_plan_of_an_moe_model_splits_attention_and_the_shared_expert_and_lea
     from recipes.models.moe.model import MoE
 
     config = MoEConfig.from_preset("tiny", architecture="qwen2_moe", shared_expert_hidden_dim=64, qkv_bias=True)
-    check_tensor_parallel(config, 2, seq_len=64, sequence_parallel=True)
+    check_tensor_parallel(FSDPOptions(tensor_parallel_size=2), model_shapes(config), BatchShapes(seq_len=64))
     model = MoE(config)
     plan = decoder_plan(model, sequence_parallel=True, loss_parallel=True)
     assert not any(".experts" in name or ".router" in name for name in plan)

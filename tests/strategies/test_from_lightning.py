@@ -134,10 +134,19 @@ def test_fabric_fsdp_strategy_becomes_npu_fsdp_with_fabrics_defaults(simulate):
     assert type(Fabric(accelerator="npu", devices=2, strategy="fsdp").strategy) is NPUFabricFSDPStrategy
 
 
-def test_fabric_model_parallel_strategy_fails_naming_the_nearest_setting(simulate):
+def _shard_it_myself(model, device_mesh):
+    return model
+
+
+def test_fabric_model_parallel_strategy_becomes_npu_fsdp_running_its_parallelize_fn(simulate, caplog):
     simulate(2)
-    with pytest.raises(ValueError, match=r"parallelize_fn\) has no exact counterpart.*Nearest setting: NPUFabricFSDP"):
-        Fabric(accelerator="npu", devices=2, strategy=FabricModelParallelStrategy(lambda model, mesh: model))
+    with caplog.at_level(logging.INFO):
+        fabric = Fabric(accelerator="npu", devices=2, strategy=FabricModelParallelStrategy(
+            _shard_it_myself, data_parallel_size=2, tensor_parallel_size=1))
+    assert type(fabric.strategy) is NPUFabricFSDPStrategy
+    assert fabric.strategy.options.parallelize_fn is _shard_it_myself
+    assert fabric.strategy.options.tensor_parallel_size == 1
+    assert "parallelize_fn=_shard_it_myself -> parallelize_fn=_shard_it_myself (called with the module" in caplog.text, caplog.text
 
 
 def test_the_log_says_what_each_option_became(simulate, caplog):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_npu.parallel.handle import StateLayout
 from lightning_npu.compat import (
     has_dtensor_modules,
     load_raw_module_state,
@@ -22,12 +23,12 @@ from lightning_npu.strategies.checkpoints.pipeline_state import local_optimizer_
 
 def load_into(
     path: Path, state: dict[str, Any], strict: bool, optimizer_states_from_list: bool = False,
-    weights_only: Optional[bool] = None, pipeline: Optional[Any] = None,
+    weights_only: Optional[bool] = None, *, layout: StateLayout,
 ) -> dict[str, Any]:
     """Restore the sharded model and optimizers in ``state`` from ``path`` (sharded directory or full file);
-    fill the other requested keys of ``state`` from the checkpoint and return what was not requested. ``pipeline``:
-    this rank's ``parallel.pipeline.Pipeline`` under pipeline parallelism (a full file is then read by stages, see
-    ``pipeline_state``)."""
+    fill the other requested keys of ``state`` from the checkpoint and return what was not requested. ``layout``:
+    where this rank's parameters sit in the whole model's state (split over a pipeline's stages, a full file is
+    read by stages, see ``pipeline_state``)."""
     modules = {key: obj for key, obj in state.items() if has_dtensor_modules(obj)}
     if len(modules) != 1:
         raise ValueError(
@@ -44,7 +45,7 @@ def load_into(
                                       weights_only)
         elif path.is_file():
             remainder = _load_full(path, module_key, module, optimizers, strict, optimizer_states_from_list,
-                                   weights_only, pipeline)
+                                   weights_only, layout)
         else:
             raise FileNotFoundError(
                 f"no checkpoint at {path}: expected a sharded checkpoint directory (with {DCP_METADATA_FILENAME} and"
@@ -143,11 +144,11 @@ def _only_saved(template: dict[str, Any], key: str, saved: set[str]) -> dict[str
 
 
 def _load_full(path: Path, module_key: str, module: nn.Module, optimizers: dict[str, Optimizer], strict: bool,
-               from_list: bool, weights_only: Optional[bool], pipeline: Optional[Any] = None) -> dict[str, Any]:
+               from_list: bool, weights_only: Optional[bool], layout: StateLayout) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-    if pipeline is None:
+    if not layout.split:
         load_raw_module_state(_what_it_holds(module, checkpoint.pop(module_key), strict), module, strict=False)
     else:
         load_local_model_state(module, checkpoint.pop(module_key), strict=strict)
@@ -157,14 +158,14 @@ def _load_full(path: Path, module_key: str, module: nn.Module, optimizers: dict[
         # In the layout of the live state, which the saved tensors are sharded onto (AdamW8bit: fp32 moments ->
         # codes and scales).
         saved = checkpoint.pop(key)
-        saved = keyed_by_name(saved, module, optimizer) if pipeline is None else local_optimizer_state(
-            saved, module, optimizer, pipeline)
+        saved = keyed_by_name(saved, module, optimizer) if not layout.split else local_optimizer_state(
+            saved, module, optimizer, layout)
         saved = from_full_state(optimizer, saved)
         # torch's full-state path shards the saved tensors onto the live ones and fails when there are none (an
         # optimizer without state, e.g. SGD without momentum): then only the param groups need restoring. Under
         # pipeline parallelism every rank shards from its own copy: rank 0's broadcast holds the first stage only.
         full = any(isinstance(t, torch.Tensor) for values in saved.get("state", {}).values() for t in values.values())
-        options = StateDictOptions(full_state_dict=full, broadcast_from_rank0=full and pipeline is None, strict=strict)
+        options = StateDictOptions(full_state_dict=full, broadcast_from_rank0=full and not layout.split, strict=strict)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=saved, options=options)
     return checkpoint
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 # Lightning's private helpers for the parts of its checkpoint format we keep (fenced in compat).
+from lightning_npu.parallel.handle import StateLayout
 from lightning_npu.compat import Stateful, apply_filter, has_dtensor_modules
 from lightning_npu.strategies.checkpoints.layout import META_FILENAME, is_sharded_checkpoint
 from lightning_npu.strategies.checkpoints.optimizer_state import (
@@ -212,18 +213,18 @@ def trainer_tensors(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, options: Any,
-                         pipeline: Optional[Any] = None) -> dict[str, Any]:
+                         layout: StateLayout) -> dict[str, Any]:
     """``optimizer``'s state for a checkpoint of the sharded ``module``: keyed by parameter name in a sharded
     checkpoint (DCP matches names), numbered as ``optimizer.state_dict()`` numbers them in a full one (so a plain
     optimizer loads it, as it loads the full checkpoints of Lightning's FSDP strategies). A full state exists on
     global rank 0 only, the rank that writes the file: the others get ``{}``, as from Lightning's FSDPStrategy.
-    Under pipeline parallelism (``pipeline``: this rank's ``parallel.pipeline.Pipeline``) the param groups list
-    every stage's parameters (``whole_param_groups``)."""
+    Where ``layout`` splits the parameters over a pipeline's stages the param groups list every stage's parameters
+    (``whole_param_groups``)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    if options.full_state_dict and pipeline is not None:  # every stage's state, gathered onto global rank 0
-        state = full_optimizer_state(module, optimizer, pipeline)
+    if options.full_state_dict and layout.split:  # every stage's state, gathered onto global rank 0
+        state = full_optimizer_state(module, optimizer, layout)
         return keyed_by_index(to_full_state(optimizer, state)) if state else {}
     off_rank0 = options.full_state_dict and dist.is_initialized() and dist.get_rank() != 0
     if not optimizer.state:
@@ -234,24 +235,24 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, options: Any,
         if off_rank0:
             return {}
         state = optimizer.state_dict()
-        return state if options.full_state_dict else _whole(keyed_by_name(state, module, optimizer), pipeline)
+        return state if options.full_state_dict else _whole(keyed_by_name(state, module, optimizer), layout)
     state = get_optimizer_state_dict(module, optimizer, options=options)  # a collective: every rank takes part
     if off_rank0:
         return {}
     # A full checkpoint holds the state as a plain torch optimizer loads it (AdamW8bit's moments dequantized).
-    return keyed_by_index(to_full_state(optimizer, state)) if options.full_state_dict else _whole(state, pipeline)
+    return keyed_by_index(to_full_state(optimizer, state)) if options.full_state_dict else _whole(state, layout)
 
 
-def _whole(state: dict[str, Any], pipeline: Optional[Any]) -> dict[str, Any]:
-    return state if pipeline is None else whole_param_groups(state, pipeline.parameter_order, pipeline.pp_group)
+def _whole(state: dict[str, Any], layout: StateLayout) -> dict[str, Any]:
+    return state if not layout.split else whole_param_groups(state, layout.order, layout.group)
 
 
 def split_fabric_state(
     state: Mapping[str, Any], full_state_dict: bool, filter: Optional[dict[str, Callable[[str, Any], bool]]],
-    cpu_offload: bool = True, pipeline: Optional[Any] = None,
+    cpu_offload: bool = True, *, layout: StateLayout,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Fabric's ``state``: (modules' and optimizers' state dicts, everything else), as Fabric's strategy splits it
-    (``pipeline``: as ``optimizer_state_dict`` takes it)."""
+    (``layout``: as ``optimizer_state_dict`` takes it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     modules = [obj for obj in state.values() if has_dtensor_modules(obj)]
@@ -266,11 +267,11 @@ def split_fabric_state(
     metadata: dict[str, Any] = {}
     for key, obj in state.items():
         if isinstance(obj, nn.Module):
-            whole = full_state_dict and pipeline is not None  # every stage's tensors, gathered onto global rank 0
-            model_state = full_model_state(obj, pipeline) if whole else get_model_state_dict(obj, options=options)
+            whole = full_state_dict and layout.split  # every stage's tensors, gathered onto global rank 0
+            model_state = full_model_state(obj, layout) if whole else get_model_state_dict(obj, options=options)
             apply_filter(key, filter or {}, model_state, tensors)
         elif isinstance(obj, Optimizer):
-            apply_filter(key, filter or {}, optimizer_state_dict(modules[0], obj, options, pipeline), tensors)
+            apply_filter(key, filter or {}, optimizer_state_dict(modules[0], obj, options, layout), tensors)
         else:
             apply_filter(key, filter or {}, obj.state_dict() if isinstance(obj, Stateful) else obj, metadata)
     return tensors, metadata

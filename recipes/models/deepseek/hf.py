@@ -4,11 +4,12 @@ layers), ``config.json`` in and out, and the layer submodules PEFT adapts.
 
 The experts are stacked in memory as transformers 5 holds them (``mlp.experts.gate_up_proj`` / ``down_proj``);
 downloads and ``save_pretrained`` store one tensor per expert (``mlp.experts.{j}.gate_proj`` ...), read and written
-by ``recipes/decoder/hf_experts.py``. The official DeepSeek-V3 weights are FP8
-(``float8_e4m3fn``) with one fp32 ``weight_scale_inv`` per 128 x 128 block: they are dequantized to bf16 on import.
+by the state-dict adapter (``recipes/decoder/hf_adapter.py``). The official DeepSeek-V3 weights are FP8
+(``float8_e4m3fn``) with one fp32 ``weight_scale_inv`` per 128 x 128 block: the adapter dequantizes them to bf16
+block by block as they are read.
 Their layer ``num_hidden_layers`` (and beyond) is the multi-token-prediction module: imported as the model's
-``mtp_layers`` (``config_from_weights``), trained with ``mtp_loss_weight``, exported at the same keys; generation does
-not run it.
+``mtp_layers`` (``config_from_weights``; layers beyond those: ``dropped_names``), trained with ``mtp_loss_weight``,
+exported at the same keys; generation does not run it.
 """
 
 from __future__ import annotations
@@ -19,16 +20,15 @@ import re
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
-from torch import Tensor
 
 from recipes.decoder.checkpoint_layout import CheckpointError
 from recipes.decoder.hf_checkpoint import (HF_EMBEDDING, HF_HEAD, SWIGLU_ACTIVATIONS, hf_decoder_entries,
                                            hf_decoder_fields, hf_feed_forward_names)
-from recipes.decoder.hf_experts import PEFT_EXPERT_TARGETS, stack_experts, unstack_experts
+from recipes.decoder.hf_experts import PEFT_EXPERT_TARGETS
 from recipes.models.deepseek.config import ARCHITECTURES, YARN_KEYS, DeepSeekConfig
 
-__all__ = ["FP32_NAMES", "MODEL_TYPES", "PEFT_TARGETS", "config_from_hf", "config_from_weights", "dequantize_fp8", "from_saved_layout", "hf_config_dict",
-           "hf_name_map", "to_saved_layout"]
+__all__ = ["FP32_NAMES", "MODEL_TYPES", "PEFT_TARGETS", "config_from_hf", "config_from_weights", "dropped_names",
+           "hf_config_dict", "hf_name_map"]
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,6 @@ PEFT_TARGETS = {**{target: f"self_attn.{_ATTENTION[mine]}" for target, mine in (
     **PEFT_EXPERT_TARGETS}
 #: What transformers keeps in fp32 in a bf16 DeepSeek-V3 (``_keep_in_fp32_modules_strict``): the router.
 FP32_NAMES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-#: The block edge of the official FP8 checkpoints' scales (``weight_scale_inv`` [ceil(rows/128), ceil(cols/128)]).
-FP8_BLOCK = 128
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 #: What DeepSeek's release stores in each MTP layer besides the module: copies of the shared embedding and head.
 _MTP_SHARED_COPIES = (".embed_tokens.weight", ".shared_head.head.weight")
@@ -88,43 +86,17 @@ def hf_name_map(config: DeepSeekConfig) -> dict[str, tuple[str, ...]]:
     return names
 
 
-def dequantize_fp8(hf_state_dict: dict[str, Tensor], *, dtype: torch.dtype = torch.bfloat16) -> dict[str, Tensor]:
-    """Every FP8 ``<name>.weight`` with a ``<name>.weight_scale_inv`` (one fp32 scale per 128 x 128 block, the
-    official DeepSeek-V3 layout) as ``dtype``: each block times its scale; the scales are dropped. A scale without
-    its weight, or of the wrong shape, raises ``CheckpointError``."""
-    out = dict(hf_state_dict)
-    for scale_name in [name for name in hf_state_dict if name.endswith(".weight_scale_inv")]:
-        name = scale_name.removesuffix("_scale_inv")
-        scale, weight = out.pop(scale_name), out.get(name)
-        if weight is None:
-            raise CheckpointError(f"The checkpoint has {scale_name!r} but not the FP8 weight {name!r} it scales.")
-        rows, cols = weight.shape
-        blocks = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
-        if tuple(scale.shape) != blocks:
-            raise CheckpointError(
-                f"{scale_name!r} has shape {tuple(scale.shape)}, but {name!r} {tuple(weight.shape)} in {FP8_BLOCK} x"
-                f" {FP8_BLOCK} blocks needs {blocks}; only block-quantized FP8 (DeepSeek-V3's) is read."
-            )
-        full = scale.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:rows, :cols]
-        out[name] = (weight.float() * full).to(dtype)
-    return out
-
-
-def from_saved_layout(hf_state_dict: dict[str, Tensor], config: DeepSeekConfig) -> dict[str, Tensor]:
-    """Any stored DeepSeek state dict in the stacked layout ``hf_name_map`` names: multi-token-prediction layers
-    beyond ``config.mtp_layers`` dropped (logged), the copies of the shared embedding and head the release keeps in
-    each MTP layer dropped, FP8 weights dequantized (``dequantize_fp8``), per-expert tensors stacked
-    (``hf_experts.stack_experts``)."""
+def dropped_names(config: DeepSeekConfig, names: Iterable[str]) -> list[str]:
+    """The stored names a model of ``config`` does not read: multi-token-prediction layers beyond
+    ``config.mtp_layers`` (logged) and the copies of the shared embedding and head the release keeps in each MTP
+    layer."""
     last = config.n_layers + config.mtp_layers
-    extra = sorted({int(m.group(1)) for name in hf_state_dict if (m := _LAYER.match(name)) and int(m.group(1)) >= last})
+    layers = {name: int(m.group(1)) for name in names if (m := _LAYER.match(name))}
+    extra = sorted({layer for layer in layers.values() if layer >= last})
     if extra:
         log.warning("Dropping the multi-token-prediction layer(s) %s of the checkpoint: the model keeps"
                     " mtp_layers=%d of them; generation does not use them.", extra, config.mtp_layers)
-    hf_state_dict = {name: tensor for name, tensor in hf_state_dict.items()
-                     if not ((m := _LAYER.match(name)) and (int(m.group(1)) >= last or name.endswith(_MTP_SHARED_COPIES)))}
-    if any(name.endswith(".weight_scale_inv") for name in hf_state_dict):
-        hf_state_dict = dequantize_fp8(hf_state_dict)
-    return stack_experts(hf_state_dict, config.n_experts)
+    return [name for name, layer in layers.items() if layer >= last or name.endswith(_MTP_SHARED_COPIES)]
 
 
 def config_from_weights(config: DeepSeekConfig, names: Iterable[str]) -> DeepSeekConfig:
@@ -137,12 +109,6 @@ def config_from_weights(config: DeepSeekConfig, names: Iterable[str]) -> DeepSee
     while config.n_layers + depths in held:
         depths += 1
     return dataclasses.replace(config, mtp_layers=depths)
-
-
-def to_saved_layout(hf_state_dict: dict[str, Tensor], config: DeepSeekConfig) -> dict[str, Tensor]:
-    """The stacked experts as ``save_pretrained`` writes them: one ``gate_proj`` / ``up_proj`` / ``down_proj`` per
-    expert (``hf_experts.unstack_experts``)."""
-    return unstack_experts(hf_state_dict)
 
 
 def _rope_from_hf(hf_config: Mapping[str, Any], source: str) -> tuple[float, Optional[dict[str, Any]]]:

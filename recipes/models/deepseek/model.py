@@ -191,6 +191,10 @@ class DeepSeek(RoutedDecoder):
     With ``mtp_layers`` a training forward also runs the multi-token-prediction depths on the trunk's last hidden
     state (inputs rolled ahead by the depth, positions not), keeping their logits for ``multi_token_loss``."""
 
+    #: Set by npu_fsdp under context parallelism (``lightning_npu.parallel.context.ContextParallel``): the depths read
+    #: tokens ahead, which a context-parallel rank's part lacks, so a training forward with them refuses it.
+    context_parallel = None
+
     def __init__(self, config: DeepSeekConfig) -> None:
         super().__init__(config, (DeepSeekBlock(config, i) for i in range(config.n_layers)))
         if config.mtp_layers:

@@ -33,7 +33,7 @@ def mla_attention_plan(prefix: str, attention: nn.Module, *, sequence_parallel: 
     ``sequence_parallel``, else replicated). The attention's input must come replicated: gathered by the block
     plan's ``PrepareModuleInput`` under ``sequence_parallel``, a plain tensor otherwise. (That the heads divide by
     the tensor-parallel size is checked with the config, before workers start: ``n_heads`` in
-    ``recipes.decoder.tensor_parallel.tensor_parallel_problems``.)"""
+    ``lightning_npu.facts.parallel_rules.tensor_parallel_problems``.)"""
     if not all(hasattr(attention, name) for name in ("wkv_a", "kv_norm", "wkv_b", "wo", "kv_rank", "rope")):
         raise TypeError(f"{prefix or 'the module'} ({type(attention).__name__}) is not an MLAttention")
     plan: dict[str, ParallelStyle] = {}

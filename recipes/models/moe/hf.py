@@ -6,9 +6,9 @@ transformers 5 holds a layer's experts stacked in memory, as the recipe does (``
 [E, 2F, dim], gate rows first, and ``mlp.experts.down_proj`` [E, dim, F]): the name map names those. Its
 ``save_pretrained`` (5.24) still writes one tensor per expert, as transformers 4 did and most downloads are:
 ``mlp.experts.{j}.gate_proj / up_proj / down_proj`` (Qwen) or ``block_sparse_moe.experts.{j}.w1 / w3 / w2``
-(Mixtral, whose MoE module was ``block_sparse_moe``). ``from_saved_layout`` reads either; exports are written as
-``save_pretrained`` writes them (``to_saved_layout``), which transformers 4 and 5 both load. The stacking itself is
-shared with every family with MoE layers: ``recipes/decoder/hf_experts.py``.
+(Mixtral, whose MoE module was ``block_sparse_moe``): ``expert_layout``. The state-dict adapter reads either
+layout and writes exports as ``save_pretrained`` writes them, which transformers 4 and 5 both load
+(``recipes/decoder/hf_adapter.py``).
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 import torch
-from torch import Tensor
-
 from recipes.decoder.checkpoint_layout import CheckpointError
 from recipes.decoder.hf_checkpoint import (
     HF_EMBEDDING, HF_HEAD, PEFT_ATTENTION_TARGETS, SWIGLU_ACTIVATIONS, hf_attention_names, hf_decoder_entries,
     hf_decoder_fields, hf_feed_forward_names,
 )
-from recipes.decoder.hf_experts import PEFT_EXPERT_TARGETS, stack_experts, unstack_experts
+from recipes.decoder.hf_adapter import ExpertLayout
+from recipes.decoder.hf_experts import PEFT_EXPERT_TARGETS
 from recipes.models.moe.config import MoEConfig
 
 #: The ``config.json`` model types of the family, one per ``MoEConfig.architecture`` (each exports as itself).
@@ -35,8 +34,8 @@ _DEFAULT_AUX_LOSS_COEF = 0.001
 #: LoRA target -> the decoder layer submodule PEFT adapts, or for an expert target the stacked parameter of
 #: transformers 5's experts module PEFT adapts.
 PEFT_TARGETS = {**PEFT_ATTENTION_TARGETS, **PEFT_EXPERT_TARGETS}
-#: Mixtral's per-expert projections (gate, up, down), under its MoE module ``block_sparse_moe``.
-MIXTRAL_EXPERT_PROJECTIONS = ("w1", "w3", "w2")
+#: How Mixtral checkpoints store an expert: under its MoE module ``block_sparse_moe``, projections w1 / w3 / w2.
+MIXTRAL_EXPERT_LAYOUT = ExpertLayout(module=".block_sparse_moe.", projections=("w1", "w3", "w2"))
 
 
 def hf_name_map(config: MoEConfig) -> dict[str, tuple[str, ...]]:
@@ -64,11 +63,9 @@ def hf_name_map(config: MoEConfig) -> dict[str, tuple[str, ...]]:
     return names
 
 
-def from_saved_layout(hf_state_dict: dict[str, Tensor], config: MoEConfig) -> dict[str, Tensor]:
-    """A per-expert state dict in the stacked layout: Mixtral's ``block_sparse_moe`` renamed ``mlp``, and each
-    layer's experts stacked (``hf_experts.stack_experts``, which names a layer whose experts are incomplete)."""
-    renamed = {name.replace(".block_sparse_moe.", ".mlp."): tensor for name, tensor in hf_state_dict.items()}
-    return stack_experts(renamed, config.n_experts)
+def expert_layout(config: MoEConfig) -> ExpertLayout:
+    """How checkpoints of ``config``'s architecture store one expert: Mixtral's own layout, else the default."""
+    return MIXTRAL_EXPERT_LAYOUT if config.architecture == "mixtral" else ExpertLayout()
 
 
 def config_from_hf(hf_config: Mapping[str, Any], *, source: str = "config.json") -> MoEConfig:
@@ -191,12 +188,3 @@ def hf_config_dict(
             out["attention_bias"] = False
     out.update(extra or {})
     return out
-
-
-def to_saved_layout(hf_state_dict: dict[str, Tensor], config: MoEConfig) -> dict[str, Tensor]:
-    """Inverse of ``from_saved_layout``: one tensor per expert (``hf_experts.unstack_experts``), Mixtral's under
-    ``block_sparse_moe`` with w1 / w3 / w2."""
-    if config.architecture != "mixtral":
-        return unstack_experts(hf_state_dict)
-    out = unstack_experts(hf_state_dict, MIXTRAL_EXPERT_PROJECTIONS)
-    return {name.replace(".mlp.", ".block_sparse_moe."): tensor for name, tensor in out.items()}

@@ -32,7 +32,7 @@ def profile_of(config: MoEConfig, name: str, lora: Any = None) -> MoEProfile:
         qk_norm=config.qk_norm, n_experts=config.n_experts, top_k=config.top_k,
         expert_hidden_dim=config.expert_hidden_dim, shared_expert_hidden_dim=config.shared_expert_hidden_dim,
         dense_layers=tuple(dense), norm_topk_prob=config.norm_topk_prob,
-        aux_loss=config.router_aux_loss_coef > 0,
+        router_aux_loss_coef=config.router_aux_loss_coef,
     )
 
 

@@ -80,6 +80,7 @@ def model_case(group, algo: str, cu_seqlens, family: str = "llama") -> dict:
     from lightning_npu.parallel.context import ContextParallel
     from lightning_npu.parallel.context import apply_context_parallel
     from recipes import families
+    from recipes.decoder.transformer import positions_in_samples
 
     config_class, model_class = (getattr(families.get(family), name) for name in ("config_class", "model_class"))
     torch.manual_seed(0)
@@ -94,7 +95,10 @@ def model_case(group, algo: str, cu_seqlens, family: str = "llama") -> dict:
 
     cp = ContextParallel(group, algo)
     apply_context_parallel(model, model.context_parallel_modules(), cp)
-    logits = model(cp.shard(tokens), cu_seqlens=cu_seqlens)
+    # The positions of this rank's part come in with it: the trunk cannot tell them from its input.
+    positions = (torch.arange(32).expand(2, -1) if cu_seqlens is None else
+                 positions_in_samples(cu_seqlens).view(2, 32))
+    logits = model(cp.shard(tokens), cu_seqlens=cu_seqlens, position_ids=cp.shard(positions))
     (logits * cp.shard(weight)).sum().backward()
     errors = {"logits": (logits - cp.shard(expected.detach())).abs().max()}
     for name, p in model.named_parameters():

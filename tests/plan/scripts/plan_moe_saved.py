@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_npu.parallel.context import ContextParallel
+from lightning_npu.facts.options import FSDPOptions
 from lightning_npu.plan import Parallelism
 
 SEQ, BATCHES, WORLD = 32, (2, 4), 2
@@ -83,7 +84,8 @@ def main() -> None:
     rows = []
     for family, overrides, layer, precision, algo in CASES:
         profile = _family(family)[2]({"family": family, "preset": "tiny", "config": overrides})
-        split = profile.with_parallelism(Parallelism(context=WORLD, context_algo=algo), seq_len=SEQ)
+        split = profile.with_parallelism(
+            Parallelism(FSDPOptions(context_parallel_size=WORLD, context_parallel_algo=algo)))
         act_bytes = 4 if precision == "32-true" else 2
         predicted = sum(split.block_profile(layer).saved_by_block("reference", act_bytes, SEQ).all.values())
         rows.append({"case": f"{family}{'_no_q_lora' if overrides else ''}_layer{layer}_{precision}_{algo}",

@@ -19,6 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_npu.kernels import rotary_tables
 from lightning_npu.parallel.context import ContextParallel
+from lightning_npu.facts.options import FSDPOptions
 from lightning_npu.plan import Parallelism
 from recipes.decoder.tensor_parallel import decoder_plan
 from recipes.models.llama.config import LLaMAConfig
@@ -27,10 +28,10 @@ from recipes.models.llama.model import LLaMA
 
 SEQ, BATCHES, WORLD = 32, (2, 4), 2
 CASES = {
-    "tp2": Parallelism(tensor=2),
-    "tp2_no_sp": Parallelism(tensor=2, sequence_parallel=False),
-    "cp2_ulysses": Parallelism(context=2, context_algo="ulysses"),
-    "cp2_ring": Parallelism(context=2, context_algo="ring"),
+    "tp2": Parallelism(FSDPOptions(tensor_parallel_size=2)),
+    "tp2_no_sp": Parallelism(FSDPOptions(tensor_parallel_size=2, sequence_parallel=False)),
+    "cp2_ulysses": Parallelism(FSDPOptions(context_parallel_size=2, context_parallel_algo="ulysses")),
+    "cp2_ring": Parallelism(FSDPOptions(context_parallel_size=2, context_parallel_algo="ring")),
 }
 
 
@@ -80,7 +81,7 @@ def main() -> None:
     profile = lightning_npu_memory_profile({"preset": "tiny"})
     rows = []
     for name, parallel in CASES.items():
-        split = profile.with_parallelism(parallel, seq_len=SEQ)
+        split = profile.with_parallelism(parallel)
         predicted = sum(split.saved_by_block("reference", 4, SEQ).all.values())
         rows.append({"case": name, "measured": saved_per_token(parallel), "predicted": predicted})
     print(json.dumps(rows))

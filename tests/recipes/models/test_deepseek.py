@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file
 
 from recipes import convert, families
-from recipes.decoder import hf_checkpoint
+from recipes.decoder import hf_adapter, hf_checkpoint
 from recipes.decoder.checkpoint_layout import CheckpointError
 from recipes.generate import generate
 from recipes.models.deepseek import hf as deepseek_hf
@@ -80,7 +80,7 @@ def test_the_stacked_transformers_5_layout_loads_as_the_per_expert_one():
     stacked = hf.state_dict()
     assert "model.layers.1.mlp.experts.gate_up_proj" in stacked
     config = deepseek_hf.config_from_hf(hf.config.to_dict())
-    per_expert = deepseek_hf.to_saved_layout(dict(stacked), config)
+    per_expert = hf_checkpoint.recipe_to_hf_state_dict(hf_checkpoint.hf_to_recipe_state_dict(stacked, config), config)
     assert "model.layers.1.mlp.experts.7.up_proj.weight" in per_expert
     ours, again = (hf_checkpoint.hf_to_recipe_state_dict(sd, config) for sd in (stacked, per_expert))
     assert ours.keys() == again.keys() and all(torch.equal(ours[k], again[k]) for k in ours)
@@ -121,29 +121,53 @@ def _fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (weight / full).to(torch.float8_e4m3fn), scale
 
 
-def test_fp8_block_quantized_weights_are_dequantized_on_import():
-    weight = torch.randn(200, 130, generator=torch.Generator().manual_seed(0))
-    codes, scale = _fp8_blocks(weight)
-    assert scale.shape == (2, 2)
-    out = deepseek_hf.dequantize_fp8({"a.weight": codes, "a.weight_scale_inv": scale})
-    assert set(out) == {"a.weight"} and out["a.weight"].dtype == torch.bfloat16
-    # Each block's codes times its own scale: a block-mixup would be off by the ratio of two scales.
-    expected = codes.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:200, :130]
-    assert torch.equal(out["a.weight"], expected.bfloat16())
-    assert (out["a.weight"].float() - weight).abs().max() < 0.1 * weight.abs().max()
-    with pytest.raises(CheckpointError, match=r"needs \(2, 2\)"):
-        deepseek_hf.dequantize_fp8({"a.weight": codes, "a.weight_scale_inv": scale[:1]})
-    # A whole checkpoint in the release's layout (linear weights FP8, per-expert tensors) converts.
+def fp8_release_state_dict() -> tuple[DeepSeekConfig, dict[str, torch.Tensor]]:
+    """A random DeepSeek-V3 in its release's layout: per-expert tensors, every projection FP8 with block scales."""
     hf = hf_model("v3-q-lora-yarn")
     config = deepseek_hf.config_from_hf(hf.config.to_dict())
-    stored = deepseek_hf.to_saved_layout(dict(hf.state_dict()), config)
+    stored = hf_checkpoint.recipe_to_hf_state_dict(hf_checkpoint.hf_to_recipe_state_dict(hf.state_dict(), config), config)
     quantized = dict(stored)
     for name, tensor in stored.items():
         if tensor.dim() == 2 and "proj" in name:
             quantized[name], quantized[name + "_scale_inv"] = _fp8_blocks(tensor)
+    return config, quantized
+
+
+def write_fp8_directory(directory) -> None:
+    """``fp8_release_state_dict`` as an HF directory (config.json, one safetensors file)."""
+    from safetensors.torch import save_file
+
+    config, quantized = fp8_release_state_dict()
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(hf_checkpoint.hf_config_dict(config, dtype=torch.bfloat16)))
+    save_file(quantized, directory / "model.safetensors")
+
+
+def test_fp8_block_quantized_weights_are_dequantized_on_import():
+    weight = torch.randn(200, 130, generator=torch.Generator().manual_seed(0))
+    codes, scale = _fp8_blocks(weight)
+    assert scale.shape == (2, 2)
+    piece = hf_adapter.Piece("a.weight", (0, 0), (200, 130), scale="a.weight_scale_inv")
+    tensors = {"a.weight": codes, "a.weight_scale_inv": scale}
+    out = hf_adapter.read_piece(piece, (slice(0, 200), slice(0, 130)), lambda name, index: tensors[name][index])
+    assert out.dtype == torch.bfloat16
+    # Each block's codes times its own scale: a block-mixup would be off by the ratio of two scales.
+    expected = codes.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:200, :130]
+    assert torch.equal(out, expected.bfloat16())
+    assert (out.float() - weight).abs().max() < 0.1 * weight.abs().max()
+    # A slice across block edges reads its own blocks' scales only.
+    part = hf_adapter.read_piece(piece, (slice(100, 190), slice(120, 130)), lambda name, index: tensors[name][index])
+    assert torch.equal(part, expected.bfloat16()[100:190, 120:130])
+    # A whole checkpoint in the release's layout (linear weights FP8, per-expert tensors) converts.
+    config, quantized = fp8_release_state_dict()
     ours = hf_checkpoint.hf_to_recipe_state_dict(quantized, config)
     codes, scale = quantized["model.layers.0.self_attn.kv_b_proj.weight"], quantized["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"]
     assert torch.equal(ours["layers.0.attention.wkv_b.weight"], (codes.float() * scale).bfloat16())  # one block
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    with pytest.raises(CheckpointError, match=r"needs \(1, 1\)"):
+        hf_checkpoint.hf_to_recipe_state_dict({**quantized, name + "_scale_inv": torch.ones(2, 1)}, config)
+    with pytest.raises(CheckpointError, match=r"without its block scales 'model\.layers\.0\.self_attn\.kv_b_proj"):
+        hf_checkpoint.hf_to_recipe_state_dict({k: v for k, v in quantized.items() if k != name + "_scale_inv"}, config)
 
 
 def test_multi_token_prediction_exports_at_layer_n_imports_back_and_is_skipped_by_generation(tmp_path, caplog):

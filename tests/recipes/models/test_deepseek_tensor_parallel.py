@@ -47,11 +47,14 @@ def test_the_plan_splits_the_up_projections_and_replicates_the_low_ranks_summing
 
 
 def test_a_head_count_the_tensor_parallel_size_does_not_divide_is_refused_before_workers_start():
-    from recipes.decoder.tensor_parallel import check_tensor_parallel
+    from lightning_npu.facts.options import FSDPOptions
+    from lightning_npu.facts.parallel_rules import BatchShapes, check_tensor_parallel
+    from recipes.decoder.tensor_parallel import model_shapes
 
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 cannot split this model: n_heads=4 is not divisible"
                                          r" by tensor_parallel_size=3"):
-        check_tensor_parallel(DeepSeekConfig.from_preset("tiny", **SHAPE), 3, seq_len=SEQ, sequence_parallel=False)
+        check_tensor_parallel(FSDPOptions(tensor_parallel_size=3, sequence_parallel=False),
+                              model_shapes(DeepSeekConfig.from_preset("tiny", **SHAPE)), BatchShapes(seq_len=SEQ))
     with pytest.raises(TypeError, match=r"layers.0.attention \(Linear\) is not an MLAttention"):
         mla_attention_plan("layers.0.attention", Linear(4, 4), sequence_parallel=False)
 

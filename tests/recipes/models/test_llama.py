@@ -274,12 +274,26 @@ def test_packed_forward_takes_boundaries_as_a_tensor_and_explicit_positions_alik
         torch.testing.assert_close(model(tokens, cu_seqlens=torch.tensor(bounds, dtype=torch.int32)), reference)
         torch.testing.assert_close(model(tokens, cu_seqlens=bounds, position_ids=positions), reference)
         assert not torch.allclose(model(tokens, cu_seqlens=bounds, position_ids=positions + 1), reference)
+        # Unpacked rows at explicit positions (what a context-parallel part or a later pipeline stage gets).
+        whole = torch.arange(8).expand(2, -1)
+        torch.testing.assert_close(model(tokens, position_ids=whole), model(tokens), rtol=0, atol=0)
+
+
+def test_a_part_of_each_sequence_without_its_positions_is_refused():
+    """Under context parallelism a rank's tokens are a part of each sequence: without position_ids the trunk would
+    give them the positions 0 .. part - 1 (silently wrong rotary), so it refuses, naming the fix."""
+    model = random_model(small_config())
+    for block in model.layers:
+        block.attention.context_parallel = object()  # what npu_fsdp gives: a ContextParallel
+    with pytest.raises(ValueError, match=r"runs under context parallelism.*pass position_ids=context_parallel.shard"):
+        model(torch.zeros(2, 8, dtype=torch.long))
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"position_ids": torch.zeros(2, 8, dtype=torch.long)}, "position_ids are read only with cu_seqlens"),
+        ({"position_ids": torch.zeros(2, 9, dtype=torch.long)}, "must match tokens"),
+        ({"position_ids": torch.tensor([list(range(8)), list(range(1, 9))])}, r"row 1 \(\[1, 2, .*differ from row 0's"),
         ({"cu_seqlens": [0, 3, 3, 16]}, "rise strictly"),
         ({"cu_seqlens": [0, 8, 12]}, "end at the token count T=16"),
         ({"cu_seqlens": [0, 16], "position_ids": torch.zeros(16, dtype=torch.long)}, "must match tokens"),

@@ -1,8 +1,13 @@
-"""``init_from`` on 2 ranks (torchrun, gloo): only rank 0 reads the weights, every rank gets its shard.
+"""``init_from`` on 2 ranks (torchrun, gloo).
 
-Rank 1 is given a path that does not exist, so the run fails if rank 1 reads anything. Writes
-``<out>/rank<r>.json``: whether the sharded model now holds the saved weights exactly, and the message of a
-load whose config does not match (which must reach both ranks).
+From a recipe checkpoint only rank 0 reads the weights and every rank gets its shard: rank 1 is given a path that
+does not exist, so the run fails if rank 1 reads anything. From the Hugging Face directory ``<out>/hf`` (written by
+the test) every rank reads only the slices of its own shards. Writes ``<out>/rank<r>.json``: whether the sharded
+model now holds the saved weights exactly, the message of a load whose config does not match (which must reach
+both ranks), and for the HF load the bytes this rank read and its peak host memory above its memory before
+(``VmHWM`` reset through ``/proc/self/clear_refs``), in bytes. The FP8 DeepSeek-V3 directory ``<out>/fp8`` (per-expert
+tensors, block scales) is read into DTensors sharded on dim 0, on dim 1 and replicated: whether each equals the
+whole read.
 """
 
 import json
@@ -14,7 +19,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from recipes.decoder.hf_checkpoint import HFWeights, load_hf_checkpoint, open_hf_checkpoint, read_into
 from recipes.models.llama.config import LLaMAConfig
 from recipes.models.llama.model import LLaMA
 from recipes.decoder.module import load_pretrained
@@ -28,6 +35,9 @@ def sharded_model(config: LLaMAConfig) -> LLaMA:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
+    with torch.no_grad():  # touched, as a run started from scratch initialises them: its own memory is resident
+        for tensor in model.state_dict().values():
+            tensor.to_local().zero_()
     return model
 
 
@@ -58,7 +68,59 @@ def main() -> None:
         result["mismatch"] = "no error"
     except ValueError as error:
         result["mismatch"] = str(error)
+    result.update(hf_load(out / "hf"))
+    result["fp8_equal"] = fp8_load(out / "fp8")
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def vm_bytes(field: str) -> int:
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def fp8_load(hf_dir: Path) -> dict:
+    _, weights, plan = open_hf_checkpoint(hf_dir)
+    whole = load_hf_checkpoint(hf_dir)[1]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    equal = {}
+    for dim in (0, 1, None):
+        tensors = {name: distribute_tensor(torch.zeros_like(tensor), mesh,
+                                           [Replicate() if dim is None or tensor.dim() <= dim else Shard(dim)])
+                   for name, tensor in whole.items()}
+        read_into(tensors, weights, plan)
+        equal[str(dim)] = all(torch.equal(tensors[name].full_tensor(), whole[name]) for name in whole)
+    return equal
+
+
+def hf_load(hf_dir: Path) -> dict:
+    config = open_hf_checkpoint(hf_dir)[0]
+    model = sharded_model(config)
+    read = [0]
+    plain_read = HFWeights.read
+
+    def counted(self, name, index):
+        tensor = plain_read(self, name, index)
+        read[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    HFWeights.read = counted
+    before = vm_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from the current RSS
+    load_pretrained(model, str(hf_dir), config)
+    result = {"hf_peak_above": vm_bytes("VmHWM") - before, "hf_read": read[0]}
+    HFWeights.read = plain_read
+    loaded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        reference = load_hf_checkpoint(hf_dir)[1]
+        result["hf_equal"] = loaded.keys() == reference.keys() and all(
+            torch.equal(loaded[k], reference[k]) for k in loaded)
+    smaller = LLaMAConfig.from_dict({**config.to_dict(), "n_layers": 1})
+    try:
+        load_pretrained(sharded_model(smaller), str(hf_dir), smaller)
+        result["hf_mismatch"] = "no error"
+    except ValueError as error:
+        result["hf_mismatch"] = str(error)
+    return result
 
 
 if __name__ == "__main__":
