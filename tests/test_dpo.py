@@ -19,7 +19,8 @@ from recipes.decoder.lora import is_adapter_name
 from recipes.decoder.lora_config import LoRAConfig
 from recipes.models.llama.config import LLaMAConfig
 from recipes.models.llama.model import LLaMA
-from recipes.posttrain.dpo import DPOLM, adapters_off
+from recipes.posttrain.dpo import DPOLM
+from recipes.posttrain.reference import adapters_off
 from recipes.posttrain.dpo_loss import pair_losses
 from recipes.posttrain.logprobs import token_logprobs
 from recipes.posttrain.preference_data import PreferenceDataModule, collate_preferences, to_preference

@@ -84,11 +84,20 @@ def test_num_generations_that_does_not_divide_the_batch_is_refused():
         PromptDataModule(batch_size=12, num_generations=8)
 
 
-def test_beta_without_a_reference_and_bad_sampling_are_refused():
+def test_beta_takes_the_reference_dpo_takes_and_one_that_cannot_be_built_is_refused():
+    """What the CLI builds before workers start: beta > 0 gets a frozen copy (or the base with adapters off under
+    LoRA), beta 0 none, and a reference that cannot be built is named with the fix."""
     from recipes.posttrain.grpo_module import GRPOModule
 
-    with pytest.raises(ValueError, match="beta=0.04 needs a reference model"):
-        GRPOModule(beta=0.04)
+    assert GRPOModule(beta=0.04).reference_kind == "copy" and GRPOModule().reference_kind is None
+    lora = {"lora": {"rank": 4, "alpha": 8}, "init_from": "/base"}
+    assert GRPOModule(beta=0.04, **lora).reference_kind == "adapters_off"
+    with pytest.raises(ValueError, match="reference='adapters_off' needs model.lora"):
+        GRPOModule(beta=0.04, reference="adapters_off")
+    with pytest.raises(ValueError, match="reference='copy' under model.lora would hold a second copy"):
+        GRPOModule(beta=0.04, reference="copy", **lora)
+    with pytest.raises(ValueError, match="model.reference='copy' serves the KL term only, and model.beta=0"):
+        GRPOModule(reference="copy")
     with pytest.raises(ValueError, match="top_p=0"):
         SamplingOptions(top_p=0)
 

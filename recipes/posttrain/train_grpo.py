@@ -4,8 +4,9 @@
     LIGHTNING_NPU_SIMULATE=2 python recipes/posttrain/train_grpo.py fit --config recipes/models/llama/configs/tiny_grpo.yaml
 
 Before any worker starts: every reward function imports and returns one reward per completion (called once on the
-first prompts), the batch divides into groups of ``num_generations``, beta > 0 is refused (no reference model), and
-so are the parallel layouts GRPO cannot run (``recipes/train.py``'s ``check_parallel_layout``).
+first prompts), the batch divides into groups of ``num_generations``, a reference that cannot be built for beta > 0
+is named (``reference.choose_reference``, when the model is built), and so are the parallel layouts GRPO cannot run
+(``recipes/train.py``'s ``check_parallel_layout``).
 """
 
 from __future__ import annotations
