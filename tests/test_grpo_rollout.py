@@ -119,8 +119,9 @@ def test_sharded_rollouts_gather_each_unit_once_and_equal_generate_py():
 @pytest.mark.parametrize(("size", "message"), [
     ("pipeline_parallel_size", r"pipeline_parallel_size=2 cannot run this model: GRPO's rollouts decode token by token"),
     ("context_parallel_size", r"context_parallel_size=2: GRPO's rollouts decode whole sequences"),
+    ("tensor_parallel_size", r"tensor_parallel_size=2 cannot split this model: GRPO's rollouts sample from the"),
 ])
-def test_pipeline_and_context_parallel_grpo_are_refused_by_the_parallel_rules(size, message):
+def test_pipeline_context_and_tensor_parallel_grpo_are_refused_by_the_parallel_rules(size, message):
     """What train_grpo.py checks before workers start (recipes/train.py check_parallel_layout) and every rank checks
     again: the layouts the rollouts cannot run."""
     from lightning_npu.facts import parallel_rules
@@ -129,3 +130,11 @@ def test_pipeline_and_context_parallel_grpo_are_refused_by_the_parallel_rules(si
 
     with pytest.raises(ValueError, match=message):
         parallel_rules.check(FSDPOptions(**{size: 2}), GRPOModule().parallel_shapes())
+
+
+def test_accumulating_grpo_steps_is_refused_before_workers_start():
+    from recipes.posttrain.train_grpo import check_accumulation
+
+    check_accumulation(1)
+    with pytest.raises(ValueError, match="accumulate_grad_batches=4: a GRPO step rolls out"):
+        check_accumulation(4)

@@ -86,8 +86,13 @@ class GRPOModule(ReferencedLM):
 
     def parallel_shapes(self) -> ModelShapes:
         """The model's shapes, and the layouts GRPO cannot run yet (``train_grpo.py`` and every rank refuse them)."""
+        shapes = super().parallel_shapes()
         return dataclasses.replace(
-            super().parallel_shapes(),
+            shapes,
+            unsplit_parts=(*shapes.unsplit_parts,
+                           "GRPO's rollouts sample from the policy's logits, which tensor parallelism splits by"
+                           " vocabulary and the sampler does not gather (train GRPO with data or sharded"
+                           " parallelism)"),
             pipeline_refusals=("GRPO's rollouts decode token by token through the whole model, which a pipeline would"
                                " have to schedule one token at a time; train GRPO with data or sharded parallelism",),
             context_parallel_refusals=("GRPO's rollouts decode whole sequences on each rank, and a context-parallel"
