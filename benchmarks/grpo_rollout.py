@@ -143,11 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", choices=("sharded", "baseline"), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.role == "sharded":
-        sharded_worker(args)
-        return 0
-    if args.role == "baseline":
-        baseline_worker(args)
+    if args.role is not None:
+        {"sharded": sharded_worker, "baseline": baseline_worker}[args.role](args)
         return 0
     with tempfile.TemporaryDirectory() as workdir:
         result = Path(workdir) / "rollout"
