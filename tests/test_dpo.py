@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from recipes.decoder.data import DEFAULT_TOKENIZER
-from recipes.decoder.checkpoint_layout import read_model_tensors
+from recipes.decoder.checkpoint_layout import read_model_tensors, read_recipe_metadata
 from recipes.decoder.lora import is_adapter_name
 from recipes.decoder.lora_config import LoRAConfig
 from recipes.models.llama.config import LLaMAConfig
@@ -58,7 +58,9 @@ def _our_rows(tmp_path: Path, rows: list[dict], tokenizer: str, max_length: int 
     data = PreferenceDataModule(path=str(_write_rows(tmp_path / "rows.jsonl", rows)), tokenizer=tokenizer,
                                 seq_len=max_length, batch_size=1, cache_dir=str(tmp_path / "cache"))
     data.setup()
-    return [data.train_dataset[i] for i in range(len(data.train_dataset))]
+    rows = [data.train_dataset[i] for i in range(len(data.train_dataset))]
+    assert [row.pop("index") for row in rows] == list(range(len(rows)))
+    return rows
 
 
 def _trl_rows(rows: list[dict], tokenizer_path: str, tmp_path: Path, max_length: int = 64) -> list[dict]:
@@ -212,18 +214,24 @@ def _train_dpo(root: Path, case: Path, npus: int, *extra: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("npus", [1, 2])
-def test_dpo_per_step_losses_equal_trl_dpo_trainer(tmp_path, dpo_case, npus):
+@pytest.mark.parametrize(("npus", "reference"), [(1, "copy"), (2, "precomputed")])
+def test_dpo_per_step_losses_equal_trl_dpo_trainer(tmp_path, dpo_case, npus, reference):
     """Catches any difference from TRL in the tokens (EOS, the prompt split, truncation), the log-probs (the shift,
-    the mask), the reference, the loss and its mean over the data-parallel ranks, and the optimizer step."""
+    the mask), the reference (a live frozen copy on 1 NPU; on 2, the log-probs precomputed when the fit starts, each
+    rank scoring a share: a row read at the wrong index moves the loss far past 1e-4 once the policy has moved), the
+    loss and its mean over the data-parallel ranks, and the optimizer step."""
     case, trl_losses = dpo_case
-    _train_dpo(tmp_path, case, npus, "--data.shuffle", "false", "--data.batch_size", str(_BATCH // npus),
+    _train_dpo(tmp_path, case, npus, "--model.precompute_reference", str(reference == "precomputed").lower(),
+               "--data.shuffle", "false", "--data.batch_size", str(_BATCH // npus),
                "--data.val_fraction", "0", "--trainer.max_steps", str(_STEPS), "--trainer.gradient_clip_val", "null",
                "--trainer.limit_val_batches", "0")
     ours = logged_losses(tmp_path / "run", 0)
     assert len(trl_losses) == _STEPS and sorted(ours) == list(range(_STEPS))
     assert max(abs(loss - math.log(2)) for loss in trl_losses) > 3e-3  # the policy moved off its reference
     assert max(abs(ours[step] - trl_losses[step]) for step in range(_STEPS)) < 1e-4, (ours, trl_losses)
+    if reference == "precomputed":  # kept in checkpoints, so a resume reads the same log-probs
+        tables = read_recipe_metadata(last_checkpoint(tmp_path / "run", 0))["dpo_reference_logps"]
+        assert tables["train"].shape == (_STEPS * _BATCH, 2) and (tables["train"] < 0).all()
 
 
 @pytest.mark.slow

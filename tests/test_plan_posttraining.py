@@ -52,6 +52,7 @@ def test_a_frozen_copy_reference_holds_the_parameter_shards_once_more(tmp_path):
 @pytest.mark.parametrize(("model", "lora", "expected"), [
     ({"beta": 0.1, "loss_type": "sigmoid"}, False, PostTraining("dpo", "copy")),
     ({"sft_weight": 0.5}, True, PostTraining("dpo", "adapters_off")),
+    ({"loss_type": "ipo", "precompute_reference": True}, False, PostTraining("dpo", "none")),
     ({"num_generations": 4, "max_completion_length": 64, "beta": 0.02}, True,
      PostTraining("grpo", "adapters_off", 4, 64)),
     ({"reward_funcs": ["f"]}, False, PostTraining("grpo", "none", 8, 256)),

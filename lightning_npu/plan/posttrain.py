@@ -42,7 +42,7 @@ class PostTraining:
 def post_training_from_config(model: Mapping[str, Any], lora: bool) -> Optional[PostTraining]:
     """The post-training run a recipe config's model section describes (its ``init_args``), or None (pretraining,
     SFT). The reference as the recipes choose it: ``auto`` is the base with the adapters off under LoRA, otherwise
-    a copy; GRPO builds none with ``beta`` 0."""
+    a copy; GRPO builds none with ``beta`` 0, DPO none with ``precompute_reference``."""
     grpo = "num_generations" in model or "reward_funcs" in model
     dpo = not grpo and ("sft_weight" in model or model.get("loss_type") in DPO_LOSSES)
     if not (grpo or dpo):
@@ -50,8 +50,8 @@ def post_training_from_config(model: Mapping[str, Any], lora: bool) -> Optional[
     reference = str(model.get("reference", "auto"))
     if reference == "auto":
         reference = "adapters_off" if lora else "copy"
-    if grpo and not float(model.get("beta", 0.0)):
-        reference = "none"
+    if grpo and not float(model.get("beta", 0.0)) or not grpo and model.get("precompute_reference"):
+        reference = "none"  # GRPO without its KL term; DPO with the reference's log-probs scored before training
     if not grpo:
         return PostTraining("dpo", reference)
     return PostTraining("grpo", reference, int(model.get("num_generations", 8)),
