@@ -256,14 +256,16 @@ def test_dpo_resumed_mid_epoch_reproduces_uninterrupted_losses(tmp_path, dpo_cas
 
 
 @pytest.mark.slow
-def test_lora_dpo_takes_the_base_as_reference_and_checkpoints_the_adapters_only(tmp_path, dpo_case):
-    """Under LoRA the reference is the policy with its adapters off: at the first step (B = 0) the policy is its
-    reference (loss log 2, zero rewards), the adapters then move it, and the checkpoint holds no second model."""
+def test_qlora_dpo_with_8bit_adamw_takes_the_base_as_reference_and_checkpoints_the_adapters_only(tmp_path, dpo_case):
+    """Under LoRA (here QLoRA: the base stored NF4, with 8-bit AdamW, one launch for the three) the reference is the
+    policy with its adapters off: at the first step (B = 0) the policy is its reference (loss log 2, zero rewards),
+    the adapters then move it, and the checkpoint holds no second model."""
     import csv
 
     case, _ = dpo_case
-    _train_dpo(tmp_path, case, 2, "--model.lora", "{rank: 4, alpha: 8, dropout: 0.0, targets: [q, v, down]}",
-               "--model.learning_rate", "1e-2", "--data.batch_size", "2", "--data.val_fraction", "0",
+    _train_dpo(tmp_path, case, 2, "--model.lora",
+               "{rank: 4, alpha: 8, dropout: 0.0, targets: [q, v, down], base_quantization: nf4}",
+               "--model.optimizer", "adamw8bit", "--model.learning_rate", "1e-2", "--data.batch_size", "2", "--data.val_fraction", "0",
                "--trainer.max_steps", "6", "--trainer.limit_val_batches", "0")
     losses = logged_losses(tmp_path / "run", 0)
     with open(tmp_path / "run" / "lightning_logs" / "version_0" / "metrics.csv") as metrics:
