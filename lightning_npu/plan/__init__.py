@@ -7,7 +7,8 @@ estimate),
 ``LowRankAdapters``), ``profile``
 (the protocol by which a model's package supplies its profile, and finding it from a config), ``replay`` (one
 FSDP2 training step replayed as allocations and frees: ``estimate``, ``max_micro_batch``), ``config`` (a
-PlanSpec from a recipe YAML and/or shapes: ``load_spec``), ``render`` (``report`` as data, ``render`` as a table).
+PlanSpec from a recipe YAML and/or shapes: ``load_spec``), ``posttrain`` (what DPO and GRPO add: the reference, the
+rollout phase), ``render`` (``report`` as data, ``render`` as a table).
 """
 
 from lightning_npu.plan.config import load_spec

@@ -12,6 +12,7 @@ from lightning_npu.facts import env
 from lightning_npu.facts.chips import DEFAULT_PLAN_CHIP
 from lightning_npu.facts.options import FSDPOptions, check_option_names
 from lightning_npu.plan.decoder import DecoderProfile
+from lightning_npu.plan.posttrain import post_training_from_config
 from lightning_npu.plan.profile import class_arguments, class_paths, find_profile, load_profile
 from lightning_npu.plan.spec import (
     DEFAULT_HCCL_BUFFSIZE_MB,
@@ -91,12 +92,15 @@ def load_spec(
     if buffsize is None:
         buffsize = float(os.environ.get(env.HCCL_BUFFSIZE, DEFAULT_HCCL_BUFFSIZE_MB))
     settings = {**TRAINER_DEFAULTS, **trainer}
+    post_training = post_training_from_config(class_arguments(model_section), lora=decoder.adapters is not None)
+    sequences_per_row = post_training.sequences_per_row if post_training is not None else 1
     try:
         return PlanSpec(
             model=decoder.shape,
             profile=decoder,
             seq_len=int(seq_len if seq_len is not None else data.get("seq_len", decoder.shape.max_seq_len)),
-            micro_batch=int(micro_batch if micro_batch is not None else data.get("batch_size", DEFAULT_MICRO_BATCH)),
+            micro_batch=int(micro_batch if micro_batch is not None
+                            else data.get("batch_size", DEFAULT_MICRO_BATCH) * sequences_per_row),
             devices=devices if devices is not None else _devices(settings["devices"]),
             nodes=int(nodes if nodes is not None else settings["num_nodes"]),
             precision=canonical_precision(precision if precision is not None else settings["precision"]),
@@ -112,6 +116,7 @@ def load_spec(
             options=options,
             p2p_buffsize_mb=float(os.environ.get(env.P2P_HCCL_BUFFSIZE, DEFAULT_P2P_BUFFSIZE_MB)),
             notes=tuple(notes),
+            post_training=post_training,
         )
     except (TypeError, ValueError) as error:
         if isinstance(error, PlanError):

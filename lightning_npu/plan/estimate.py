@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from lightning_npu.plan.replay import MAX_MICRO_BATCH, _StepReplay
-from lightning_npu.plan.spec import Estimate, PlanSpec, check_zero_stage
+from lightning_npu.plan.posttrain import rollout_bytes
+from lightning_npu.plan.replay import MAX_MICRO_BATCH, _StepReplay, state_bytes
+from lightning_npu.plan.spec import GIB, Estimate, PlanSpec, check_zero_stage
 from lightning_npu.plan.stages import estimate_ranks
 
 
@@ -19,12 +20,30 @@ def estimate(spec: PlanSpec, zero_stage: Optional[int] = None, micro_batch: Opti
     check_zero_stage(stage)
     batch = spec.micro_batch if micro_batch is None else micro_batch
     if spec.pipeline.size == 1:
-        return _StepReplay(spec, stage, batch).run()
+        result = _StepReplay(spec, stage, batch).run()
+        result.rollout_items = rollout_phase(spec, result)
+        return result
     ranks = estimate_ranks(spec, batch)
     fullest = max(ranks, key=lambda result: result.total)
     fullest.zero_stage = stage
     fullest.pipeline_ranks = tuple(result.total for result in ranks)
     return fullest
+
+
+def rollout_phase(spec: PlanSpec, step: Estimate) -> dict[str, float]:
+    """GRPO's rollout phase, itemised (empty for any other run): the step's persistent state (shards, the previous
+    step's gradients, optimizer states, the reference, the communication buffers, the batch) with the rollout's
+    gathered parameters, KV cache and prefill logits (``posttrain.rollout_bytes``), and the allowance on top."""
+    post = spec.post_training
+    if post is None or post.objective != "grpo":
+        return {}
+    state = {**state_bytes(spec), **{key: step.items.get(key, 0.0) for key in ("reference", "comm", "inputs")}}
+    if spec.cpu_offload:
+        state.update(parameters=0.0, gradients=0.0, optimizer=0.0)
+    items = {**state, **rollout_bytes(post, spec.model, spec.seq_len, spec.parallel.tensor, spec.bytes.activation,
+                                      spec.bytes.param, spec.profile.num_params())}
+    items["allowance"] = spec.workspace_gib * GIB + spec.fragmentation * sum(items.values())
+    return items
 
 
 def max_micro_batch(spec: PlanSpec, zero_stage: Optional[int] = None, limit: int = MAX_MICRO_BATCH) -> int:

@@ -33,6 +33,8 @@ def report(spec: PlanSpec) -> dict[str, Any]:
             "max_micro_batch": max_micro_batch(spec, int(stage)),
             "host_gib": result.host_bytes / GIB,
             "pipeline_ranks_gib": [total / GIB for total in result.pipeline_ranks],
+            "rollout_gib": {key: value / GIB for key, value in result.rollout_items.items()},
+            "rollout_total_gib": result.rollout_total / GIB,
         }
     per_layer = spec.profile.block_activations(spec.kernels, spec.bytes.activation, spec.seq_len)
     return {
@@ -106,6 +108,8 @@ def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
     labels = {key: label.format(**names) for key, label in ITEMS.items()}
     if spec.pipeline.size == 1:
         del labels["pipeline"]
+    if spec.post_training is None or spec.post_training.reference != "copy":
+        del labels["reference"]
     if spec.optimizer == "adamw8bit":
         labels["optimizer"] = OPTIMIZER_8BIT_LABEL
     scheme = spec.profile.adapters.base_quantization if spec.profile.adapters is not None else None
@@ -126,6 +130,8 @@ def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
     lines.append("-" * len(header))
     rows: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
         ("total", lambda r: f"{r['total_gib']:.2f}"),
+        *([("GRPO rollout phase (its own peak, see below)", lambda r: f"{r['rollout_total_gib']:.2f}")]
+          if stages[str(spec.zero_stage)]["rollout_gib"] else []),
         (f"device memory ({spec.chip if spec.device_memory_gib == _default_memory(spec) else 'given'})",
          lambda r: f"{spec.device_memory_gib:.2f}"),
         ("headroom", lambda r: f"{r['headroom_gib']:+.2f}"),
@@ -143,6 +149,12 @@ def render(spec: PlanSpec, plan: Mapping[str, Any]) -> str:
         lines.append(f"Each pipeline rank's total (GiB), rank 0 first: {totals}. Both columns are the same under a"
                      " pipeline: npu_fsdp keeps each stage's units gathered for the whole step (one all-gather per"
                      " step, not one per microbatch).")
+    rollout = stages[str(spec.zero_stage)]["rollout_gib"]
+    if rollout:
+        lines.append(f"GRPO's rollout phase, apart from the training step: the policy gathered whole"
+                     f" {rollout['rollout_gathered']:.2f}, the KV cache of one prompt's completions"
+                     f" {rollout['rollout_kv_cache']:.2f}, the prefill's logits {rollout['rollout_logits']:.2f} GiB, on"
+                     " the shards, gradients, optimizer states and reference; the verdict takes the larger peak.")
     if spec.cpu_offload:
         lines.append(f"cpu_offload: parameters, gradients and optimizer states ({stages['3']['host_gib']:.2f} GiB per"
                      " device) live in host memory.")

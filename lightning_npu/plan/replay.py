@@ -50,6 +50,7 @@ from typing import Iterable, Optional
 from lightning_npu.facts import optim8bit, weight_quant
 from lightning_npu.plan.decoder import FP32_BYTES, INT64_BYTES, DecoderProfile, RankLocalShape
 from lightning_npu.plan.shape import Parallelism
+from lightning_npu.plan.posttrain import reference_bytes
 from lightning_npu.plan.spec import GIB, ITEMS, MIB, Estimate, PlanSpec
 
 #: HCCL holds two buffers of HCCL_BUFFSIZE per communicator.
@@ -281,6 +282,7 @@ class _StepReplay:
         else:
             for item, nbytes in state.items():
                 t.alloc(item, nbytes, "start")
+            t.alloc("reference", reference_bytes(spec.post_training, state["parameters"]), "start")
             self.gradients = state["gradients"]
         if spec.world_size > 1:
             hybrid = spec.sharding == "hybrid" and spec.nodes > 1

@@ -21,6 +21,7 @@ from lightning_npu.facts.chips import (
 )
 from lightning_npu.facts.precisions import PRECISION_DTYPES, PrecisionDtypes
 from lightning_npu.plan.decoder import DecoderProfile
+from lightning_npu.plan.posttrain import PostTraining
 from lightning_npu.facts.parallel_rules import BatchShapes
 from lightning_npu.plan.shape import ModelShape, Parallelism, Pipelining, PlanError, check_positive_ints, checked
 
@@ -73,6 +74,7 @@ PRECISIONS = {name: _precision_bytes(dtypes) for name, dtypes in PRECISION_DTYPE
 #: working dtype names.
 ITEMS = {
     "parameters": "parameters ({m} shards)",
+    "reference": "frozen reference (a copy's {m} shards)",
     "gradients": "gradients ({m} shards)",
     "optimizer": "optimizer states (AdamW 2 x {m} shards)",
     "gathered": "gathered parameters ({p} copy + all-gather buffers)",
@@ -122,6 +124,8 @@ class PlanSpec:
     #: twice.
     p2p_buffsize_mb: float = DEFAULT_P2P_BUFFSIZE_MB
     notes: tuple[str, ...] = ()
+    #: A post-training objective's extra memory (``lightning_npu.plan.posttrain``): its reference, GRPO's rollouts.
+    post_training: Optional[PostTraining] = None
 
     def __post_init__(self) -> None:
         if self.profile is None:
@@ -269,15 +273,21 @@ class Estimate:
     device_bytes: float
     #: Under pipeline parallelism, each pipeline rank's total (the estimate is the fullest rank's).
     pipeline_ranks: tuple[float, ...] = ()
+    #: GRPO's rollout phase, apart from the step's peak (``posttrain.rollout_bytes`` on the state it runs beside).
+    rollout_items: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> float:
         return sum(self.items.values())
 
     @property
+    def rollout_total(self) -> float:
+        return sum(self.rollout_items.values())
+
+    @property
     def headroom(self) -> float:
-        return self.device_bytes - self.total
+        return self.device_bytes - max(self.total, self.rollout_total)
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.device_bytes
+        return max(self.total, self.rollout_total) <= self.device_bytes

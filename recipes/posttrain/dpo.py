@@ -6,13 +6,11 @@
 A subclass, not a wrapper: DPO changes the step only, and every hook of ``DecoderLM`` (the model built on the meta
 device and sharded by ``npu_fsdp``, the initial weights, the LoRA-only checkpoint) holds for it as it is.
 
-The reference (``reference``; ``auto`` picks the first that applies):
-  * ``adapters_off`` (LoRA): the policy itself with its adapters switched off, which is the frozen base: no second
-    model, no second copy of the weights;
-  * ``copy``: a frozen second model of the same family, built beside the policy in ``configure_model`` (so
-    ``npu_fsdp`` shards it by the same policy, over the same mesh, and no optimizer ever sees it), given the policy's
-    first weights when the fit starts (``init_from``'s, or the seed's) and saved in checkpoints (a resume restores it
-    as it was). It costs one more model's weights (sharded) and one forward per step.
+The reference (``reference``: ``auto``, ``adapters_off`` under LoRA, ``copy`` otherwise) is
+``reference.ReferencedLM``'s, which GRPO's KL term shares. With ``precompute_reference`` (TRL's
+``precompute_ref_log_probs``) there is none during training: when the fit starts, the policy (its first weights, the
+adapters off) scores every training and validation row once, each rank a share, and the steps read those log-probs
+by row (kept in checkpoints); no copy, no reference forward per step.
 
 Per step, on a batch of B pairs (2B sequences: chosen, then rejected): the policy's and the reference's log-probs of
 the completion tokens, summed per sequence; the pair losses' mean (``pair_losses``), plus ``sft_weight`` x the mean
@@ -28,27 +26,23 @@ stages beside its own, and a context-parallel rank holds part of each completion
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_npu import compat
 from lightning_npu.facts.parallel_rules import ModelShapes
-from recipes.decoder.lora import LoRALinear, StackedLoRA
-from recipes.decoder.module import DecoderLM, _shards_parameters
 from recipes.posttrain.dpo_loss import check_loss_type, pair_losses
 from recipes.posttrain.logprobs import token_logprobs
+from recipes.posttrain.reference import ReferencedLM, adapters_off
 
-#: ``reference`` choices (see the module docstring).
-REFERENCES = ("auto", "adapters_off", "copy")
 #: What the step logs, in TRL's names, after ``train_loss``.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")
 
 
-class DPOLM(DecoderLM):
+class DPOLM(ReferencedLM):
     """A decoder LM trained by DPO against a frozen reference (see the module docstring).
 
     Args:
@@ -56,33 +50,22 @@ class DPOLM(DecoderLM):
         loss_type: ``sigmoid`` (DPO), ``ipo`` or ``hinge`` (``dpo_loss.LOSS_TYPES``).
         sft_weight: weight of an SFT term on the chosen completions (TRL's ``loss_type=[..., "sft"]``,
             ``loss_weights=[1, sft_weight]``: RPO); 0 adds none.
-        reference: ``auto``, ``adapters_off`` (needs ``lora``) or ``copy``.
+        reference: ``auto``, ``adapters_off`` (needs ``lora``) or ``copy`` (``reference.REFERENCES``).
+        precompute_reference: score every row with the reference once when the fit starts, instead of per step.
         **kwargs: ``DecoderLM``'s arguments (family, preset, init_from, lora, learning_rate, ...).
     """
 
     def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", sft_weight: float = 0.0,
-                 reference: str = "auto", **kwargs: Any) -> None:
+                 reference: str = "auto", precompute_reference: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         check_loss_type(loss_type, beta)
         if sft_weight < 0:
             raise ValueError(f"sft_weight={sft_weight!r} must be >= 0: the weight of the SFT term (0: none)")
-        if reference not in REFERENCES:
-            raise ValueError(f"reference={reference!r} is not one of {', '.join(REFERENCES)}")
-        if reference == "adapters_off" and self.lora is None:
-            raise ValueError("reference='adapters_off' needs model.lora: without adapters the policy is not its own"
-                             " reference; use reference='copy' (or 'auto')")
-        if reference == "auto":
-            reference = "adapters_off" if self.lora is not None else "copy"
-        self.reference_kind = reference
-        self.reference: Optional[nn.Module] = None
-
-    def configure_model(self) -> None:
-        super().configure_model()
-        if self.reference_kind == "copy" and self.reference is None:
-            # Built here, beside the policy, so the strategy shards and places it as it does the policy.
-            with torch.device("meta") if _shards_parameters(self) else nullcontext():
-                self.reference = self.family.model_class(self.config)
-            self.reference.requires_grad_(False)
+        self.use_reference(reference)
+        if precompute_reference:  # the fit's first weights are the reference: scored once, then no model is kept
+            self.use_reference(None)
+        #: The precomputed reference log-probs by split (``train``, ``val``): [rows, 2], chosen's and rejected's.
+        self.reference_logps: dict[str, Tensor] = {}
 
     def parallel_shapes(self) -> ModelShapes:
         """The model's shapes, and the layouts DPO's loss cannot run (``train.py`` and every rank refuse them)."""
@@ -97,25 +80,71 @@ class DPOLM(DecoderLM):
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        fresh = self.trainer.ckpt_path is None and not self._state_restored
-        if self.reference is not None and fresh:  # a resumed run restores the reference from its checkpoint
-            with torch.no_grad():
-                for ref, policy in zip(self.reference.parameters(), self.model.parameters(), strict=True):
-                    ref.copy_(policy)
-        if self.reference is not None:
-            self.reference.eval()
+        if self.hparams.get("precompute_reference") and not self.reference_logps:  # a resume restores them
+            data = self.trainer.datamodule
+            for split, dataset in (("train", data.train_dataset), ("val", data.val_dataset)):
+                if dataset is not None:
+                    self.reference_logps[split] = self._score_rows(dataset, data.collate_fn, data.batch_size)
+
+    def _score_rows(self, dataset: Any, collate: Any, batch_size: int) -> Tensor:
+        """The reference's summed log-probs [rows, 2] of every row of ``dataset``: each rank scores every
+        world-th row, in the same number of batches on every rank (a sharded forward is a collective), and the
+        ranks' shares are gathered."""
+        rank, world = self.global_rank, self.trainer.world_size
+        mine = list(range(rank, len(dataset), world))
+        batches = -(-len(range(0, len(dataset), world)) // batch_size)
+        values, indices = [], []
+        with torch.no_grad(), adapters_off(self.model):
+            for start in range(0, batches * batch_size, batch_size):
+                rows = mine[start:start + batch_size]
+                batch = collate([dataset[i] for i in rows or [0]])  # a rank out of rows scores row 0, then drops it
+                # Through the module itself: under npu_fsdp its call gathers the root unit, as a training step's does.
+                values.append(torch.stack(self._summed_logps(self, batch).chunk(2), dim=1))
+                indices.append(torch.tensor(rows or [-1], device=self.device))
+        local_values, local_indices = torch.cat(values), torch.cat(indices)
+        count = torch.tensor([local_values.shape[0]], device=self.device)
+        longest = int(self.trainer.strategy.all_gather(count).max())
+        pad = longest - local_values.shape[0]
+        local_values = torch.nn.functional.pad(local_values, (0, 0, 0, pad))
+        local_indices = torch.nn.functional.pad(local_indices, (0, pad), value=-1)
+        all_values = self.trainer.strategy.all_gather(local_values).reshape(-1, 2)
+        all_indices = self.trainer.strategy.all_gather(local_indices).reshape(-1)
+        table = torch.zeros(len(dataset), 2, device=self.device)
+        kept = all_indices >= 0
+        table[all_indices[kept]] = all_values[kept].float()
+        return table
+
+    def _summed_logps(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        """``model``'s log-probs of each sequence's completion tokens, summed [2B]."""
+        input_ids, completion = batch["input_ids"].to(self.device), batch["completion_mask"].to(self.device)
+        labels = input_ids.masked_fill(completion == 0, -100)[:, 1:]
+        return token_logprobs(_whole(model(input_ids))[:, :-1], labels).sum(1)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.reference_logps:
+            checkpoint["dpo_reference_logps"] = {split: table.cpu() for split, table in self.reference_logps.items()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.reference_logps = {split: table.to(self.device)
+                                for split, table in checkpoint.get("dpo_reference_logps", {}).items()}
 
     # ------------------------------------------------------------------------------------------ the step
-    def _dpo(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """The loss of ``batch`` and the metrics' values (``METRICS``' order) of this rank's pairs."""
+    def _dpo(self, batch: dict[str, Tensor], split: str) -> tuple[Tensor, Tensor]:
+        """The loss of ``batch`` (of the ``split`` rows) and the metrics' values (``METRICS``' order) of this rank's
+        pairs."""
         input_ids, completion = batch["input_ids"], batch["completion_mask"]
         labels = input_ids.masked_fill(completion == 0, -100)[:, 1:]
         policy = token_logprobs(_whole(self.model(input_ids))[:, :-1], labels)
-        with torch.no_grad(), self._reference_model() as reference:
-            reference_logps = token_logprobs(_whole(reference(input_ids))[:, :-1], labels).sum(1)
+        if self.hparams.get("precompute_reference"):
+            if split not in self.reference_logps:
+                raise RuntimeError(f"precompute_reference: no {split} rows were scored when the fit started")
+            ref_chosen, ref_rejected = self.reference_logps[split][batch["row_index"]].unbind(1)
+        else:
+            with torch.no_grad(), self.reference_model() as reference:
+                ref_chosen, ref_rejected = self._summed_logps(reference, batch).chunk(2)
         logps = policy.sum(1)
         chosen, rejected = logps.chunk(2)
-        ref_chosen, ref_rejected = reference_logps.chunk(2)
         chosen_tokens, rejected_tokens = completion.sum(1).chunk(2)
         hp = self.hparams
         loss = pair_losses(hp.loss_type, hp.beta, chosen - ref_chosen, rejected - ref_rejected,
@@ -131,16 +160,8 @@ class DPOLM(DecoderLM):
                                    (chosen_rewards > rejected_rewards).float().mean(), chosen.mean(), rejected.mean()])
         return loss, metrics
 
-    @contextmanager
-    def _reference_model(self) -> Iterator[nn.Module]:
-        if self.reference is not None:
-            yield self.reference
-            return
-        with adapters_off(self.model):
-            yield self.model
-
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss, metrics = self._dpo(batch)
+        loss, metrics = self._dpo(batch, "train")
         # Means over the data-parallel ranks, a collective taken only at the steps the Trainer writes its loggers
         # (the same on every rank), as TRL gathers its metrics; a device tensor, no host sync.
         values = torch.cat([loss.detach().reshape(1), metrics])
@@ -151,25 +172,10 @@ class DPOLM(DecoderLM):
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        loss, metrics = self._dpo(batch)
+        loss, metrics = self._dpo(batch, "val")
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         for name, value in zip(METRICS, metrics):
             self.log(f"val_{name}", value, sync_dist=True)
-
-
-@contextmanager
-def adapters_off(model: nn.Module) -> Iterator[None]:
-    """``model``'s LoRA adapters switched off (their scaling 0: each adapted layer gives its base's output exactly)
-    inside the block, on again after it."""
-    adapted = [module for module in model.modules() if isinstance(module, (LoRALinear, StackedLoRA))]
-    scalings = [module.scaling for module in adapted]
-    for module in adapted:
-        module.scaling = 0.0
-    try:
-        yield
-    finally:
-        for module, scaling in zip(adapted, scalings):
-            module.scaling = scaling
 
 
 def _whole(logits: Tensor) -> Tensor:

@@ -70,6 +70,12 @@ def _nanstd(values: Tensor, dim: int) -> Tensor:
     return (squares.nansum(dim=dim) / (count - 1)).sqrt()
 
 
+def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """The k3 estimate of KL(policy || reference) per token, ``exp(ref - logp) - (ref - logp) - 1`` (>= 0)."""
+    log_ratio = ref_logps - logps
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
 def grpo_loss(
     logps: Tensor,
     old_logps: Optional[Tensor],
@@ -112,8 +118,7 @@ def grpo_loss(
     if beta != 0.0:
         if ref_logps is None:
             raise ValueError(f"beta={beta} needs ref_logps (the reference model's log-probs); beta=0 needs none")
-        log_ratio_ref = ref_logps - logps
-        token_loss = token_loss + beta * (torch.exp(log_ratio_ref) - log_ratio_ref - 1) * ratio
+        token_loss = token_loss + beta * k3_kl(logps, ref_logps) * ratio
     summed = token_loss * mask
     if loss_type == "grpo":
         return (summed.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation_steps

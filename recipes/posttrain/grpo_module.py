@@ -7,6 +7,10 @@ are normalised within each prompt's group (``grpo_loss.group_advantages``), and 
 (``grpo_loss.grpo_loss``). With ``num_iterations > 1`` one rollout phase feeds that many optimizer steps (TRL's
 ``num_iterations``): the rollouts and their old log-probs are kept (in checkpoints too) and the batches of the steps
 between phases are not used.
+
+With ``beta > 0`` the loss adds TRL's KL term against a frozen reference (``reference.ReferencedLM``'s, DPO's too:
+under LoRA the base with the adapters off, otherwise a frozen copy sharded like the policy), whose log-probs are taken
+once per rollout phase, as TRL takes them; with beta 0 no reference is built (TRL's default).
 """
 
 from __future__ import annotations
@@ -19,14 +23,14 @@ import torch
 from torch import Tensor
 
 from lightning_npu.facts.parallel_rules import ModelShapes
-from recipes.decoder.module import DecoderLM
-from recipes.posttrain.grpo_loss import check_loss_options, group_advantages, grpo_loss
+from recipes.posttrain.grpo_loss import check_loss_options, group_advantages, grpo_loss, k3_kl
 from recipes.posttrain.logprobs import token_logprobs
+from recipes.posttrain.reference import ReferencedLM
 from recipes.posttrain.rewards import load_reward_function, score, total_reward
 from recipes.posttrain.rollout import PolicyRolloutEngine, RolloutEngine, Rollouts, SamplingOptions
 
 
-class GRPOModule(DecoderLM):
+class GRPOModule(ReferencedLM):
     """GRPO (TRL 1.16's loss) for a decoder LM of the recipe's families; ``DecoderLM``'s arguments, plus:
 
     Args:
@@ -35,6 +39,8 @@ class GRPOModule(DecoderLM):
         reward_weights: one weight a function (default 1 each); the reward is the weighted sum.
         num_generations, max_completion_length, temperature, top_p: the rollouts (``rollout.SamplingOptions``).
         loss_type, scale_rewards, epsilon, epsilon_high, beta, num_iterations: as TRL's GRPOConfig.
+        reference: the KL term's reference when ``beta > 0`` (``reference.REFERENCES``; ``auto``: the base with the
+            adapters off under LoRA, otherwise a frozen copy).
     """
 
     def __init__(
@@ -52,14 +58,15 @@ class GRPOModule(DecoderLM):
         epsilon_high: Optional[float] = None,
         beta: float = 0.0,
         num_iterations: int = 1,
+        reference: str = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         check_loss_options(loss_type, scale_rewards, epsilon, epsilon_high, beta)
-        if beta > 0:
-            raise ValueError(f"model.beta={beta} needs a reference model, and this recipe builds none yet (neither"
-                             " the base with adapters off nor a frozen copy): train with beta=0 (TRL's default,"
-                             " no KL term) or compute the KL outside")
+        if beta == 0 and reference != "auto":
+            raise ValueError(f"model.reference={reference!r} serves the KL term only, and model.beta=0 has none: set"
+                             " beta > 0 (TRL's KL weight) or leave reference: auto")
+        self.use_reference(reference if beta > 0 else None)
         if num_iterations < 1:
             raise ValueError(f"model.num_iterations={num_iterations} must be >= 1 (optimizer steps per rollout phase)")
         reward_funcs = reward_funcs or ["recipes.posttrain.rewards.math_answer_reward"]
@@ -79,8 +86,13 @@ class GRPOModule(DecoderLM):
 
     def parallel_shapes(self) -> ModelShapes:
         """The model's shapes, and the layouts GRPO cannot run yet (``train_grpo.py`` and every rank refuse them)."""
+        shapes = super().parallel_shapes()
         return dataclasses.replace(
-            super().parallel_shapes(),
+            shapes,
+            unsplit_parts=(*shapes.unsplit_parts,
+                           "GRPO's rollouts sample from the policy's logits, which tensor parallelism splits by"
+                           " vocabulary and the sampler does not gather (train GRPO with data or sharded"
+                           " parallelism)"),
             pipeline_refusals=("GRPO's rollouts decode token by token through the whole model, which a pipeline would"
                                " have to schedule one token at a time; train GRPO with data or sharded parallelism",),
             context_parallel_refusals=("GRPO's rollouts decode whole sequences on each rank, and a context-parallel"
@@ -106,13 +118,17 @@ class GRPOModule(DecoderLM):
             self._rollout = self._rollout_phase(batch)
         self._train_started = time.perf_counter()
         rollout = self._rollout
-        logps = self._completion_logprobs(rollout["prompt_ids"], rollout["completion_ids"], rollout["completion_mask"])
-        loss = grpo_loss(logps, rollout["old_logps"], rollout["advantages"], rollout["completion_mask"],
-                         loss_type=self.hparams.loss_type, epsilon=self.hparams.epsilon,
-                         epsilon_high=self.hparams.epsilon_high, beta=0.0,
+        mask = rollout["completion_mask"]
+        logps = self._completion_logprobs(self.model, rollout["prompt_ids"], rollout["completion_ids"], mask)
+        hp = self.hparams
+        loss = grpo_loss(logps, rollout["old_logps"], rollout["advantages"], mask, loss_type=hp.loss_type,
+                         epsilon=hp.epsilon, epsilon_high=hp.epsilon_high, beta=hp.beta, ref_logps=rollout["ref_logps"],
                          max_completion_length=self.sampling.max_completion_length,
                          num_items_in_batch=rollout["global_tokens"], num_processes=self.trainer.world_size)
         self.log("train_loss", loss.detach())
+        if hp.beta > 0:  # TRL's kl: the k3 estimate's mean over this rank's completion tokens, then over the ranks
+            kl = (k3_kl(logps.detach(), rollout["ref_logps"]) * mask).sum() / mask.sum().clamp(min=1)
+            self.log("kl", self._mean_over_data(kl))
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -123,8 +139,8 @@ class GRPOModule(DecoderLM):
         self.log("train_tokens_per_s", tokens / max(seconds, 1e-9))
 
     def _rollout_phase(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """Completions for the batch's prompts, their rewards and advantages, and (for ``num_iterations > 1``) the
-        rollout policy's log-probs."""
+        """Completions for the batch's prompts, their rewards and advantages, and the log-probs the later steps
+        compare with: the rollout policy's (for ``num_iterations > 1``) and the reference's (for ``beta > 0``)."""
         prompt_ids = [p.to(self.device) for p in batch["prompt_ids"]]
         rollouts: Rollouts = self.engine.generate(self.model, prompt_ids, self.sampling, self.eos_id,
                                                   generator=self._sampling_generator())
@@ -138,10 +154,13 @@ class GRPOModule(DecoderLM):
         per_function = score(self.reward_funcs, self.reward_weights, prompts, completions, columns, self.reward_names)
         rewards = total_reward(per_function, self.reward_weights).to(self.device)
         mask = rollouts.completion_mask.to(self.device)
-        old_logps = None
-        if self.hparams.num_iterations > 1:
-            with torch.no_grad():
-                old_logps = self._completion_logprobs(prompt_ids, rollouts.completion_ids, mask)
+        old_logps = ref_logps = None
+        with torch.no_grad():
+            if self.hparams.num_iterations > 1:
+                old_logps = self._completion_logprobs(self.model, prompt_ids, rollouts.completion_ids, mask)
+            if self.reference_kind is not None:
+                with self.reference_model() as reference:
+                    ref_logps = self._completion_logprobs(reference, prompt_ids, rollouts.completion_ids, mask)
         global_tokens = self._sum_over_data(mask.sum().float())
         self.log("reward", self._mean_over_data(rewards.nanmean()), prog_bar=True)
         for name, column in zip(self.reward_names, per_function.T):
@@ -150,19 +169,21 @@ class GRPOModule(DecoderLM):
         self.log("rollout_tokens_per_s", rollouts.tokens / max(rollouts.seconds, 1e-9))
         return {"prompt_ids": prompt_ids, "completion_ids": rollouts.completion_ids.to(self.device),
                 "completion_mask": mask, "advantages": group_advantages(rewards, G, self.hparams.scale_rewards),
-                "old_logps": old_logps, "global_tokens": global_tokens, "tokens": rollouts.tokens}
+                "old_logps": old_logps, "ref_logps": ref_logps, "global_tokens": global_tokens,
+                "tokens": rollouts.tokens}
 
     def _mean_over_data(self, value: Tensor) -> Tensor:
         return self._sum_over_data(value.detach().float()) / max(self.trainer.world_size, 1)
 
-    def _completion_logprobs(self, prompt_ids: list[Tensor], completion_ids: Tensor, mask: Tensor) -> Tensor:
-        """The policy's log-probs of each completion token [n, length] (0 on padding), one forward per prompt's
-        group (prompts differ in length, and the model takes no padding mask)."""
+    def _completion_logprobs(self, model: torch.nn.Module, prompt_ids: list[Tensor], completion_ids: Tensor,
+                             mask: Tensor) -> Tensor:
+        """``model``'s (the policy's or the reference's) log-probs of each completion token [n, length] (0 on
+        padding), one forward per prompt's group (prompts differ in length, and the model takes no padding mask)."""
         G, rows = self.sampling.num_generations, []
         for index, prompt in enumerate(prompt_ids):
             completions = completion_ids[index * G:(index + 1) * G]
             sequences = torch.cat([prompt.reshape(1, -1).expand(G, -1), completions], dim=1)
-            logits = self.model(sequences)[:, prompt.numel() - 1:-1]
+            logits = model(sequences)[:, prompt.numel() - 1:-1]
             if self.sampling.temperature > 0:  # TRL scores the sampling distribution: logits / temperature
                 logits = logits / self.sampling.temperature
             labels = completions.masked_fill(mask[index * G:(index + 1) * G] == 0, -100)

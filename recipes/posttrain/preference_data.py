@@ -142,8 +142,8 @@ def _encode_rows(batch: dict[str, list], tokenizer: Any) -> dict[str, list]:
 # ------------------------------------------------------------------------------------------ batches
 class PreferencePairs(Dataset):
     """The tokenised rows whose prompt is shorter than ``seq_len`` (``num_dropped`` counts the others); an item is
-    ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (lists of ints). ``num_blocks``: the rows, the name the text
-    pipeline's sampler bookkeeping reads."""
+    ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (lists of ints) and its ``index`` here. ``num_blocks``: the rows,
+    the name the text pipeline's sampler bookkeeping reads."""
 
     def __init__(self, tokens: Any, seq_len: int) -> None:
         self.tokens = tokens.with_format("numpy")
@@ -164,13 +164,13 @@ class PreferencePairs(Dataset):
         row = self.tokens[self.kept[index]]
         ids, (prompt, chosen, _) = row["input_ids"].tolist(), row["lengths"].tolist()
         return {"prompt_ids": ids[:prompt], "chosen_ids": ids[prompt:prompt + chosen],
-                "rejected_ids": ids[prompt + chosen:]}
+                "rejected_ids": ids[prompt + chosen:], "index": index}
 
 
 def collate_preferences(rows: list[dict[str, list[int]]], *, pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
     """``input_ids`` and ``completion_mask`` LongTensor[2 * len(rows), T]: the chosen sequences, then the rejected
     ones, each cut to ``max_length`` tokens and right-padded with ``pad_id`` to the longest (see the module
-    docstring)."""
+    docstring); ``row_index`` [len(rows)], the rows' ``index`` in their split (-1 where a row has none)."""
     sequences, masks = [], []
     for completion in ("chosen_ids", "rejected_ids"):
         for row in rows:
@@ -182,7 +182,8 @@ def collate_preferences(rows: list[dict[str, list[int]]], *, pad_id: int, max_le
     for i, (ids, mask) in enumerate(zip(sequences, masks)):
         input_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         completion_mask[i, :len(mask)] = torch.tensor(mask, dtype=torch.long)
-    return {"input_ids": input_ids, "completion_mask": completion_mask}
+    row_index = torch.tensor([row.get("index", -1) for row in rows], dtype=torch.long)
+    return {"input_ids": input_ids, "completion_mask": completion_mask, "row_index": row_index}
 
 
 # ------------------------------------------------------------------------------------------ module

@@ -69,9 +69,9 @@ class RolloutEngine(Protocol):
 
 class PolicyRolloutEngine:
     """The built-in engine: the policy's own KV-cache decoding (``recipes.generate.decode``), each prompt's group of
-    completions as one batch, the parameters gathered once per call. ``owner`` is the module whose FSDP2 units are
-    gathered (the LightningModule under ``npu_fsdp``: its root unit holds what the blocks do not); default the
-    model."""
+    completions as one batch, the parameters gathered once per call. ``owner`` is the module that holds the policy
+    (the LightningModule under ``npu_fsdp``: its root unit holds what the blocks do not), whose own unit is gathered
+    with the policy's."""
 
     def __init__(self, owner: Optional[torch.nn.Module] = None) -> None:
         self.owner = owner
@@ -80,7 +80,7 @@ class PolicyRolloutEngine:
                  eos_id: Optional[int], generator: Optional[torch.Generator] = None) -> Rollouts:
         start = time.perf_counter()
         groups = []
-        with torch.no_grad(), gathered_parameters(self.owner or model):
+        with torch.no_grad(), gathered_parameters(model, root=self.owner):
             for prompt in prompt_ids:
                 batch = prompt.reshape(1, -1).expand(options.num_generations, -1)
                 out = decode(model, batch, options.max_completion_length, temperature=options.temperature,
@@ -105,13 +105,17 @@ def _pad_completions(groups: list[Tensor], eos_id: Optional[int]) -> tuple[Tenso
 
 
 @contextmanager
-def gathered_parameters(module: torch.nn.Module) -> Iterator[None]:
-    """Every FSDP2 unit of ``module`` unsharded for the whole block and kept so by its forwards (one all-gather per
-    unit, not one per forward); afterwards the units that were sharded before are sharded again, and each unit's own
-    ``reshard_after_forward`` is restored. A no-op for a module FSDP2 does not shard."""
+def gathered_parameters(model: torch.nn.Module, root: Optional[torch.nn.Module] = None) -> Iterator[None]:
+    """Every FSDP2 unit of ``model``, and ``root``'s own (the module that holds ``model``: its other units, a frozen
+    reference's blocks, stay sharded), unsharded for the whole block and kept so by their forwards (one all-gather per unit, not one per forward); afterwards the units that were sharded before
+    are sharded again, and each unit's own ``reshard_after_forward`` is restored. A no-op for a module FSDP2 does
+    not shard."""
     from torch.distributed.fsdp import FSDPModule
 
-    units = [(m, *compat.fsdp_reshard_flags(m)) for m in module.modules() if isinstance(m, FSDPModule)]
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if isinstance(root, FSDPModule) and root is not model:
+        modules.append(root)
+    units = [(m, *compat.fsdp_reshard_flags(m)) for m in modules]
     for unit, _, _ in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()

@@ -4,8 +4,9 @@
     LIGHTNING_NPU_SIMULATE=2 python recipes/posttrain/train_grpo.py fit --config recipes/models/llama/configs/tiny_grpo.yaml
 
 Before any worker starts: every reward function imports and returns one reward per completion (called once on the
-first prompts), the batch divides into groups of ``num_generations``, beta > 0 is refused (no reference model), and
-so are the parallel layouts GRPO cannot run (``recipes/train.py``'s ``check_parallel_layout``).
+first prompts), the batch divides into groups of ``num_generations``, a reference that cannot be built for beta > 0
+is named (``reference.choose_reference``, when the model is built), and so are the parallel layouts GRPO cannot run
+(``recipes/train.py``'s ``check_parallel_layout``).
 """
 
 from __future__ import annotations
@@ -35,10 +36,20 @@ class GRPOCLI(LightningCLI):
 
     def before_fit(self) -> None:
         check_parallel_layout(self.model, self.datamodule, self.trainer)
+        check_accumulation(self.trainer.accumulate_grad_batches)
         check_rewards(self.model, self.datamodule)
         if self.datamodule.seq_len > self.model.config.max_seq_len:
             raise ValueError(f"data.seq_len={self.datamodule.seq_len} exceeds the model's max_seq_len="
                              f"{self.model.config.max_seq_len}; lower it or max_completion_length")
+
+
+def check_accumulation(accumulate_grad_batches: int) -> None:
+    """GRPO's step is a rollout phase and its loss, normalised per optimizer step: accumulating several would roll
+    out at each and mis-normalise the loss, so it is refused."""
+    if accumulate_grad_batches != 1:
+        raise ValueError(f"trainer.accumulate_grad_batches={accumulate_grad_batches}: a GRPO step rolls out and"
+                         " normalises its loss per optimizer step, which accumulating micro-batches would break; use"
+                         " accumulate_grad_batches=1 and raise data.batch_size (completions per NPU and step)")
 
 
 def check_rewards(model: GRPOModule, data: PromptDataModule) -> None:

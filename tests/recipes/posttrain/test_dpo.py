@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from recipes.decoder.data import DEFAULT_TOKENIZER
-from recipes.decoder.checkpoint_layout import read_model_tensors
+from recipes.decoder.checkpoint_layout import read_model_tensors, read_recipe_metadata
 from recipes.decoder.lora import is_adapter_name
 from recipes.decoder.lora_config import LoRAConfig
 from recipes.models.llama.config import LLaMAConfig
 from recipes.models.llama.model import LLaMA
-from recipes.posttrain.dpo import DPOLM, adapters_off
+from recipes.posttrain.dpo import DPOLM
+from recipes.posttrain.reference import adapters_off
 from recipes.posttrain.dpo_loss import pair_losses
 from recipes.posttrain.logprobs import token_logprobs
 from recipes.posttrain.preference_data import PreferenceDataModule, collate_preferences, to_preference
@@ -59,7 +60,9 @@ def _our_rows(tmp_path: Path, rows: list[dict], tokenizer: str, max_length: int 
     data = PreferenceDataModule(path=str(_write_rows(tmp_path / "rows.jsonl", rows)), tokenizer=tokenizer,
                                 seq_len=max_length, batch_size=1, cache_dir=str(tmp_path / "cache"))
     data.setup()
-    return [data.train_dataset[i] for i in range(len(data.train_dataset))]
+    rows = [data.train_dataset[i] for i in range(len(data.train_dataset))]
+    assert [row.pop("index") for row in rows] == list(range(len(rows)))
+    return rows
 
 
 def _trl_rows(rows: list[dict], tokenizer_path: str, tmp_path: Path, max_length: int = 64) -> list[dict]:
@@ -213,50 +216,58 @@ def _train_dpo(root: Path, case: Path, npus: int, *extra: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("npus", [1, 2])
-def test_dpo_per_step_losses_equal_trl_dpo_trainer(tmp_path, dpo_case, npus):
+@pytest.mark.parametrize(("npus", "reference"), [(1, "copy"), (2, "precomputed")])
+def test_dpo_per_step_losses_equal_trl_dpo_trainer(tmp_path, dpo_case, npus, reference):
     """Catches any difference from TRL in the tokens (EOS, the prompt split, truncation), the log-probs (the shift,
-    the mask), the reference, the loss and its mean over the data-parallel ranks, and the optimizer step."""
+    the mask), the reference (a live frozen copy on 1 NPU; on 2, the log-probs precomputed when the fit starts, each
+    rank scoring a share: a row read at the wrong index moves the loss far past 1e-4 once the policy has moved), the
+    loss and its mean over the data-parallel ranks, and the optimizer step."""
     case, trl_losses = dpo_case
-    _train_dpo(tmp_path, case, npus, "--data.shuffle", "false", "--data.batch_size", str(_BATCH // npus),
+    _train_dpo(tmp_path, case, npus, "--model.precompute_reference", str(reference == "precomputed").lower(),
+               "--data.shuffle", "false", "--data.batch_size", str(_BATCH // npus),
                "--data.val_fraction", "0", "--trainer.max_steps", str(_STEPS), "--trainer.gradient_clip_val", "null",
                "--trainer.limit_val_batches", "0")
     ours = logged_losses(tmp_path / "run", 0)
     assert len(trl_losses) == _STEPS and sorted(ours) == list(range(_STEPS))
     assert max(abs(loss - math.log(2)) for loss in trl_losses) > 3e-3  # the policy moved off its reference
     assert max(abs(ours[step] - trl_losses[step]) for step in range(_STEPS)) < 1e-4, (ours, trl_losses)
+    if reference == "precomputed":  # kept in checkpoints, so a resume reads the same log-probs
+        tables = read_recipe_metadata(last_checkpoint(tmp_path / "run", 0))["dpo_reference_logps"]
+        assert tables["train"].shape == (_STEPS * _BATCH, 2) and (tables["train"] < 0).all()
 
 
 @pytest.mark.slow
 def test_dpo_resumed_mid_epoch_reproduces_uninterrupted_losses(tmp_path, dpo_case):
-    """Every rank killed at the start of step 6, then resumed from last.ckpt (step 4): the shuffled data position,
+    """The uninterrupted run keeps its step-4 checkpoint, and one more launch resumes from it (two launches, not a
+    crash and a resume beside the uninterrupted run: the checkpoint is the same state): the shuffled data position,
     the LR schedule, the policy, its optimizer and the frozen reference copy (from the checkpoint) all come back, so
     steps 4 to 7 repeat the uninterrupted run's losses."""
     case, _ = dpo_case
     schedule = ["--data.batch_size", "2", "--data.val_fraction", "0.1", "--trainer.max_steps", "8",
                 "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "1", "--model.learning_rate",
                 "1e-3"]
-    _train_dpo(tmp_path / "full", case, 2, *schedule)
-    with pytest.raises(AssertionError, match="exited 3"):
-        _train_dpo(tmp_path / "crashed", case, 2, *schedule,
-                   "--trainer.callbacks+=tests.recipes.scripts.crash_at_step.CrashAtStep", "--trainer.callbacks.step=6")
-    _train_dpo(tmp_path / "crashed", case, 2, *schedule, "--ckpt_path",
-               str(last_checkpoint(tmp_path / "crashed" / "run", 0)))
-    full, resumed = logged_losses(tmp_path / "full" / "run", 0), logged_losses(tmp_path / "crashed" / "run", 1)
+    mid = tmp_path / "mid"
+    _train_dpo(tmp_path / "full", case, 2, *schedule, "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+               "--trainer.callbacks.dirpath", str(mid), "--trainer.callbacks.every_n_train_steps=4",
+               "--trainer.callbacks.save_top_k=-1")
+    _train_dpo(tmp_path / "resumed", case, 2, *schedule, "--ckpt_path", str(mid / "epoch=0-step=4.ckpt"))
+    full, resumed = logged_losses(tmp_path / "full" / "run", 0), logged_losses(tmp_path / "resumed" / "run", 0)
     assert sorted(full) == list(range(8)) and sorted(resumed) == list(range(4, 8))
     assert max(abs(full[step] - math.log(2)) for step in range(4, 8)) > 1e-2  # the policy is off its reference
     assert [resumed[step] for step in range(4, 8)] == pytest.approx([full[step] for step in range(4, 8)], rel=1e-5)
 
 
 @pytest.mark.slow
-def test_lora_dpo_takes_the_base_as_reference_and_checkpoints_the_adapters_only(tmp_path, dpo_case):
-    """Under LoRA the reference is the policy with its adapters off: at the first step (B = 0) the policy is its
-    reference (loss log 2, zero rewards), the adapters then move it, and the checkpoint holds no second model."""
+def test_qlora_dpo_with_8bit_adamw_takes_the_base_as_reference_and_checkpoints_the_adapters_only(tmp_path, dpo_case):
+    """Under LoRA (here QLoRA: the base stored NF4, with 8-bit AdamW, one launch for the three) the reference is the
+    policy with its adapters off: at the first step (B = 0) the policy is its reference (loss log 2, zero rewards),
+    the adapters then move it, and the checkpoint holds no second model."""
     import csv
 
     case, _ = dpo_case
-    _train_dpo(tmp_path, case, 2, "--model.lora", "{rank: 4, alpha: 8, dropout: 0.0, targets: [q, v, down]}",
-               "--model.learning_rate", "1e-2", "--data.batch_size", "2", "--data.val_fraction", "0",
+    _train_dpo(tmp_path, case, 2, "--model.lora",
+               "{rank: 4, alpha: 8, dropout: 0.0, targets: [q, v, down], base_quantization: nf4}",
+               "--model.optimizer", "adamw8bit", "--model.learning_rate", "1e-2", "--data.batch_size", "2", "--data.val_fraction", "0",
                "--trainer.max_steps", "6", "--trainer.limit_val_batches", "0")
     losses = logged_losses(tmp_path / "run", 0)
     with open(tmp_path / "run" / "lightning_logs" / "version_0" / "metrics.csv") as metrics:

@@ -86,11 +86,20 @@ def test_num_generations_that_does_not_divide_the_batch_is_refused():
         PromptDataModule(batch_size=12, num_generations=8)
 
 
-def test_beta_without_a_reference_and_bad_sampling_are_refused():
+def test_beta_takes_the_reference_dpo_takes_and_one_that_cannot_be_built_is_refused():
+    """What the CLI builds before workers start: beta > 0 gets a frozen copy (or the base with adapters off under
+    LoRA), beta 0 none, and a reference that cannot be built is named with the fix."""
     from recipes.posttrain.grpo_module import GRPOModule
 
-    with pytest.raises(ValueError, match="beta=0.04 needs a reference model"):
-        GRPOModule(beta=0.04)
+    assert GRPOModule(beta=0.04).reference_kind == "copy" and GRPOModule().reference_kind is None
+    lora = {"lora": {"rank": 4, "alpha": 8}, "init_from": "/base"}
+    assert GRPOModule(beta=0.04, **lora).reference_kind == "adapters_off"
+    with pytest.raises(ValueError, match="reference='adapters_off' needs model.lora"):
+        GRPOModule(beta=0.04, reference="adapters_off")
+    with pytest.raises(ValueError, match="reference='copy' under model.lora would hold a second copy"):
+        GRPOModule(beta=0.04, reference="copy", **lora)
+    with pytest.raises(ValueError, match="model.reference='copy' serves the KL term only, and model.beta=0"):
+        GRPOModule(reference="copy")
     with pytest.raises(ValueError, match="top_p=0"):
         SamplingOptions(top_p=0)
 
@@ -112,8 +121,9 @@ def test_sharded_rollouts_gather_each_unit_once_and_equal_generate_py():
 @pytest.mark.parametrize(("size", "message"), [
     ("pipeline_parallel_size", r"pipeline_parallel_size=2 cannot run this model: GRPO's rollouts decode token by token"),
     ("context_parallel_size", r"context_parallel_size=2: GRPO's rollouts decode whole sequences"),
+    ("tensor_parallel_size", r"tensor_parallel_size=2 cannot split this model: GRPO's rollouts sample from the"),
 ])
-def test_pipeline_and_context_parallel_grpo_are_refused_by_the_parallel_rules(size, message):
+def test_pipeline_context_and_tensor_parallel_grpo_are_refused_by_the_parallel_rules(size, message):
     """What train_grpo.py checks before workers start (recipes/train.py check_parallel_layout) and every rank checks
     again: the layouts the rollouts cannot run."""
     from lightning_npu.facts import parallel_rules
@@ -122,3 +132,11 @@ def test_pipeline_and_context_parallel_grpo_are_refused_by_the_parallel_rules(si
 
     with pytest.raises(ValueError, match=message):
         parallel_rules.check(FSDPOptions(**{size: 2}), GRPOModule().parallel_shapes())
+
+
+def test_accumulating_grpo_steps_is_refused_before_workers_start():
+    from recipes.posttrain.train_grpo import check_accumulation
+
+    check_accumulation(1)
+    with pytest.raises(ValueError, match="accumulate_grad_batches=4: a GRPO step rolls out"):
+        check_accumulation(4)
