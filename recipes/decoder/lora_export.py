@@ -170,7 +170,7 @@ def read_merged(
 ) -> tuple[Any, dict[str, Tensor], dict[str, Any]]:
     """The model config, the merged full state dict (base + ``alpha / rank * B @ A``) and the metadata of a LoRA
     recipe checkpoint. The base defaults to the checkpoint's ``init_from``."""
-    from recipes.decoder.module import read_pretrained
+    from recipes.decoder.pretrained import read_pretrained
 
     config, lora, adapters, metadata = read_lora_checkpoint(checkpoint)
     base = base or (metadata.get("hyper_parameters") or {}).get("init_from")

@@ -40,10 +40,9 @@ from recipes.decoder.lora import (
     adapter_shapes,
     add_lora,
     check_adapter_state,
-    initial_adapter_state,
     is_adapter_name,
-    quantized_base_state,
 )
+from recipes.decoder.pretrained import load_pretrained
 from recipes.decoder.tensor_parallel import model_shapes
 
 
@@ -274,10 +273,9 @@ class DecoderLM(LightningModule):
         if self.lora is not None:
             # A LoRA checkpoint holds no base weights: they come from init_from on a resume too. A fresh run also
             # gets its first adapters here, drawn from the seed alone (identical under every strategy).
-            load_pretrained(self.model, self.hparams.init_from, self.config, lora=self.lora, fresh_adapters=fresh,
-                            pipelined=self._pipelined)
+            load_pretrained(self.model, self.hparams.init_from, self.config, lora=self.lora, fresh_adapters=fresh)
         elif self.hparams.init_from and fresh:  # a resumed full fine-tune restores its own weights
-            load_pretrained(self.model, self.hparams.init_from, self.config, pipelined=self._pipelined)
+            load_pretrained(self.model, self.hparams.init_from, self.config)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Not in load_state_dict: strategies call that for other reasons (npu_fsdp hands out the first weights).
@@ -361,133 +359,3 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
 
 def _without_prefix(state_dict: Any, prefix: str) -> dict[str, Any]:
     return {key[len(prefix):] if key.startswith(prefix) else key: value for key, value in state_dict.items()}
-
-
-def load_pretrained(
-    model: torch.nn.Module, path: str, config: Any, *, lora: Optional[LoRAConfig] = None, fresh_adapters: bool = False,
-    pipelined: bool = False,
-) -> None:
-    """Copy weights from a Hugging Face directory or a recipe checkpoint into ``model`` (sharded or not).
-
-    With ``lora`` (a model with adapters) only the base weights are loaded (quantized first if
-    ``lora.base_quantization`` says so), and with ``fresh_adapters`` the adapters get their first values too
-    (``lora.initial_adapter_state`` from rank 0's seed).
-
-    From a Hugging Face directory (no pipeline stages, no quantized base) every rank reads only the slices of the
-    files its own tensors hold (``load_hf_slices``). Otherwise only rank 0 reads the weights (a full host copy:
-    13.5 GB for 7B in bf16) and every rank receives its shard from rank 0. Either way the checks (names, shapes,
-    config) reach every rank before a tensor is read, so all fail together with the same message.
-    """
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from recipes.decoder.hf_checkpoint import is_hf_directory
-
-    if is_hf_directory(path) and not pipelined and (lora is None or lora.base_quantization is None):
-        load_hf_slices(model, path, config, lora=lora, fresh_adapters=fresh_adapters)
-        return
-    distributed = dist.is_available() and dist.is_initialized()
-    state_dict: dict[str, Tensor] = {}
-    problem: list[Optional[ValueError]] = [None]
-    if not distributed or dist.get_rank() == 0:
-        try:
-            state_dict = read_pretrained(path, config)
-            if lora is not None:  # a quantized base's codes, quantized here (rank 0) and sent as they are
-                state_dict = quantized_base_state(state_dict, config, lora)
-            if lora is not None and fresh_adapters:
-                state_dict.update(initial_adapter_state(config, lora, seed=torch.initial_seed()))
-        except ValueError as error:  # CheckpointError included
-            problem = [error]
-    if distributed:
-        dist.broadcast_object_list(problem, src=0)
-    if problem[0] is not None:
-        raise problem[0]
-    # Strict unless the adapters are left as they are (a resumed LoRA run: they come from its checkpoint); checked
-    # over every rank's keys, since a pipeline stage holds only its own.
-    if lora is None or fresh_adapters:
-        _check_keys(model, state_dict, distributed)
-    options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=distributed)
-    set_model_state_dict(model, state_dict, options=options)
-
-
-def load_hf_slices(
-    model: torch.nn.Module, path: str, config: Any, *, lora: Optional[LoRAConfig] = None, fresh_adapters: bool = False
-) -> None:
-    """``load_pretrained`` from the Hugging Face directory ``path``, each rank reading only the slices of the files
-    its own tensors (its shards of a sharded model) hold: every rank reads the headers and checks them against
-    ``config`` (``hf_checkpoint.open_hf_checkpoint``); a problem on any rank is raised on all before any tensor is
-    read. Fresh adapters are drawn from rank 0's seed on every rank, each keeping its part."""
-    import torch.distributed as dist
-
-    from recipes.decoder.hf_checkpoint import check_tied, local_region, open_hf_checkpoint, read_into
-
-    distributed = dist.is_available() and dist.is_initialized()
-    problem: Optional[ValueError] = None
-    try:
-        source_config, weights, plan = open_hf_checkpoint(path)
-        _check_config(path, source_config, config)
-        check_tied(plan, weights.stored, weights.read)
-    except ValueError as error:  # CheckpointError included
-        problem = error
-    problems = [problem]
-    if distributed:
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-    if any(problems):
-        raise next(p for p in problems if p is not None)
-    seed = [torch.initial_seed()]
-    adapters: dict[str, Tensor] = {}
-    if lora is not None and fresh_adapters:
-        if distributed:
-            dist.broadcast_object_list(seed, src=0)
-        adapters = initial_adapter_state(config, lora, seed=seed[0])
-    if lora is None or fresh_adapters:
-        _check_keys(model, {**dict.fromkeys(plan.tensors), **adapters}, distributed)
-    held = model.state_dict()
-    read_into({name: tensor for name, tensor in held.items() if name in plan.tensors}, weights, plan)
-    with torch.no_grad():
-        for name, full in adapters.items():
-            local, offset = local_region(held[name])
-            local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))])
-
-
-def _check_config(path: str, source_config: Any, config: Any) -> None:
-    if source_config != config:
-        raise ValueError(
-            f"init_from={path!r} holds a model of shape {source_config} but the recipe is configured as {config};"
-            " set model.preset / model.config to match the weights"
-        )
-
-
-def _check_keys(model: torch.nn.Module, state_dict: dict[str, Tensor], distributed: bool) -> None:
-    """RuntimeError on every rank if rank 0's ``state_dict`` lacks a key some rank's ``model`` holds, or holds one no
-    rank's model does (a collective when ``distributed``)."""
-    import torch.distributed as dist
-
-    held = [sorted(model.state_dict())]
-    if distributed:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, held[0])
-        held = gathered
-    problem = [None]
-    if not distributed or dist.get_rank() == 0:
-        keys = {key for keys in held for key in keys}
-        missing, unexpected = sorted(keys - state_dict.keys()), sorted(state_dict.keys() - keys)
-        if missing or unexpected:
-            problem = [f"Error(s) in loading state_dict for {type(model).__name__}: missing key(s) {missing},"
-                       f" unexpected key(s) {unexpected}"]
-    if distributed:
-        dist.broadcast_object_list(problem, src=0)
-    if problem[0] is not None:
-        raise RuntimeError(problem[0])
-
-
-def read_pretrained(path: str, config: Any) -> dict[str, Tensor]:
-    """The weights at ``path`` (a Hugging Face directory or a recipe checkpoint), checked against ``config``."""
-    from recipes.decoder.checkpoint_layout import check_state_dict, load_recipe_checkpoint
-    from recipes.decoder.hf_checkpoint import is_hf_directory, load_hf_checkpoint
-
-    source_config, state_dict = (load_hf_checkpoint if is_hf_directory(path) else load_recipe_checkpoint)(path)
-    _check_config(path, source_config, config)
-    check_state_dict(state_dict, config, source=path)
-    return state_dict

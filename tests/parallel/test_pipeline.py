@@ -645,15 +645,15 @@ def test_an_optimizer_made_before_the_split_forgets_the_other_stages_parameters(
 
 
 def test_pretrained_weights_are_checked_against_the_models_keys(tmp_path):
-    from recipes.decoder.module import _check_keys
+    from recipes.decoder.pretrained import check_keys
 
     model = _tiny_llama(2)
     state = dict(model.state_dict())
-    _check_keys(model, state, distributed=False)
+    check_keys(model, state, distributed=False)
     state["layers.7.attention.wq.weight"] = state.pop("layers.1.attention.wq.weight")
     with pytest.raises(RuntimeError, match=r"missing key\(s\) \['layers.1.attention.wq.weight'\], unexpected key\(s\)"
                                            r" \['layers.7.attention.wq.weight'\]"):
-        _check_keys(model, state, distributed=False)
+        check_keys(model, state, distributed=False)
 
 
 def test_the_private_stage_methods_the_pipeline_wraps_exist_in_this_torch():

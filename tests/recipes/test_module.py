@@ -87,8 +87,13 @@ def test_init_from_reaches_every_shard_and_each_rank_reads_only_its_slices_of_an
     assert first["hf_equal"] is True
     assert first["fp8_equal"] == second["fp8_equal"] == {"0": True, "1": True, "None": True}
     assert first["hf_mismatch"] == second["hf_mismatch"] and "n_layers=1" in first["hf_mismatch"]
+    assert first["stage_equal"] is True and second["stage_equal"] is True
+    assert first["stage_keys"] + second["stage_keys"] == len(LLaMA(config).state_dict())
+    for scheme in ("int8", "nf4"):
+        assert first[f"{scheme}_equal"] is True and first[f"{scheme}_codes"] == 7 * config.n_layers  # q k v o gate up down
     for rank in (first, second):
-        assert rank["hf_read"] <= 0.55 * file_bytes, (rank["hf_read"], file_bytes)
+        for read in ("hf_read", "stage_read", "int8_read", "nf4_read"):
+            assert rank[read] <= 0.55 * file_bytes, (read, rank[read], file_bytes)
         assert rank["hf_peak_above"] <= 0.10 * file_bytes + largest + 8 * 2**20, (rank["hf_peak_above"], file_bytes)
 
 

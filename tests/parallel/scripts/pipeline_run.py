@@ -58,7 +58,8 @@ import lightning_npu
 from lightning_npu.guards import NonFiniteLossError, NonFiniteLossGuard
 from lightning_npu.parallel.tensor import local_tensor
 from lightning_npu.preemption import GracefulPreemption, Preempted
-from recipes.decoder.module import DecoderLM, load_pretrained
+from recipes.decoder.module import DecoderLM
+from recipes.decoder.pretrained import load_pretrained
 from tests.npu_fake.hccl import P2PRecorder
 from tests.parallel.scripts.expert_parallel_run import FAMILIES, module, save_first_weights
 from tests.parallel.scripts.pipeline_user_model import Classify, Sequences

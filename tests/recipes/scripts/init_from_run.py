@@ -7,7 +7,10 @@ model now holds the saved weights exactly, the message of a load whose config do
 both ranks), and for the HF load the bytes this rank read and its peak host memory above its memory before
 (``VmHWM`` reset through ``/proc/self/clear_refs``), in bytes. The FP8 DeepSeek-V3 directory ``<out>/fp8`` (per-expert
 tensors, block scales) is read into DTensors sharded on dim 0, on dim 1 and replicated: whether each equals the
-whole read.
+whole read. The same HF directory into a pipeline stage of 2 (rank r holds stage r: ``parallel.pipeline.split``)
+and into a LoRA model with an int8 and an NF4 base sharded on dim 0: the bytes each rank read, and whether what it
+holds is the whole read's (its stage's tensors; the codes and scales ``quantized_base_state`` gives the whole
+weights, bit for bit).
 """
 
 import json
@@ -21,15 +24,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from lightning_npu.parallel.pipeline import split
 from recipes.decoder.hf_checkpoint import HFWeights, load_hf_checkpoint, open_hf_checkpoint, read_into
 from recipes.models.llama.config import LLaMAConfig
 from recipes.models.llama.model import LLaMA
-from recipes.decoder.module import load_pretrained
+from recipes.decoder.lora import add_lora, quantized_base_state
+from recipes.decoder.lora_config import LoRAConfig
+from recipes.decoder.pretrained import load_pretrained, read_pretrained
+from recipes.decoder.tensor_parallel import PIPELINE
 
 
-def sharded_model(config: LLaMAConfig) -> LLaMA:
+def sharded_model(config: LLaMAConfig, lora: LoRAConfig | None = None) -> LLaMA:
     with torch.device("meta"):
         model = LLaMA(config)
+        if lora is not None:
+            add_lora(model, lora)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
@@ -70,6 +79,9 @@ def main() -> None:
         result["mismatch"] = str(error)
     result.update(hf_load(out / "hf"))
     result["fp8_equal"] = fp8_load(out / "fp8")
+    result.update(stage_load(out / "hf"))
+    for scheme in ("int8", "nf4"):
+        result.update(quantized_load(out / "hf", scheme))
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -92,9 +104,9 @@ def fp8_load(hf_dir: Path) -> dict:
     return equal
 
 
-def hf_load(hf_dir: Path) -> dict:
-    config = open_hf_checkpoint(hf_dir)[0]
-    model = sharded_model(config)
+def measured_load(model, hf_dir: Path, config, **lora) -> dict:
+    """``load_pretrained`` of ``hf_dir`` into ``model``: the bytes this rank read and its peak above its memory
+    before."""
     read = [0]
     plain_read = HFWeights.read
 
@@ -106,9 +118,49 @@ def hf_load(hf_dir: Path) -> dict:
     HFWeights.read = counted
     before = vm_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from the current RSS
-    load_pretrained(model, str(hf_dir), config)
-    result = {"hf_peak_above": vm_bytes("VmHWM") - before, "hf_read": read[0]}
-    HFWeights.read = plain_read
+    try:
+        load_pretrained(model, str(hf_dir), config, **lora)
+    finally:
+        HFWeights.read = plain_read
+    return {"peak_above": vm_bytes("VmHWM") - before, "read": read[0]}
+
+
+def stage_load(hf_dir: Path) -> dict:
+    config = open_hf_checkpoint(hf_dir)[0]
+    with torch.device("meta"):
+        model = LLaMA(config)
+    split(model, PIPELINE, [dist.get_rank()], dist.get_world_size())
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.zero_()
+    measured = measured_load(model, hf_dir, config)
+    reference = load_hf_checkpoint(hf_dir)[1]
+    held = model.state_dict()
+    return {"stage_read": measured["read"], "stage_keys": len(held),
+            "stage_equal": all(torch.equal(tensor, reference[name]) for name, tensor in held.items())}
+
+
+def quantized_load(hf_dir: Path, scheme: str) -> dict:
+    config = open_hf_checkpoint(hf_dir)[0]
+    lora = LoRAConfig(rank=4, targets=("q", "v", "down"), base_quantization=scheme)
+    model = sharded_model(config, lora)
+    measured = measured_load(model, hf_dir, config, lora=lora, fresh_adapters=True)
+    loaded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    result = {f"{scheme}_read": measured["read"]}
+    if dist.get_rank() == 0:
+        reference = quantized_base_state(read_pretrained(str(hf_dir), config), config, lora)
+        result[f"{scheme}_equal"] = reference.keys() <= loaded.keys() and all(
+            torch.equal(loaded[k], reference[k].to(loaded[k].dtype)) for k in reference)
+        result[f"{scheme}_codes"] = sum(k.endswith("weight_codes") for k in reference)
+    return result
+
+
+def hf_load(hf_dir: Path) -> dict:
+    config = open_hf_checkpoint(hf_dir)[0]
+    model = sharded_model(config)
+    measured = measured_load(model, hf_dir, config)
+    result = {"hf_peak_above": measured["peak_above"], "hf_read": measured["read"]}
     loaded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         reference = load_hf_checkpoint(hf_dir)[1]
