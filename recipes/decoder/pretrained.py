@@ -4,8 +4,8 @@ hybrids: DTensor shards), a pipeline stage (the stage's parameters only), a LoRA
 or not) and a quantized LoRA base (``weight_codes`` / ``weight_scales`` in place of each projection's ``weight``).
 
 From a Hugging Face directory every rank reads only what it holds (``load_hf_slices``): the headers, checked
-against the config on every rank (one error on all before any tensor is read: ``check_hf_source``, which
-``recipes/train.py`` also runs before the workers start), then the slices of the files its own tensors cover, at
+against the config on every rank (one error on all before any tensor is read: ``check_hf_source``; the workers
+run it when the model is configured, ``recipes/train.py`` does not yet run it before they start), then the slices of the files its own tensors cover, at
 most ``hf_checkpoint.READ_BLOCK_BYTES`` of one at a time, straight into those tensors. A quantized base is
 quantized per rank from the rows its own codes and scales stand for, in blocks of whole quantization blocks, so its
 codes are bit-equal to quantizing the whole weight. A recipe checkpoint is read by rank 0, which sends every rank
